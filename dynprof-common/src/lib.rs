@@ -1,0 +1,235 @@
+//! The kernel/user contract of dynprof.
+//!
+//! Every type here is `#[repr(C)]` and shared byte-for-byte between the eBPF
+//! programs (`dynprof-ebpf`) and user space (`dynprof`). The kernel never sees
+//! names: a probe is identified by its attach cookie, an index into user
+//! space's marker or API table.
+#![no_std]
+
+/// Markers (step and aux probes) user space can configure at once.
+pub const MAX_MARKERS: u32 = 64;
+/// Runtime APIs the `api` collector can trace at once.
+pub const MAX_APIS: u32 = 512;
+/// Longest string-argument prefix the kernel compares.
+pub const PREFIX_LEN: usize = 64;
+
+/// Event kinds; the first field of every event.
+pub mod kind {
+    pub const STEP: u32 = 1;
+    pub const API: u32 = 2;
+    pub const SAMPLE: u32 = 3;
+    pub const OFFCPU: u32 = 4;
+}
+
+/// Marker roles.
+pub mod role {
+    /// Each hit is one step boundary.
+    pub const STEP: u32 = 0;
+    /// Counted per step (e.g. backward passes).
+    pub const AUX: u32 = 1;
+}
+
+/// How the marker's string argument is read for the prefix filter.
+pub mod arg_mode {
+    /// No filter: every hit counts.
+    pub const NONE: u32 = 0;
+    /// The argument is a `const char*`.
+    pub const CSTR: u32 = 1;
+    /// The argument is a libstdc++ `std::string*` (first word is `_M_p`).
+    pub const STD_STRING: u32 = 2;
+}
+
+/// Indices of the per-CPU `DROPS` map: one slot per collector, plus
+/// stack-map losses, so that losses are attributed and never silent.
+pub mod drop_slot {
+    pub const STEP: u32 = 0;
+    pub const API: u32 = 1;
+    pub const CPU: u32 = 2;
+    pub const OFFCPU: u32 = 3;
+    pub const CPU_STACK: u32 = 4;
+    pub const OFFCPU_STACK: u32 = 5;
+    pub const API_NESTING: u32 = 6;
+    pub const COUNT: u32 = 8;
+}
+
+/// x86-64 `pt_regs` registers a marker argument can live in, in the order
+/// the kernel program switches on. Function arguments 0..5 are the SysV
+/// registers; USDT operands may name any of them.
+pub mod reg {
+    pub const RDI: u32 = 0;
+    pub const RSI: u32 = 1;
+    pub const RDX: u32 = 2;
+    pub const RCX: u32 = 3;
+    pub const R8: u32 = 4;
+    pub const R9: u32 = 5;
+    pub const RAX: u32 = 6;
+    pub const RBX: u32 = 7;
+    pub const RBP: u32 = 8;
+    pub const RSP: u32 = 9;
+    pub const R10: u32 = 10;
+    pub const R11: u32 = 11;
+    pub const R12: u32 = 12;
+    pub const R13: u32 = 13;
+    pub const R14: u32 = 14;
+    pub const R15: u32 = 15;
+    pub const RIP: u32 = 16;
+}
+
+/// Per-marker configuration, written by user space into `MARKERS[cookie]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MarkerConfig {
+    /// [`role`]
+    pub role: u32,
+    /// [`arg_mode`]
+    pub arg_mode: u32,
+    /// [`reg`] holding the argument (or the base of a memory operand).
+    pub arg_reg: u32,
+    /// 1 when the argument is in memory at `arg_reg + arg_offset` (USDT
+    /// operands such as `8@-24(%rbp)`), 0 when it is the register itself.
+    pub arg_in_memory: u32,
+    pub arg_offset: i64,
+    /// Bytes of `prefix` that must match; 0 matches everything.
+    pub prefix_len: u32,
+    pub _pad: u32,
+    pub prefix: [u8; PREFIX_LEN],
+}
+
+impl MarkerConfig {
+    pub const fn zeroed() -> Self {
+        Self {
+            role: role::STEP,
+            arg_mode: arg_mode::NONE,
+            arg_reg: 0,
+            arg_in_memory: 0,
+            arg_offset: 0,
+            prefix_len: 0,
+            _pad: 0,
+            prefix: [0; PREFIX_LEN],
+        }
+    }
+}
+
+/// The window plan in hit indices, written by user space into `PLAN[0]`.
+///
+/// The step program evaluates it at every step hit `k` and sets the gate:
+/// `active = armed && start <= k < end && (k - start) % period < span`.
+/// A periodic plan (warmup + active, repeated with a gap) therefore needs no
+/// user-space round trip at any boundary.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanConfig {
+    pub armed: u32,
+    pub _pad: u32,
+    /// First hit index inside the window.
+    pub start: u64,
+    /// First hit index after the last cycle (exclusive).
+    pub end: u64,
+    /// Steps per cycle that are inside the window (warmup + active).
+    pub span: u64,
+    /// Steps per cycle (span + gap); never 0.
+    pub period: u64,
+}
+
+/// Kernel-owned state, `STATE[0]`: the step counter and the gate that the
+/// collector programs read. Only the step program writes it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KernelState {
+    /// Number of step hits since load; hit k begins step k.
+    pub step_hits: u64,
+    /// 1 while the current step lies inside a window.
+    pub gate: u64,
+}
+
+/// Common header of every ring-buffer event.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct EventHeader {
+    /// [`kind`]
+    pub kind: u32,
+    /// Thread id as the host sees it.
+    pub tid: u32,
+    /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC.
+    pub ts_ns: u64,
+}
+
+/// A step or aux marker hit that passed the filters.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct StepEvent {
+    pub hdr: EventHeader,
+    /// Marker index (the attach cookie).
+    pub marker: u32,
+    /// [`role`]
+    pub role: u32,
+    /// For step markers: this hit's index k (hit k begins step k). For aux
+    /// markers: the step in progress.
+    pub step: u64,
+    /// Gate after this hit: 1 when step `step` is inside a window.
+    pub gate: u32,
+    pub _pad: u32,
+}
+
+/// One completed runtime API call, timed in the kernel so that exact
+/// durations cost one event instead of two.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApiEvent {
+    /// `ts_ns` is the entry time.
+    pub hdr: EventHeader,
+    /// API index (the attach cookie).
+    pub api: u32,
+    pub _pad: u32,
+    pub dur_ns: u64,
+    /// The return register (an `aclError` / `cudaError_t` for most APIs).
+    pub ret: i64,
+}
+
+/// One perf-event CPU sample of a target thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SampleEvent {
+    pub hdr: EventHeader,
+    /// `STACKS` ids; negative when the stack could not be stored.
+    pub user_stack: i32,
+    pub kernel_stack: i32,
+    pub cpu: u32,
+    pub _pad: u32,
+}
+
+/// One off-CPU interval of a target thread; `hdr.ts_ns` is the switch-out.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct OffCpuEvent {
+    pub hdr: EventHeader,
+    pub dur_ns: u64,
+    pub user_stack: i32,
+    pub kernel_stack: i32,
+}
+
+/// Key of in-flight API calls: a thread may be inside several distinct APIs
+/// at once (a memcpy that synchronizes), but not the same one twice.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApiKey {
+    pub tid: u32,
+    pub api: u32,
+}
+
+/// Switch-out record kept per thread until it runs again.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct OffCpuStart {
+    pub ts_ns: u64,
+    pub user_stack: i32,
+    pub kernel_stack: i32,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    unsafe impl aya::Pod for MarkerConfig {}
+    unsafe impl aya::Pod for PlanConfig {}
+    unsafe impl aya::Pod for KernelState {}
+}

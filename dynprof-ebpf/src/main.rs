@@ -1,0 +1,343 @@
+//! dynprof's kernel side: count, gate, emit — nothing else.
+//!
+//! Every program first drops events from other processes (`TARGET_TGID`),
+//! then either counts a step boundary and flips the window gate (the marker
+//! program), or checks the gate and emits one event (the collectors).
+//! All decisions about what a hit *means* are made in user space.
+#![no_std]
+#![no_main]
+// `atomic_xadd` lowers to BPF_XADD; `AtomicU64::fetch_add` is not offered
+// for the bpf target.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
+
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_F_USER_STACK, pt_regs},
+    helpers::{
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
+        bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+    },
+    macros::{map, perf_event, tracepoint, uprobe, uretprobe},
+    maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
+    programs::{PerfEventContext, ProbeContext, RetProbeContext, TracePointContext, tracing::StackIdContext},
+};
+use dynprof_common::{
+    ApiEvent, ApiKey, EventHeader, KernelState, MAX_APIS, MAX_MARKERS, MarkerConfig,
+    OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, SampleEvent, StepEvent, arg_mode,
+    drop_slot, kind, reg, role,
+};
+
+/// Host tgid of the target, set by user space before load.
+#[unsafe(no_mangle)]
+static TARGET_TGID: u32 = 0;
+
+#[map]
+static MARKERS: Array<MarkerConfig> = Array::with_max_entries(MAX_MARKERS, 0);
+#[map]
+static PLAN: Array<PlanConfig> = Array::with_max_entries(1, 0);
+#[map]
+static STATE: Array<KernelState> = Array::with_max_entries(1, 0);
+/// Per-marker hits that passed the filters.
+#[map]
+static HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_MARKERS, 0);
+/// Per-collector losses; see `drop_slot`.
+#[map]
+static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(drop_slot::COUNT, 0);
+/// Size is set by user space at load (`--ring-buffer-kb`).
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
+#[map]
+static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
+#[map]
+static API_START: HashMap<ApiKey, u64> = HashMap::with_max_entries(16384, 0);
+#[map]
+static OFFCPU_START: HashMap<u32, OffCpuStart> = HashMap::with_max_entries(16384, 0);
+
+#[inline(always)]
+fn target_tid() -> Option<u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = unsafe { core::ptr::read_volatile(&TARGET_TGID) };
+    if (pid_tgid >> 32) as u32 == tgid {
+        Some(pid_tgid as u32)
+    } else {
+        None
+    }
+}
+
+#[inline(always)]
+fn count_drop(slot: u32) {
+    if let Some(p) = DROPS.get_ptr_mut(slot) {
+        unsafe { *p += 1 };
+    }
+}
+
+#[inline(always)]
+fn gate_open() -> bool {
+    match STATE.get(0) {
+        Some(s) => unsafe { core::ptr::read_volatile(&raw const s.gate) != 0 },
+        None => false,
+    }
+}
+
+#[inline(always)]
+fn emit<T: 'static>(ev: T, slot: u32) {
+    match EVENTS.reserve::<T>(0) {
+        Some(mut e) => {
+            e.write(ev);
+            e.submit(0);
+        }
+        None => count_drop(slot),
+    }
+}
+
+#[inline(always)]
+fn read_reg(regs: &pt_regs, r: u32) -> u64 {
+    match r {
+        reg::RDI => regs.rdi,
+        reg::RSI => regs.rsi,
+        reg::RDX => regs.rdx,
+        reg::RCX => regs.rcx,
+        reg::R8 => regs.r8,
+        reg::R9 => regs.r9,
+        reg::RAX => regs.rax,
+        reg::RBX => regs.rbx,
+        reg::RBP => regs.rbp,
+        reg::RSP => regs.rsp,
+        reg::R10 => regs.r10,
+        reg::R11 => regs.r11,
+        reg::R12 => regs.r12,
+        reg::R13 => regs.r13,
+        reg::R14 => regs.r14,
+        reg::R15 => regs.r15,
+        _ => regs.rip,
+    }
+}
+
+/// Does the marker's string argument start with its prefix?
+#[inline(always)]
+fn prefix_matches(regs: &pt_regs, cfg: &MarkerConfig) -> bool {
+    let mut value = read_reg(regs, cfg.arg_reg);
+    if cfg.arg_in_memory != 0 {
+        let addr = (value as i64).wrapping_add(cfg.arg_offset) as *const u64;
+        value = match unsafe { bpf_probe_read_user(addr) } {
+            Ok(v) => v,
+            Err(_) => return false,
+        };
+    }
+    if cfg.arg_mode == arg_mode::STD_STRING {
+        // libstdc++: the first word of a std::string is `_M_p`, the data.
+        value = match unsafe { bpf_probe_read_user(value as *const u64) } {
+            Ok(v) => v,
+            Err(_) => return false,
+        };
+    }
+    let mut buf = [0u8; PREFIX_LEN];
+    let s = match unsafe { bpf_probe_read_user_str_bytes(value as *const u8, &mut buf) } {
+        Ok(s) => s,
+        Err(_) => return false,
+    };
+    let n = cfg.prefix_len as usize;
+    if s.len() < n {
+        return false;
+    }
+    let mut i = 0;
+    while i < PREFIX_LEN {
+        if i >= n {
+            break;
+        }
+        if buf[i] != cfg.prefix[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+#[inline(always)]
+fn in_window(p: &PlanConfig, k: u64) -> bool {
+    p.armed != 0 && k >= p.start && k < p.end && p.period != 0 && (k - p.start) % p.period < p.span
+}
+
+/// Attached at every step and aux marker; the cookie is the marker index.
+#[uprobe]
+pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let marker = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let Some(cfg) = MARKERS.get(marker) else { return 0 };
+    if cfg.arg_mode != arg_mode::NONE && !prefix_matches(unsafe { &*ctx.regs }, cfg) {
+        return 0;
+    }
+    let ts_ns = unsafe { bpf_ktime_get_ns() };
+    if let Some(h) = HITS.get_ptr_mut(marker) {
+        unsafe { *h += 1 };
+    }
+    let Some(state) = STATE.get_ptr_mut(0) else { return 0 };
+    let (step, gate) = if cfg.role == role::STEP {
+        // Several threads may hit step markers; the counter must not lose one.
+        // aya-build links for BPF cpu v1, whose XADD cannot return the old
+        // value: add atomically (no hit is ever lost), then read back. Two
+        // threads hitting at the same instant may read the same index.
+        let k = unsafe {
+            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*state).step_hits, 1);
+            core::ptr::read_volatile(&raw const (*state).step_hits)
+        };
+        let open = match PLAN.get(0) {
+            Some(p) => in_window(p, k),
+            None => false,
+        };
+        unsafe { (*state).gate = open as u64 };
+        (k, open)
+    } else {
+        unsafe { ((*state).step_hits, (*state).gate != 0) }
+    };
+    emit(
+        StepEvent {
+            hdr: EventHeader { kind: kind::STEP, tid, ts_ns },
+            marker,
+            role: cfg.role,
+            step,
+            gate: gate as u32,
+            _pad: 0,
+        },
+        drop_slot::STEP,
+    );
+    0
+}
+
+/// An empty uprobe, the baseline that `cargo xtask bench` compares the
+/// marker program against.
+#[uprobe]
+pub fn dynprof_empty(_ctx: ProbeContext) -> u32 {
+    0
+}
+
+/// Entry of a traced runtime API; the cookie is the API index.
+#[uprobe]
+pub fn dynprof_api_enter(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    if !gate_open() {
+        return 0;
+    }
+    let api = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    if api >= MAX_APIS {
+        return 0;
+    }
+    let ts = unsafe { bpf_ktime_get_ns() };
+    if API_START.insert(ApiKey { tid, api }, ts, 0).is_err() {
+        count_drop(drop_slot::API_NESTING);
+    }
+    0
+}
+
+/// Return of a traced runtime API: one event with the exact duration.
+#[uretprobe]
+pub fn dynprof_api_exit(ctx: RetProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let api = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let key = ApiKey { tid, api };
+    // Only calls that began inside the window have a start record.
+    let Some(start) = (unsafe { API_START.get(&key) }).copied() else { return 0 };
+    let _ = API_START.remove(&key);
+    let now = unsafe { bpf_ktime_get_ns() };
+    let ret: i64 = ctx.ret();
+    emit(
+        ApiEvent {
+            hdr: EventHeader { kind: kind::API, tid, ts_ns: start },
+            api,
+            _pad: 0,
+            dur_ns: now.saturating_sub(start),
+            ret,
+        },
+        drop_slot::API,
+    );
+    0
+}
+
+/// Perf-event CPU sampling, system-wide per CPU, filtered to the target.
+#[perf_event]
+pub fn dynprof_cpu(ctx: PerfEventContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    if tid == 0 || !gate_open() {
+        return 0;
+    }
+    let user_stack = stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::CPU_STACK);
+    let kernel_stack = stack_id(&ctx, 0, drop_slot::CPU_STACK);
+    emit(
+        SampleEvent {
+            hdr: EventHeader { kind: kind::SAMPLE, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
+            user_stack,
+            kernel_stack,
+            cpu: unsafe { bpf_get_smp_processor_id() },
+            _pad: 0,
+        },
+        drop_slot::CPU,
+    );
+    0
+}
+
+#[inline(always)]
+fn stack_id<C: StackIdContext>(ctx: &C, flags: u64, slot: u32) -> i32 {
+    match ctx.get_stackid(&STACKS, flags) {
+        Ok(id) => id as i32,
+        Err(_) => {
+            count_drop(slot);
+            -1
+        }
+    }
+}
+
+// Offsets in the sched/sched_switch tracepoint record (stable ABI, see
+// /sys/kernel/tracing/events/sched/sched_switch/format).
+const PREV_PID: usize = 24;
+const NEXT_PID: usize = 56;
+
+/// Off-CPU time: remember when a target thread leaves the CPU (with its
+/// stacks, taken while it is still `current`), emit when it comes back.
+#[tracepoint]
+pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(tid) = target_tid() {
+        let prev: i32 = unsafe { ctx.read_at(PREV_PID) }.unwrap_or(-1);
+        if prev as u32 == tid && tid != 0 && gate_open() {
+            let rec = OffCpuStart {
+                ts_ns: now,
+                user_stack: stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::OFFCPU_STACK),
+                kernel_stack: stack_id(&ctx, 0, drop_slot::OFFCPU_STACK),
+            };
+            if OFFCPU_START.insert(tid, rec, 0).is_err() {
+                count_drop(drop_slot::OFFCPU);
+            }
+        }
+    }
+    let next: i32 = unsafe { ctx.read_at(NEXT_PID) }.unwrap_or(0);
+    if next <= 0 {
+        return 0;
+    }
+    let next = next as u32;
+    if let Some(start) = unsafe { OFFCPU_START.get(&next) }.copied() {
+        let _ = OFFCPU_START.remove(&next);
+        emit(
+            OffCpuEvent {
+                hdr: EventHeader { kind: kind::OFFCPU, tid: next, ts_ns: start.ts_ns },
+                dur_ns: now.saturating_sub(start.ts_ns),
+                user_stack: start.user_stack,
+                kernel_stack: start.kernel_stack,
+            },
+            drop_slot::OFFCPU,
+        );
+    }
+    0
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";
