@@ -1,0 +1,293 @@
+//! Address → frame name for one target process, through blazesym.
+//!
+//! User addresses go through blazesym's process source with `map_files`,
+//! i.e. `/proc/PID/map_files/<range>`, which opens the very file the target
+//! mapped whatever mount namespace it lives in, so containers work without
+//! path translation. Kernel addresses go through `/proc/kallsyms`.
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use blazesym::symbolize::source::{Kernel, Process, Source};
+use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
+use blazesym::{MaybeDefault, Pid};
+
+/// One executable mapping of the target, kept so that an address blazesym
+/// cannot name can still be reported as `[unknown] module+0xoffset`, and so
+/// that this still works once the process has exited.
+#[derive(Clone, Debug)]
+struct Mapping {
+    start: u64,
+    end: u64,
+    offset: u64,
+    module: String,
+}
+
+pub struct Symbolizer {
+    pid: u32,
+    blaze: Blaze,
+    process_src: Source<'static>,
+    kernel_src: Source<'static>,
+    /// Frames per (adjusted) address; a training job's hot loop touches few
+    /// distinct IPs, so after warm-up nearly every lookup is a hit.
+    user_cache: HashMap<u64, Vec<String>>,
+    kernel_cache: HashMap<u64, Vec<String>>,
+    maps: Vec<Mapping>,
+    /// Set once /proc/PID is gone: stop asking blazesym (each attempt is a
+    /// failed open) and answer from the maps snapshot.
+    exited: bool,
+}
+
+impl Symbolizer {
+    /// Fails only if the process has no readable maps at construction (it
+    /// does not exist, or we lack permission); later failures degrade to
+    /// `[unknown]` frames instead.
+    pub fn new(host_pid: u32) -> Result<Self> {
+        let maps = read_maps(host_pid)
+            .with_context(|| format!("reading /proc/{host_pid}/maps"))?;
+        let blaze = Blaze::builder()
+            .enable_code_info(false)
+            .enable_inlined_fns(true)
+            .enable_demangling(true)
+            .build();
+        let mut process = Process::new(Pid::from(host_pid));
+        // DWARF of a big framework (libtorch) costs seconds and hundreds of
+        // MiB to parse; ELF symbols already name the functions we need.
+        process.debug_syms = false;
+        let kernel = Kernel {
+            // A vmlinux with DWARF is rarely present and slow to load;
+            // kallsyms names every kernel function a stack can contain.
+            vmlinux: MaybeDefault::None,
+            debug_syms: false,
+            ..Kernel::default()
+        };
+        Ok(Self {
+            pid: host_pid,
+            blaze,
+            process_src: Source::Process(process),
+            kernel_src: Source::Kernel(kernel),
+            user_cache: HashMap::new(),
+            kernel_cache: HashMap::new(),
+            maps,
+            exited: false,
+        })
+    }
+
+    /// Frames of a user stack as a BPF stack map returns it (leaf first,
+    /// zero-terminated), root first. Inlined functions become frames of
+    /// their own, as in the source code.
+    pub fn user_stack(&mut self, ips: &[u64]) -> Vec<String> {
+        let addrs = adjusted(ips);
+        let missing: Vec<u64> = addrs
+            .iter()
+            .copied()
+            .filter(|a| !self.user_cache.contains_key(a))
+            .collect();
+        if !missing.is_empty() {
+            self.resolve_user(&missing);
+        }
+        let mut out = Vec::new();
+        for a in addrs.iter().rev() {
+            out.extend(self.user_cache[a].iter().cloned());
+        }
+        out
+    }
+
+    /// Frames of a kernel stack, root first, each suffixed `_[k]`.
+    pub fn kernel_stack(&mut self, ips: &[u64]) -> Vec<String> {
+        let addrs = adjusted(ips);
+        let missing: Vec<u64> = addrs
+            .iter()
+            .copied()
+            .filter(|a| !self.kernel_cache.contains_key(a))
+            .collect();
+        if !missing.is_empty() {
+            let results = self
+                .blaze
+                .symbolize(&self.kernel_src, Input::AbsAddr(&missing))
+                .ok();
+            for (i, a) in missing.iter().enumerate() {
+                let frames = match results.as_ref().and_then(|r| r.get(i)) {
+                    Some(Symbolized::Sym(sym)) => sym_frames(sym),
+                    _ => vec!["[unknown]".to_string()],
+                };
+                let frames = frames.into_iter().map(|f| format!("{f}_[k]")).collect();
+                self.kernel_cache.insert(*a, frames);
+            }
+        }
+        addrs
+            .iter()
+            .rev()
+            .flat_map(|a| self.kernel_cache[a].iter().cloned())
+            .collect()
+    }
+
+    fn resolve_user(&mut self, addrs: &[u64]) {
+        if !self.exited && !Path::new(&format!("/proc/{}", self.pid)).exists() {
+            self.exited = true;
+        }
+        let results = if self.exited {
+            None
+        } else {
+            match self.blaze.symbolize(&self.process_src, Input::AbsAddr(addrs)) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    log::debug!("symbolizing {} addresses of pid {}: {e:#}", addrs.len(), self.pid);
+                    None
+                }
+            }
+        };
+        // A miss may come from a library loaded after the snapshot (dlopen
+        // of a CUDA or CANN plugin, say): refresh once per batch.
+        if !self.exited
+            && addrs.iter().any(|a| self.mapping(*a).is_none())
+            && let Ok(m) = read_maps(self.pid)
+        {
+            self.maps = m;
+        }
+        for (i, a) in addrs.iter().enumerate() {
+            let frames = match results.as_ref().and_then(|r| r.get(i)) {
+                Some(Symbolized::Sym(sym)) => sym_frames(sym),
+                _ => vec![self.unknown(*a)],
+            };
+            self.user_cache.insert(*a, frames);
+        }
+    }
+
+    fn mapping(&self, addr: u64) -> Option<&Mapping> {
+        self.maps.iter().find(|m| m.start <= addr && addr < m.end)
+    }
+
+    fn unknown(&self, addr: u64) -> String {
+        match self.mapping(addr) {
+            Some(m) if !m.module.is_empty() => {
+                let base = m.module.rsplit('/').next().unwrap_or(&m.module);
+                format!("[unknown] {base}+{:#x}", addr - m.start + m.offset)
+            }
+            _ => "[unknown]".to_string(),
+        }
+    }
+}
+
+/// Drops the zero terminator BPF stack maps pad with, and moves every frame
+/// but the leaf back by one byte: those are return addresses, which point
+/// after the call and, when the call is a function's last instruction,
+/// into the next function.
+fn adjusted(ips: &[u64]) -> Vec<u64> {
+    ips.iter()
+        .take_while(|&&ip| ip != 0)
+        .enumerate()
+        .map(|(i, &ip)| if i == 0 { ip } else { ip - 1 })
+        .collect()
+}
+
+/// The function, then the functions inlined into it at this address,
+/// outermost first: root-first, like the stack they are part of.
+fn sym_frames(sym: &Sym<'_>) -> Vec<String> {
+    let mut v = vec![sym.name.to_string()];
+    v.extend(sym.inlined.iter().map(|f| f.name.to_string()));
+    v
+}
+
+fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        // start-end perms offset dev inode path
+        let mut it = line.split_ascii_whitespace();
+        let (Some(range), Some(perms), Some(off)) = (it.next(), it.next(), it.next()) else {
+            continue;
+        };
+        if !perms.contains('x') {
+            continue;
+        }
+        let _dev = it.next();
+        let _inode = it.next();
+        let module = it.collect::<Vec<_>>().join(" ");
+        let Some((s, e)) = range.split_once('-') else { continue };
+        let (Ok(start), Ok(end), Ok(offset)) = (
+            u64::from_str_radix(s, 16),
+            u64::from_str_radix(e, 16),
+            u64::from_str_radix(off, 16),
+        ) else {
+            continue;
+        };
+        out.push(Mapping { start, end, offset, module });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[inline(never)]
+    #[unsafe(no_mangle)]
+    pub extern "C" fn dynprof_symbolize_test_target(x: u64) -> u64 {
+        std::hint::black_box(x.wrapping_mul(31).wrapping_add(7))
+    }
+
+    #[inline(never)]
+    fn rust_mangled_target(x: u64) -> u64 {
+        std::hint::black_box(x ^ 0x55)
+    }
+
+    #[test]
+    fn names_functions_of_this_process() {
+        let mut s = Symbolizer::new(std::process::id()).unwrap();
+        let leaf = dynprof_symbolize_test_target as *const () as u64;
+        let caller = rust_mangled_target as *const () as u64;
+        // Leaf first, as the kernel gives it; caller "return address" +1 so
+        // the -1 adjustment lands inside the function.
+        let frames = s.user_stack(&[leaf, caller + 1, 0, 0]);
+        assert_eq!(frames.len(), 2, "{frames:?}");
+        assert!(frames[1].contains("dynprof_symbolize_test_target"), "{frames:?}");
+        assert!(frames[0].contains("rust_mangled_target"), "{frames:?}");
+        // Demangled: no `_ZN`/`_R` prefix left.
+        assert!(!frames[0].starts_with("_ZN") && !frames[0].starts_with("_R"), "{frames:?}");
+        // Cached: the same answer again.
+        assert_eq!(s.user_stack(&[leaf, caller + 1]), frames);
+        assert_eq!(dynprof_symbolize_test_target(1) + rust_mangled_target(1), 38 + 0x54);
+    }
+
+    #[test]
+    fn unknown_addresses_and_exited_process() {
+        let mut s = Symbolizer::new(std::process::id()).unwrap();
+        assert_eq!(s.user_stack(&[0x10]), vec!["[unknown]".to_string()]);
+        assert!(s.user_stack(&[]).is_empty());
+
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let mut s = Symbolizer::new(child.id()).unwrap();
+        let (start, module) = {
+            let m = &s.maps[0];
+            (m.start, m.module.clone())
+        };
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let frames = s.user_stack(&[start + 0x10]);
+        assert_eq!(frames.len(), 1);
+        let base = module.rsplit('/').next().unwrap();
+        assert!(frames[0].starts_with(&format!("[unknown] {base}+0x")), "{frames:?}");
+    }
+
+    #[test]
+    fn kernel_frames_are_suffixed() {
+        let mut s = Symbolizer::new(std::process::id()).unwrap();
+        let frames = s.kernel_stack(&[0xffff_ffff_ffff_0000]);
+        assert_eq!(frames.len(), 1);
+        assert!(frames[0].ends_with("_[k]"), "{frames:?}");
+        // A real kernel function, when kallsyms shows addresses (root).
+        let Ok(text) = std::fs::read_to_string("/proc/kallsyms") else { return };
+        let Some((addr, name)) = text.lines().find_map(|l| {
+            let mut it = l.split_whitespace();
+            let a = u64::from_str_radix(it.next()?, 16).ok()?;
+            let t = it.next()?;
+            let n = it.next()?;
+            (a != 0 && (t == "T" || t == "t") && n == "schedule").then(|| (a, n.to_string()))
+        }) else {
+            return;
+        };
+        let frames = s.kernel_stack(&[addr + 4]);
+        assert_eq!(frames, vec![format!("{name}_[k]")]);
+    }
+}

@@ -1,0 +1,446 @@
+//! `trace.json` in the Chrome Trace Event Format, which both the Perfetto UI
+//! and `chrome://tracing` open.
+//!
+//! Layout: one process (the target, pid = host pid); a pseudo-thread
+//! [`STEPS_TID`] named "steps" with one slice per step; per real thread its
+//! API slices (cat `api`, or `device_wait` for synchronize calls), off-CPU
+//! slices (cat `offcpu`) and CPU samples as thread-scoped instant events.
+//! Times are µs (floats, so ns precision survives) relative to the first
+//! step's start; the absolute base is `metadata.ts_base_ns`.
+//!
+//! [`write_trace`] always writes `trace.json`, and additionally
+//! `trace.json.gz` when the JSON is larger than [`GZIP_THRESHOLD`] (8 MiB):
+//! big traces are slow to copy off a cluster node, and Perfetto opens the
+//! gzip directly.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::{Value, json};
+
+use super::model::WindowData;
+use super::write_atomic;
+
+pub const TRACE_FILE: &str = "trace.json";
+pub const TRACE_GZ_FILE: &str = "trace.json.gz";
+pub const GZIP_THRESHOLD: usize = 8 << 20;
+/// tid of the "steps" pseudo-thread. Linux never hands out tid 0 to a user
+/// thread, so it cannot collide with a real one.
+pub const STEPS_TID: u32 = 0;
+/// Comparisons of float µs timestamps allow this much (1 ns) of rounding.
+const EPS_US: f64 = 1e-3;
+
+/// A complete slice before conversion to JSON, in absolute ns.
+struct Slice {
+    tid: u32,
+    start: u64,
+    dur: u64,
+    name: String,
+    cat: &'static str,
+    args: Value,
+}
+
+/// Within one thread, trims slices that would partially overlap an
+/// enclosing one, so the trace always nests. Real data only does this when
+/// probe timestamps disagree by a few ns (e.g. a sched_switch and a uretprobe
+/// on the same thread); trace viewers mis-draw such slices. Returns how many
+/// were trimmed, which goes into the metadata so it is never silent.
+fn make_nested(slices: &mut [Slice]) -> u64 {
+    slices.sort_by(|a, b| {
+        (a.tid, a.start, std::cmp::Reverse(a.dur)).cmp(&(b.tid, b.start, std::cmp::Reverse(b.dur)))
+    });
+    let mut trimmed = 0;
+    let mut stack: Vec<(u32, u64)> = Vec::new(); // (tid, end)
+    for s in slices.iter_mut() {
+        while let Some(&(tid, end)) = stack.last() {
+            if tid != s.tid || end <= s.start {
+                stack.pop();
+            } else {
+                break;
+            }
+        }
+        if let Some(&(_, end)) = stack.last() {
+            if s.start + s.dur > end {
+                s.dur = end - s.start;
+                trimmed += 1;
+            }
+        }
+        stack.push((s.tid, s.start + s.dur));
+    }
+    trimmed
+}
+
+/// Builds the trace as a JSON value.
+pub fn build_trace(data: &WindowData) -> Value {
+    let base = data
+        .steps
+        .iter()
+        .map(|s| s.start_ts_ns)
+        .min()
+        .or_else(|| {
+            let api = data.api_calls.iter().map(|c| c.start_ts_ns);
+            let cpu = data.samples.iter().map(|s| s.ts_ns);
+            let off = data.offcpu.iter().map(|o| o.ts_ns);
+            api.chain(cpu).chain(off).min()
+        })
+        .unwrap_or(0);
+    // Signed so that an event before the first step (which the window
+    // filter should have removed) shows up as negative rather than wrapping.
+    let us = |ns: u64| (ns as i128 - base as i128) as f64 / 1000.0;
+    let pid = data.host_pid;
+    let mut events: Vec<Value> = Vec::new();
+
+    let process_name = if data.process_name.is_empty() {
+        format!("pid {pid}")
+    } else {
+        data.process_name.clone()
+    };
+    events.push(json!({"ph":"M","name":"process_name","pid":pid,"tid":STEPS_TID,"args":{"name":process_name}}));
+    let names: HashMap<u32, &str> = data
+        .thread_names
+        .iter()
+        .map(|(t, n)| (*t, n.as_str()))
+        .collect();
+    let mut tids: BTreeSet<u32> = data.thread_names.iter().map(|(t, _)| *t).collect();
+    tids.extend(data.api_calls.iter().map(|c| c.tid));
+    tids.extend(data.samples.iter().map(|s| s.tid));
+    tids.extend(data.offcpu.iter().map(|o| o.tid));
+    tids.remove(&STEPS_TID);
+    events.push(json!({"ph":"M","name":"thread_name","pid":pid,"tid":STEPS_TID,"args":{"name":"steps"}}));
+    // Keep the steps track on top in Perfetto.
+    events.push(json!({"ph":"M","name":"thread_sort_index","pid":pid,"tid":STEPS_TID,"args":{"sort_index":-1}}));
+    for tid in &tids {
+        let name = match names.get(tid) {
+            Some(n) => format!("{n} ({tid})"),
+            None => format!("tid {tid}"),
+        };
+        events.push(json!({"ph":"M","name":"thread_name","pid":pid,"tid":tid,"args":{"name":name}}));
+    }
+
+    for s in &data.steps {
+        let mut args = serde_json::Map::new();
+        args.insert("step".into(), json!(s.step.0));
+        args.insert("boundary_tid".into(), json!(s.tid));
+        for (k, v) in &s.aux {
+            args.insert(format!("aux_{k}"), json!(v));
+        }
+        events.push(json!({
+            "ph":"X","name":format!("step {}", s.step.0),"cat":"step","pid":pid,"tid":STEPS_TID,
+            "ts":us(s.start_ts_ns),"dur":s.end_ts_ns.saturating_sub(s.start_ts_ns) as f64 / 1000.0,
+            "args":Value::Object(args),
+        }));
+    }
+
+    // API calls carry the step they start in, whatever their thread.
+    let mut step_starts: Vec<(u64, u64, u64)> = data
+        .steps
+        .iter()
+        .map(|s| (s.start_ts_ns, s.end_ts_ns, s.step.0))
+        .collect();
+    step_starts.sort_unstable();
+    let step_at = |ts: u64| -> Option<u64> {
+        let i = step_starts.partition_point(|s| s.0 <= ts).checked_sub(1)?;
+        let (_, end, step) = step_starts[i];
+        (ts < end).then_some(step)
+    };
+
+    let mut slices: Vec<Slice> = Vec::new();
+    for c in &data.api_calls {
+        slices.push(Slice {
+            tid: c.tid,
+            start: c.start_ts_ns,
+            dur: c.dur_ns,
+            name: c.api.clone(),
+            cat: if c.device_wait { "device_wait" } else { "api" },
+            args: json!({"ret": c.ret, "step": step_at(c.start_ts_ns)}),
+        });
+    }
+    for o in &data.offcpu {
+        slices.push(Slice {
+            tid: o.tid,
+            start: o.ts_ns,
+            dur: o.dur_ns,
+            name: "off-CPU".into(),
+            cat: "offcpu",
+            args: json!({"stack": o.stack.join(";"), "dur_ns": o.dur_ns}),
+        });
+    }
+    let trimmed = make_nested(&mut slices);
+    for s in slices {
+        events.push(json!({
+            "ph":"X","name":s.name,"cat":s.cat,"pid":pid,"tid":s.tid,
+            "ts":us(s.start),"dur":s.dur as f64 / 1000.0,"args":s.args,
+        }));
+    }
+    for s in &data.samples {
+        let leaf = s.stack.last().map(String::as_str).unwrap_or("[unknown]");
+        events.push(json!({
+            "ph":"i","s":"t","name":leaf,"cat":"cpu","pid":pid,"tid":s.tid,
+            "ts":us(s.ts_ns),"args":{"stack":s.stack.join(";")},
+        }));
+    }
+
+    json!({
+        "traceEvents": events,
+        "displayTimeUnit": "ns",
+        "metadata": {
+            "ts_base_ns": base,
+            "host_pid": pid,
+            "process_name": data.process_name,
+            "steps": data.steps.len(),
+            "trimmed_slices": trimmed,
+            "drops": data.drops,
+            "producer": concat!("dynprof ", env!("CARGO_PKG_VERSION")),
+        },
+    })
+}
+
+/// Writes `trace.json` (and `trace.json.gz` above [`GZIP_THRESHOLD`]).
+pub fn write_trace(dir: &Path, data: &WindowData) -> Result<Vec<PathBuf>> {
+    let path = dir.join(TRACE_FILE);
+    let bytes = serde_json::to_vec(&build_trace(data))
+        .with_context(|| format!("formatting {}", path.display()))?;
+    write_atomic(&path, &bytes)?;
+    let mut out = vec![path];
+    if bytes.len() > GZIP_THRESHOLD {
+        let gz = dir.join(TRACE_GZ_FILE);
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        enc.write_all(&bytes)
+            .and_then(|_| enc.finish())
+            .with_context(|| format!("compressing {}", gz.display()))
+            .and_then(|z| write_atomic(&gz, &z))?;
+        out.push(gz);
+    }
+    Ok(out)
+}
+
+/// What [`validate_trace`] counted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TraceStats {
+    pub events: usize,
+    pub metadata: usize,
+    pub slices: usize,
+    pub instants: usize,
+    pub steps: usize,
+    /// Distinct (pid, tid) with at least one event, the steps track included.
+    pub threads: usize,
+    /// Slices by `cat`.
+    pub by_cat: BTreeMap<String, usize>,
+}
+
+fn num(e: &Value, k: &str, i: usize) -> Result<f64> {
+    e.get(k)
+        .and_then(Value::as_f64)
+        .with_context(|| format!("event {i}: missing or non-numeric {k:?}: {e}"))
+}
+
+/// Structural check of a trace: `traceEvents` is an array; every event has a
+/// string `ph` and `name` and numeric `pid`/`tid`; `X` events have numeric
+/// `ts` and non-negative `dur`; `i` events have `ts` and a scope `s` of
+/// g/p/t; `M` events have `args`. `X` slices nest per (pid, tid) — no
+/// partial overlaps — and the step slices (cat `step`) are contiguous, each
+/// ending where the next begins. Anything else is an error naming the event.
+pub fn validate_trace(value: &Value) -> Result<TraceStats> {
+    let events = value
+        .get("traceEvents")
+        .and_then(Value::as_array)
+        .context("no traceEvents array")?;
+    let mut st = TraceStats::default();
+    let mut per_thread: BTreeMap<(i64, i64), Vec<(f64, f64, usize)>> = BTreeMap::new();
+    let mut steps: Vec<(f64, f64, usize)> = Vec::new();
+    let mut threads = BTreeSet::new();
+    for (i, e) in events.iter().enumerate() {
+        st.events += 1;
+        let ph = e
+            .get("ph")
+            .and_then(Value::as_str)
+            .with_context(|| format!("event {i}: no ph: {e}"))?;
+        ensure!(
+            e.get("name").and_then(Value::as_str).is_some(),
+            "event {i}: no name: {e}"
+        );
+        let pid = e.get("pid").and_then(Value::as_i64);
+        let tid = e.get("tid").and_then(Value::as_i64);
+        let (Some(pid), Some(tid)) = (pid, tid) else {
+            bail!("event {i}: pid/tid missing or not integers: {e}");
+        };
+        match ph {
+            "M" => {
+                ensure!(e.get("args").is_some_and(Value::is_object), "event {i}: metadata without args: {e}");
+                st.metadata += 1;
+            }
+            "X" => {
+                let ts = num(e, "ts", i)?;
+                let dur = num(e, "dur", i)?;
+                ensure!(dur >= 0.0 && ts.is_finite() && dur.is_finite(), "event {i}: bad ts/dur: {e}");
+                st.slices += 1;
+                threads.insert((pid, tid));
+                let cat = e.get("cat").and_then(Value::as_str).unwrap_or("");
+                *st.by_cat.entry(cat.to_string()).or_default() += 1;
+                if cat == "step" {
+                    steps.push((ts, ts + dur, i));
+                }
+                per_thread.entry((pid, tid)).or_default().push((ts, ts + dur, i));
+            }
+            "i" | "I" => {
+                num(e, "ts", i)?;
+                let s = e.get("s").and_then(Value::as_str).unwrap_or("t");
+                ensure!(matches!(s, "g" | "p" | "t"), "event {i}: bad instant scope {s:?}");
+                st.instants += 1;
+                threads.insert((pid, tid));
+            }
+            "B" | "E" | "C" | "b" | "e" | "n" | "s" | "t" | "f" => {
+                num(e, "ts", i)?;
+                threads.insert((pid, tid));
+            }
+            other => bail!("event {i}: unknown ph {other:?}"),
+        }
+    }
+    for ((pid, tid), mut v) in per_thread {
+        v.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.total_cmp(&a.1)));
+        let mut stack: Vec<(f64, usize)> = Vec::new();
+        for (s, e, i) in v {
+            while stack.last().is_some_and(|&(end, _)| end <= s + EPS_US) {
+                stack.pop();
+            }
+            if let Some(&(end, j)) = stack.last() {
+                ensure!(
+                    e <= end + EPS_US,
+                    "pid {pid} tid {tid}: event {i} [{s}, {e}] partially overlaps event {j} (ends {end})"
+                );
+            }
+            stack.push((e, i));
+        }
+    }
+    steps.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for w in steps.windows(2) {
+        ensure!(
+            (w[0].1 - w[1].0).abs() <= EPS_US,
+            "steps not contiguous: event {} ends at {} but the next step (event {}) starts at {}",
+            w[0].2,
+            w[0].1,
+            w[1].2,
+            w[1].0
+        );
+    }
+    st.steps = steps.len();
+    st.threads = threads.len();
+    Ok(st)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::output::model::*;
+    use crate::types::StepIndex;
+
+    pub(crate) fn sample_data() -> WindowData {
+        let steps = (0..3)
+            .map(|k| StepSpan {
+                step: StepIndex(10 + k),
+                start_ts_ns: 1_000_000 + k * 1_000_000,
+                end_ts_ns: 2_000_000 + k * 1_000_000,
+                tid: 100,
+                aux: vec![("backward".into(), 1)],
+            })
+            .collect();
+        WindowData {
+            steps,
+            api_calls: vec![
+                ApiCall { tid: 100, api: "aclrtLaunchKernel".into(), start_ts_ns: 1_000_100, dur_ns: 5_000, ret: 0, device_wait: false },
+                ApiCall { tid: 101, api: "aclrtLaunchKernel".into(), start_ts_ns: 1_000_200, dur_ns: 5_000, ret: 0, device_wait: false },
+                ApiCall { tid: 100, api: "aclrtSynchronizeStream".into(), start_ts_ns: 1_500_000, dur_ns: 400_000, ret: 0, device_wait: true },
+            ],
+            samples: vec![CpuSample { tid: 100, ts_ns: 1_200_000, stack: vec!["main".into(), "hot_cpu_work".into()] }],
+            offcpu: vec![
+                OffCpuSpan { tid: 100, ts_ns: 1_500_100, dur_ns: 399_800, stack: vec!["main".into(), "aclrtSynchronizeStream".into()] },
+                // Ends 50 ns after the sync call returned: must be trimmed.
+                OffCpuSpan { tid: 100, ts_ns: 1_899_950, dur_ns: 100, stack: vec![] },
+            ],
+            thread_names: vec![(100, "python".into())],
+            process_name: "trainer".into(),
+            host_pid: 4242,
+            drops: Drops::default(),
+        }
+    }
+
+    #[test]
+    fn trace_is_valid_and_complete() {
+        let v = build_trace(&sample_data());
+        let st = validate_trace(&v).unwrap();
+        assert_eq!(st.steps, 3);
+        assert_eq!(st.by_cat["api"], 2);
+        assert_eq!(st.by_cat["device_wait"], 1);
+        assert_eq!(st.by_cat["offcpu"], 2);
+        assert_eq!(st.instants, 1);
+        // steps track, tid 100, tid 101.
+        assert_eq!(st.threads, 3);
+        assert_eq!(v["metadata"]["ts_base_ns"], 1_000_000);
+        assert_eq!(v["metadata"]["trimmed_slices"], 1);
+        let ev = v["traceEvents"].as_array().unwrap();
+        let step = ev.iter().find(|e| e["name"] == "step 11").unwrap();
+        assert_eq!(step["ts"], 1000.0);
+        assert_eq!(step["dur"], 1000.0);
+        let sync = ev.iter().find(|e| e["name"] == "aclrtSynchronizeStream" && e["ph"] == "X").unwrap();
+        assert_eq!(sync["args"]["step"], 10);
+        assert_eq!(sync["ts"], 500.0);
+        let inst = ev.iter().find(|e| e["ph"] == "i").unwrap();
+        assert_eq!(inst["name"], "hot_cpu_work");
+        assert!(ev.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "steps" && e["tid"] == 0));
+    }
+
+    #[test]
+    fn malformed_traces_fail() {
+        let good = build_trace(&sample_data());
+        // Partial overlap on one thread.
+        let mut v = good.clone();
+        v["traceEvents"].as_array_mut().unwrap().push(json!({"ph":"X","name":"bad","pid":4242,"tid":100,"ts":450.0,"dur":100.0}));
+        assert!(validate_trace(&v).unwrap_err().to_string().contains("partially overlaps"));
+        // Gap between steps.
+        let mut d = sample_data();
+        d.steps[1].start_ts_ns += 10_000;
+        assert!(validate_trace(&build_trace(&d)).unwrap_err().to_string().contains("contiguous"));
+        // Missing dur.
+        let mut v = good.clone();
+        v["traceEvents"].as_array_mut().unwrap().push(json!({"ph":"X","name":"x","pid":1,"tid":1,"ts":1.0}));
+        assert!(validate_trace(&v).is_err());
+        // Unknown ph, missing name, no events array.
+        let mut v = good.clone();
+        v["traceEvents"].as_array_mut().unwrap().push(json!({"ph":"Q","name":"x","pid":1,"tid":1,"ts":1.0}));
+        assert!(validate_trace(&v).is_err());
+        let mut v = good.clone();
+        v["traceEvents"].as_array_mut().unwrap().push(json!({"ph":"i","pid":1,"tid":1,"ts":1.0}));
+        assert!(validate_trace(&v).is_err());
+        assert!(validate_trace(&json!({"events":[]})).is_err());
+    }
+
+    #[test]
+    fn writes_json_and_no_gzip_when_small() {
+        let dir = crate::output::tests_support::tempdir("trace");
+        let files = write_trace(&dir, &sample_data()).unwrap();
+        assert_eq!(files, vec![dir.join(TRACE_FILE)]);
+        let v: Value = serde_json::from_slice(&std::fs::read(&files[0]).unwrap()).unwrap();
+        validate_trace(&v).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn writes_gzip_when_large() {
+        let mut d = sample_data();
+        let stack: Vec<String> = (0..40).map(|i| format!("some::long::frame_name_{i}")).collect();
+        d.samples = (0..12_000)
+            .map(|i| CpuSample { tid: 100, ts_ns: 1_000_000 + i * 100, stack: stack.clone() })
+            .collect();
+        let dir = crate::output::tests_support::tempdir("trace-gz");
+        let files = write_trace(&dir, &d).unwrap();
+        assert_eq!(files.len(), 2, "{files:?}");
+        let raw = std::fs::read(dir.join(TRACE_FILE)).unwrap();
+        assert!(raw.len() > GZIP_THRESHOLD);
+        let mut dec = flate2::read::GzDecoder::new(std::fs::File::open(dir.join(TRACE_GZ_FILE)).unwrap());
+        let mut back = Vec::new();
+        std::io::Read::read_to_end(&mut dec, &mut back).unwrap();
+        assert_eq!(back, raw);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

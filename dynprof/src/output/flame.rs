@@ -1,0 +1,226 @@
+//! Folded stacks (`root;...;leaf count`, the input format of every
+//! flamegraph tool) and their SVGs rendered by inferno.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use inferno::flamegraph::{self, Options, Palette, color::BasicPalette};
+
+use super::model::{CpuSample, OffCpuSpan};
+use super::write_atomic;
+
+pub const CPU_FOLDED: &str = "cpu.folded";
+pub const CPU_SVG: &str = "flamegraph.svg";
+pub const OFFCPU_FOLDED: &str = "offcpu.folded";
+pub const OFFCPU_SVG: &str = "offcpu.svg";
+
+/// One folded-stack key. `;` separates frames and the last space separates
+/// the count, so a frame must not contain `;` (C++ operator names can) and
+/// newlines would break the line format; an empty stack still counts.
+pub fn fold_key(stack: &[String]) -> String {
+    if stack.is_empty() {
+        return "[unknown]".to_string();
+    }
+    let mut key = String::new();
+    for (i, f) in stack.iter().enumerate() {
+        if i > 0 {
+            key.push(';');
+        }
+        if f.is_empty() {
+            key.push_str("[unknown]");
+        } else {
+            key.extend(f.chars().map(|c| match c {
+                ';' => ':',
+                '\n' | '\r' => ' ',
+                c => c,
+            }));
+        }
+    }
+    key
+}
+
+/// Stack → number of samples.
+pub fn fold_cpu(samples: &[CpuSample]) -> BTreeMap<String, u64> {
+    let mut m = BTreeMap::new();
+    for s in samples {
+        *m.entry(fold_key(&s.stack)).or_insert(0) += 1;
+    }
+    m
+}
+
+/// Stack → microseconds off-CPU. Summed in ns before converting so many
+/// short waits on one stack are not each rounded away; stacks that total
+/// under 1 µs are dropped (a 0 count is meaningless to flamegraph tools).
+pub fn fold_offcpu(spans: &[OffCpuSpan]) -> BTreeMap<String, u64> {
+    let mut ns: BTreeMap<String, u64> = BTreeMap::new();
+    for s in spans {
+        *ns.entry(fold_key(&s.stack)).or_insert(0) += s.dur_ns;
+    }
+    ns.into_iter()
+        .map(|(k, v)| (k, v / 1000))
+        .filter(|(_, v)| *v > 0)
+        .collect()
+}
+
+pub fn folded_lines(folded: &BTreeMap<String, u64>) -> Vec<String> {
+    folded.iter().map(|(k, v)| format!("{k} {v}")).collect()
+}
+
+/// Parses a folded file back (used by `report`); malformed lines are errors
+/// naming the line, since silently skipping them would skew the numbers.
+pub fn parse_folded(text: &str) -> Result<Vec<(Vec<String>, u64)>> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let (stack, count) = line
+            .rsplit_once(' ')
+            .with_context(|| format!("line {}: no count", i + 1))?;
+        let count: u64 = count
+            .trim()
+            .parse()
+            .with_context(|| format!("line {}: bad count {count:?}", i + 1))?;
+        out.push((stack.split(';').map(str::to_string).collect(), count));
+    }
+    Ok(out)
+}
+
+/// Renders folded lines to an SVG. inferno refuses empty input, and an
+/// absent SVG would read as "collector did not run", so an empty profile
+/// gets a small placeholder SVG that says so.
+pub fn render_svg(lines: &[String], title: &str, count_name: &str, palette: BasicPalette) -> Result<Vec<u8>> {
+    if lines.is_empty() {
+        return Ok(empty_svg(title).into_bytes());
+    }
+    let mut opts = Options::default();
+    opts.title = title.to_string();
+    opts.count_name = count_name.to_string();
+    opts.colors = Palette::Basic(palette);
+    let mut out = Vec::new();
+    flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut out)
+        .with_context(|| format!("rendering flamegraph {title:?}"))?;
+    Ok(out)
+}
+
+fn empty_svg(title: &str) -> String {
+    let esc = |s: &str| {
+        s.replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+    };
+    format!(
+        r#"<?xml version="1.0" standalone="no"?>
+<svg version="1.1" width="1200" height="120" xmlns="http://www.w3.org/2000/svg">
+<rect x="0" y="0" width="100%" height="100%" fill="rgb(240,240,240)"/>
+<text x="600" y="40" font-size="17" font-family="Verdana" text-anchor="middle">{}</text>
+<text x="600" y="80" font-size="14" font-family="Verdana" text-anchor="middle">No samples were collected in this window.</text>
+</svg>
+"#,
+        esc(title)
+    )
+}
+
+fn write_pair(
+    dir: &Path,
+    folded: &BTreeMap<String, u64>,
+    folded_name: &str,
+    svg_name: &str,
+    title: &str,
+    count_name: &str,
+    palette: BasicPalette,
+) -> Result<Vec<PathBuf>> {
+    let lines = folded_lines(folded);
+    let folded_path = dir.join(folded_name);
+    let mut text = lines.join("\n");
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    write_atomic(&folded_path, text.as_bytes())?;
+    let svg_path = dir.join(svg_name);
+    let svg = render_svg(&lines, title, count_name, palette)
+        .with_context(|| format!("writing {}", svg_path.display()))?;
+    write_atomic(&svg_path, &svg)?;
+    Ok(vec![folded_path, svg_path])
+}
+
+/// Writes `cpu.folded` (count = samples) and `flamegraph.svg`.
+pub fn write_cpu(dir: &Path, samples: &[CpuSample]) -> Result<Vec<PathBuf>> {
+    write_pair(
+        dir,
+        &fold_cpu(samples),
+        CPU_FOLDED,
+        CPU_SVG,
+        "CPU",
+        "samples",
+        BasicPalette::Hot,
+    )
+}
+
+/// Writes `offcpu.folded` (count = µs off-CPU) and `offcpu.svg`.
+pub fn write_offcpu(dir: &Path, spans: &[OffCpuSpan]) -> Result<Vec<PathBuf>> {
+    write_pair(
+        dir,
+        &fold_offcpu(spans),
+        OFFCPU_FOLDED,
+        OFFCPU_SVG,
+        "Off-CPU time (µs)",
+        "us",
+        BasicPalette::Blue,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn st(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn folds_and_renders() {
+        let dir = crate::output::tests_support::tempdir("flame");
+        let samples = vec![
+            CpuSample { tid: 1, ts_ns: 1, stack: st(&["main", "hot_cpu_work"]) },
+            CpuSample { tid: 1, ts_ns: 2, stack: st(&["main", "hot_cpu_work"]) },
+            CpuSample { tid: 1, ts_ns: 3, stack: st(&["main", "operator;"]) },
+            CpuSample { tid: 1, ts_ns: 4, stack: vec![] },
+        ];
+        let files = write_cpu(&dir, &samples).unwrap();
+        assert_eq!(files.len(), 2);
+        let folded = std::fs::read_to_string(dir.join(CPU_FOLDED)).unwrap();
+        assert_eq!(folded, "[unknown] 1\nmain;hot_cpu_work 2\nmain;operator: 1\n");
+        let parsed = parse_folded(&folded).unwrap();
+        assert_eq!(parsed[1], (st(&["main", "hot_cpu_work"]), 2));
+        let svg = std::fs::read_to_string(dir.join(CPU_SVG)).unwrap();
+        assert!(svg.contains("hot_cpu_work"));
+        assert!(svg.contains("<svg"));
+
+        let spans = vec![
+            OffCpuSpan { tid: 1, ts_ns: 0, dur_ns: 1500, stack: st(&["main", "sync"]) },
+            OffCpuSpan { tid: 1, ts_ns: 0, dur_ns: 600, stack: st(&["main", "sync"]) },
+            OffCpuSpan { tid: 1, ts_ns: 0, dur_ns: 999, stack: st(&["main", "tiny"]) },
+        ];
+        write_offcpu(&dir, &spans).unwrap();
+        let folded = std::fs::read_to_string(dir.join(OFFCPU_FOLDED)).unwrap();
+        assert_eq!(folded, "main;sync 2\n");
+        let svg = std::fs::read_to_string(dir.join(OFFCPU_SVG)).unwrap();
+        assert!(svg.contains("Off-CPU time"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn empty_input_still_writes_files() {
+        let dir = crate::output::tests_support::tempdir("flame-empty");
+        write_cpu(&dir, &[]).unwrap();
+        write_offcpu(&dir, &[]).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join(CPU_FOLDED)).unwrap(), "");
+        let svg = std::fs::read_to_string(dir.join(CPU_SVG)).unwrap();
+        assert!(svg.contains("No samples"));
+        assert!(std::fs::read_to_string(dir.join(OFFCPU_SVG)).unwrap().contains("No samples"));
+        assert!(parse_folded("").unwrap().is_empty());
+        assert!(parse_folded("a;b x\n").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,109 @@
+//! Everything a window leaves on disk, and `dynprof report`, which reads it
+//! back. Writers take a [`model::WindowData`] and never see the kernel.
+pub mod chrome_trace;
+pub mod flame;
+pub mod model;
+pub mod report;
+pub mod tables;
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+use model::WindowData;
+
+/// Which collectors ran in a window. Files of collectors that did not run
+/// are not written at all, so that an absent `cpu.folded` means "not
+/// collected" rather than "collected nothing".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Collectors {
+    pub api: bool,
+    pub cpu: bool,
+    pub offcpu: bool,
+}
+
+impl Default for Collectors {
+    fn default() -> Self {
+        Self::ALL
+    }
+}
+
+impl Collectors {
+    pub const ALL: Collectors = Collectors {
+        api: true,
+        cpu: true,
+        offcpu: true,
+    };
+    pub const NONE: Collectors = Collectors {
+        api: false,
+        cpu: false,
+        offcpu: false,
+    };
+}
+
+/// Writes every per-window output file into `dir` (which must exist) and
+/// returns their paths. `steps.csv`, `summary.json` and `trace.json` are
+/// always written; `api_summary.csv`, `cpu.folded`/`flamegraph.svg` and
+/// `offcpu.folded`/`offcpu.svg` only for collectors that ran. Each file is
+/// complete or absent (see [`write_atomic`]); `meta.json` and the atomicity
+/// of the directory as a whole belong to the window code.
+pub fn write_window_files(
+    dir: &Path,
+    data: &WindowData,
+    collectors: &Collectors,
+) -> Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    written.push(tables::write_steps(dir, data)?);
+    if collectors.api {
+        written.push(tables::write_api_summary(dir, data)?);
+    }
+    if collectors.cpu {
+        written.extend(flame::write_cpu(dir, &data.samples)?);
+    }
+    if collectors.offcpu {
+        written.extend(flame::write_offcpu(dir, &data.offcpu)?);
+    }
+    written.extend(chrome_trace::write_trace(dir, data)?);
+    written.push(tables::write_summary(dir, data, collectors)?);
+    Ok(written)
+}
+
+/// Writes `path` via `path.tmp` and a rename, so that a reader (or a crash)
+/// sees either the whole file or none of it.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let result = (|| -> std::io::Result<()> {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+pub(crate) mod tests_support {
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A fresh directory per call; tests run in parallel threads of one process.
+    pub fn tempdir(tag: &str) -> PathBuf {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let d = std::env::temp_dir().join(format!(
+            "dynprof-test-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}
