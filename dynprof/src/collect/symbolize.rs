@@ -43,8 +43,7 @@ impl Symbolizer {
     /// does not exist, or we lack permission); later failures degrade to
     /// `[unknown]` frames instead.
     pub fn new(host_pid: u32) -> Result<Self> {
-        let maps = read_maps(host_pid)
-            .with_context(|| format!("reading /proc/{host_pid}/maps"))?;
+        let maps = read_maps(host_pid).with_context(|| format!("reading /proc/{host_pid}/maps"))?;
         let blaze = Blaze::builder()
             .enable_code_info(false)
             .enable_inlined_fns(true)
@@ -74,8 +73,8 @@ impl Symbolizer {
     }
 
     /// Frames of a user stack as a BPF stack map returns it (leaf first,
-    /// zero-terminated), root first. Inlined functions become frames of
-    /// their own, as in the source code.
+    /// zero-terminated), root first. Should DWARF be consulted (it is not by
+    /// default, see `new`), inlined functions become frames of their own.
     pub fn user_stack(&mut self, ips: &[u64]) -> Vec<String> {
         let addrs = adjusted(ips);
         let missing: Vec<u64> = addrs
@@ -129,10 +128,17 @@ impl Symbolizer {
         let results = if self.exited {
             None
         } else {
-            match self.blaze.symbolize(&self.process_src, Input::AbsAddr(addrs)) {
+            match self
+                .blaze
+                .symbolize(&self.process_src, Input::AbsAddr(addrs))
+            {
                 Ok(r) => Some(r),
                 Err(e) => {
-                    log::debug!("symbolizing {} addresses of pid {}: {e:#}", addrs.len(), self.pid);
+                    log::debug!(
+                        "symbolizing {} addresses of pid {}: {e:#}",
+                        addrs.len(),
+                        self.pid
+                    );
                     None
                 }
             }
@@ -204,7 +210,9 @@ fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
         let _dev = it.next();
         let _inode = it.next();
         let module = it.collect::<Vec<_>>().join(" ");
-        let Some((s, e)) = range.split_once('-') else { continue };
+        let Some((s, e)) = range.split_once('-') else {
+            continue;
+        };
         let (Ok(start), Ok(end), Ok(offset)) = (
             u64::from_str_radix(s, 16),
             u64::from_str_radix(e, 16),
@@ -212,7 +220,12 @@ fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
         ) else {
             continue;
         };
-        out.push(Mapping { start, end, offset, module });
+        out.push(Mapping {
+            start,
+            end,
+            offset,
+            module,
+        });
     }
     Ok(out)
 }
@@ -241,13 +254,22 @@ mod tests {
         // the -1 adjustment lands inside the function.
         let frames = s.user_stack(&[leaf, caller + 1, 0, 0]);
         assert_eq!(frames.len(), 2, "{frames:?}");
-        assert!(frames[1].contains("dynprof_symbolize_test_target"), "{frames:?}");
+        assert!(
+            frames[1].contains("dynprof_symbolize_test_target"),
+            "{frames:?}"
+        );
         assert!(frames[0].contains("rust_mangled_target"), "{frames:?}");
         // Demangled: no `_ZN`/`_R` prefix left.
-        assert!(!frames[0].starts_with("_ZN") && !frames[0].starts_with("_R"), "{frames:?}");
+        assert!(
+            !frames[0].starts_with("_ZN") && !frames[0].starts_with("_R"),
+            "{frames:?}"
+        );
         // Cached: the same answer again.
         assert_eq!(s.user_stack(&[leaf, caller + 1]), frames);
-        assert_eq!(dynprof_symbolize_test_target(1) + rust_mangled_target(1), 38 + 0x54);
+        assert_eq!(
+            dynprof_symbolize_test_target(1) + rust_mangled_target(1),
+            38 + 0x54
+        );
     }
 
     #[test]
@@ -256,7 +278,10 @@ mod tests {
         assert_eq!(s.user_stack(&[0x10]), vec!["[unknown]".to_string()]);
         assert!(s.user_stack(&[]).is_empty());
 
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
         let mut s = Symbolizer::new(child.id()).unwrap();
         let (start, module) = {
             let m = &s.maps[0];
@@ -267,7 +292,10 @@ mod tests {
         let frames = s.user_stack(&[start + 0x10]);
         assert_eq!(frames.len(), 1);
         let base = module.rsplit('/').next().unwrap();
-        assert!(frames[0].starts_with(&format!("[unknown] {base}+0x")), "{frames:?}");
+        assert!(
+            frames[0].starts_with(&format!("[unknown] {base}+0x")),
+            "{frames:?}"
+        );
     }
 
     #[test]
@@ -277,7 +305,9 @@ mod tests {
         assert_eq!(frames.len(), 1);
         assert!(frames[0].ends_with("_[k]"), "{frames:?}");
         // A real kernel function, when kallsyms shows addresses (root).
-        let Ok(text) = std::fs::read_to_string("/proc/kallsyms") else { return };
+        let Ok(text) = std::fs::read_to_string("/proc/kallsyms") else {
+            return;
+        };
         let Some((addr, name)) = text.lines().find_map(|l| {
             let mut it = l.split_whitespace();
             let a = u64::from_str_radix(it.next()?, 16).ok()?;

@@ -60,11 +60,11 @@ fn make_nested(slices: &mut [Slice]) -> u64 {
                 break;
             }
         }
-        if let Some(&(_, end)) = stack.last() {
-            if s.start + s.dur > end {
-                s.dur = end - s.start;
-                trimmed += 1;
-            }
+        if let Some(&(_, end)) = stack.last()
+            && s.start + s.dur > end
+        {
+            s.dur = end - s.start;
+            trimmed += 1;
         }
         stack.push((s.tid, s.start + s.dur));
     }
@@ -107,7 +107,9 @@ pub fn build_trace(data: &WindowData) -> Value {
     tids.extend(data.samples.iter().map(|s| s.tid));
     tids.extend(data.offcpu.iter().map(|o| o.tid));
     tids.remove(&STEPS_TID);
-    events.push(json!({"ph":"M","name":"thread_name","pid":pid,"tid":STEPS_TID,"args":{"name":"steps"}}));
+    events.push(
+        json!({"ph":"M","name":"thread_name","pid":pid,"tid":STEPS_TID,"args":{"name":"steps"}}),
+    );
     // Keep the steps track on top in Perfetto.
     events.push(json!({"ph":"M","name":"thread_sort_index","pid":pid,"tid":STEPS_TID,"args":{"sort_index":-1}}));
     for tid in &tids {
@@ -115,7 +117,8 @@ pub fn build_trace(data: &WindowData) -> Value {
             Some(n) => format!("{n} ({tid})"),
             None => format!("tid {tid}"),
         };
-        events.push(json!({"ph":"M","name":"thread_name","pid":pid,"tid":tid,"args":{"name":name}}));
+        events
+            .push(json!({"ph":"M","name":"thread_name","pid":pid,"tid":tid,"args":{"name":name}}));
     }
 
     for s in &data.steps {
@@ -247,7 +250,9 @@ pub fn validate_trace(value: &Value) -> Result<TraceStats> {
         .and_then(Value::as_array)
         .context("no traceEvents array")?;
     let mut st = TraceStats::default();
-    let mut per_thread: BTreeMap<(i64, i64), Vec<(f64, f64, usize)>> = BTreeMap::new();
+    // (pid, tid) -> (start, end, event index)
+    type Spans = Vec<(f64, f64, usize)>;
+    let mut per_thread: BTreeMap<(i64, i64), Spans> = BTreeMap::new();
     let mut steps: Vec<(f64, f64, usize)> = Vec::new();
     let mut threads = BTreeSet::new();
     for (i, e) in events.iter().enumerate() {
@@ -267,13 +272,19 @@ pub fn validate_trace(value: &Value) -> Result<TraceStats> {
         };
         match ph {
             "M" => {
-                ensure!(e.get("args").is_some_and(Value::is_object), "event {i}: metadata without args: {e}");
+                ensure!(
+                    e.get("args").is_some_and(Value::is_object),
+                    "event {i}: metadata without args: {e}"
+                );
                 st.metadata += 1;
             }
             "X" => {
                 let ts = num(e, "ts", i)?;
                 let dur = num(e, "dur", i)?;
-                ensure!(dur >= 0.0 && ts.is_finite() && dur.is_finite(), "event {i}: bad ts/dur: {e}");
+                ensure!(
+                    dur >= 0.0 && ts.is_finite() && dur.is_finite(),
+                    "event {i}: bad ts/dur: {e}"
+                );
                 st.slices += 1;
                 threads.insert((pid, tid));
                 let cat = e.get("cat").and_then(Value::as_str).unwrap_or("");
@@ -281,12 +292,18 @@ pub fn validate_trace(value: &Value) -> Result<TraceStats> {
                 if cat == "step" {
                     steps.push((ts, ts + dur, i));
                 }
-                per_thread.entry((pid, tid)).or_default().push((ts, ts + dur, i));
+                per_thread
+                    .entry((pid, tid))
+                    .or_default()
+                    .push((ts, ts + dur, i));
             }
             "i" | "I" => {
                 num(e, "ts", i)?;
                 let s = e.get("s").and_then(Value::as_str).unwrap_or("t");
-                ensure!(matches!(s, "g" | "p" | "t"), "event {i}: bad instant scope {s:?}");
+                ensure!(
+                    matches!(s, "g" | "p" | "t"),
+                    "event {i}: bad instant scope {s:?}"
+                );
                 st.instants += 1;
                 threads.insert((pid, tid));
             }
@@ -348,15 +365,50 @@ mod tests {
         WindowData {
             steps,
             api_calls: vec![
-                ApiCall { tid: 100, api: "aclrtLaunchKernel".into(), start_ts_ns: 1_000_100, dur_ns: 5_000, ret: 0, device_wait: false },
-                ApiCall { tid: 101, api: "aclrtLaunchKernel".into(), start_ts_ns: 1_000_200, dur_ns: 5_000, ret: 0, device_wait: false },
-                ApiCall { tid: 100, api: "aclrtSynchronizeStream".into(), start_ts_ns: 1_500_000, dur_ns: 400_000, ret: 0, device_wait: true },
+                ApiCall {
+                    tid: 100,
+                    api: "aclrtLaunchKernel".into(),
+                    start_ts_ns: 1_000_100,
+                    dur_ns: 5_000,
+                    ret: 0,
+                    device_wait: false,
+                },
+                ApiCall {
+                    tid: 101,
+                    api: "aclrtLaunchKernel".into(),
+                    start_ts_ns: 1_000_200,
+                    dur_ns: 5_000,
+                    ret: 0,
+                    device_wait: false,
+                },
+                ApiCall {
+                    tid: 100,
+                    api: "aclrtSynchronizeStream".into(),
+                    start_ts_ns: 1_500_000,
+                    dur_ns: 400_000,
+                    ret: 0,
+                    device_wait: true,
+                },
             ],
-            samples: vec![CpuSample { tid: 100, ts_ns: 1_200_000, stack: vec!["main".into(), "hot_cpu_work".into()] }],
+            samples: vec![CpuSample {
+                tid: 100,
+                ts_ns: 1_200_000,
+                stack: vec!["main".into(), "hot_cpu_work".into()],
+            }],
             offcpu: vec![
-                OffCpuSpan { tid: 100, ts_ns: 1_500_100, dur_ns: 399_800, stack: vec!["main".into(), "aclrtSynchronizeStream".into()] },
+                OffCpuSpan {
+                    tid: 100,
+                    ts_ns: 1_500_100,
+                    dur_ns: 399_800,
+                    stack: vec!["main".into(), "aclrtSynchronizeStream".into()],
+                },
                 // Ends 50 ns after the sync call returned: must be trimmed.
-                OffCpuSpan { tid: 100, ts_ns: 1_899_950, dur_ns: 100, stack: vec![] },
+                OffCpuSpan {
+                    tid: 100,
+                    ts_ns: 1_899_950,
+                    dur_ns: 100,
+                    stack: vec![],
+                },
             ],
             thread_names: vec![(100, "python".into())],
             process_name: "trainer".into(),
@@ -382,12 +434,18 @@ mod tests {
         let step = ev.iter().find(|e| e["name"] == "step 11").unwrap();
         assert_eq!(step["ts"], 1000.0);
         assert_eq!(step["dur"], 1000.0);
-        let sync = ev.iter().find(|e| e["name"] == "aclrtSynchronizeStream" && e["ph"] == "X").unwrap();
+        let sync = ev
+            .iter()
+            .find(|e| e["name"] == "aclrtSynchronizeStream" && e["ph"] == "X")
+            .unwrap();
         assert_eq!(sync["args"]["step"], 10);
         assert_eq!(sync["ts"], 500.0);
         let inst = ev.iter().find(|e| e["ph"] == "i").unwrap();
         assert_eq!(inst["name"], "hot_cpu_work");
-        assert!(ev.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "steps" && e["tid"] == 0));
+        assert!(
+            ev.iter()
+                .any(|e| e["ph"] == "M" && e["args"]["name"] == "steps" && e["tid"] == 0)
+        );
     }
 
     #[test]
@@ -395,22 +453,44 @@ mod tests {
         let good = build_trace(&sample_data());
         // Partial overlap on one thread.
         let mut v = good.clone();
-        v["traceEvents"].as_array_mut().unwrap().push(json!({"ph":"X","name":"bad","pid":4242,"tid":100,"ts":450.0,"dur":100.0}));
-        assert!(validate_trace(&v).unwrap_err().to_string().contains("partially overlaps"));
+        v["traceEvents"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"ph":"X","name":"bad","pid":4242,"tid":100,"ts":450.0,"dur":100.0}));
+        assert!(
+            validate_trace(&v)
+                .unwrap_err()
+                .to_string()
+                .contains("partially overlaps")
+        );
         // Gap between steps.
         let mut d = sample_data();
         d.steps[1].start_ts_ns += 10_000;
-        assert!(validate_trace(&build_trace(&d)).unwrap_err().to_string().contains("contiguous"));
+        assert!(
+            validate_trace(&build_trace(&d))
+                .unwrap_err()
+                .to_string()
+                .contains("contiguous")
+        );
         // Missing dur.
         let mut v = good.clone();
-        v["traceEvents"].as_array_mut().unwrap().push(json!({"ph":"X","name":"x","pid":1,"tid":1,"ts":1.0}));
+        v["traceEvents"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"ph":"X","name":"x","pid":1,"tid":1,"ts":1.0}));
         assert!(validate_trace(&v).is_err());
         // Unknown ph, missing name, no events array.
         let mut v = good.clone();
-        v["traceEvents"].as_array_mut().unwrap().push(json!({"ph":"Q","name":"x","pid":1,"tid":1,"ts":1.0}));
+        v["traceEvents"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"ph":"Q","name":"x","pid":1,"tid":1,"ts":1.0}));
         assert!(validate_trace(&v).is_err());
         let mut v = good.clone();
-        v["traceEvents"].as_array_mut().unwrap().push(json!({"ph":"i","pid":1,"tid":1,"ts":1.0}));
+        v["traceEvents"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"ph":"i","pid":1,"tid":1,"ts":1.0}));
         assert!(validate_trace(&v).is_err());
         assert!(validate_trace(&json!({"events":[]})).is_err());
     }
@@ -428,16 +508,23 @@ mod tests {
     #[test]
     fn writes_gzip_when_large() {
         let mut d = sample_data();
-        let stack: Vec<String> = (0..40).map(|i| format!("some::long::frame_name_{i}")).collect();
+        let stack: Vec<String> = (0..40)
+            .map(|i| format!("some::long::frame_name_{i}"))
+            .collect();
         d.samples = (0..12_000)
-            .map(|i| CpuSample { tid: 100, ts_ns: 1_000_000 + i * 100, stack: stack.clone() })
+            .map(|i| CpuSample {
+                tid: 100,
+                ts_ns: 1_000_000 + i * 100,
+                stack: stack.clone(),
+            })
             .collect();
         let dir = crate::output::tests_support::tempdir("trace-gz");
         let files = write_trace(&dir, &d).unwrap();
         assert_eq!(files.len(), 2, "{files:?}");
         let raw = std::fs::read(dir.join(TRACE_FILE)).unwrap();
         assert!(raw.len() > GZIP_THRESHOLD);
-        let mut dec = flate2::read::GzDecoder::new(std::fs::File::open(dir.join(TRACE_GZ_FILE)).unwrap());
+        let mut dec =
+            flate2::read::GzDecoder::new(std::fs::File::open(dir.join(TRACE_GZ_FILE)).unwrap());
         let mut back = Vec::new();
         std::io::Read::read_to_end(&mut dec, &mut back).unwrap();
         assert_eq!(back, raw);

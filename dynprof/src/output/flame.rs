@@ -89,7 +89,12 @@ pub fn parse_folded(text: &str) -> Result<Vec<(Vec<String>, u64)>> {
 /// Renders folded lines to an SVG. inferno refuses empty input, and an
 /// absent SVG would read as "collector did not run", so an empty profile
 /// gets a small placeholder SVG that says so.
-pub fn render_svg(lines: &[String], title: &str, count_name: &str, palette: BasicPalette) -> Result<Vec<u8>> {
+pub fn render_svg(
+    lines: &[String],
+    title: &str,
+    count_name: &str,
+    palette: BasicPalette,
+) -> Result<Vec<u8>> {
     if lines.is_empty() {
         return Ok(empty_svg(title).into_bytes());
     }
@@ -182,15 +187,34 @@ mod tests {
     fn folds_and_renders() {
         let dir = crate::output::tests_support::tempdir("flame");
         let samples = vec![
-            CpuSample { tid: 1, ts_ns: 1, stack: st(&["main", "hot_cpu_work"]) },
-            CpuSample { tid: 1, ts_ns: 2, stack: st(&["main", "hot_cpu_work"]) },
-            CpuSample { tid: 1, ts_ns: 3, stack: st(&["main", "operator;"]) },
-            CpuSample { tid: 1, ts_ns: 4, stack: vec![] },
+            CpuSample {
+                tid: 1,
+                ts_ns: 1,
+                stack: st(&["main", "hot_cpu_work"]),
+            },
+            CpuSample {
+                tid: 1,
+                ts_ns: 2,
+                stack: st(&["main", "hot_cpu_work"]),
+            },
+            CpuSample {
+                tid: 1,
+                ts_ns: 3,
+                stack: st(&["main", "operator;"]),
+            },
+            CpuSample {
+                tid: 1,
+                ts_ns: 4,
+                stack: vec![],
+            },
         ];
         let files = write_cpu(&dir, &samples).unwrap();
         assert_eq!(files.len(), 2);
         let folded = std::fs::read_to_string(dir.join(CPU_FOLDED)).unwrap();
-        assert_eq!(folded, "[unknown] 1\nmain;hot_cpu_work 2\nmain;operator: 1\n");
+        assert_eq!(
+            folded,
+            "[unknown] 1\nmain;hot_cpu_work 2\nmain;operator: 1\n"
+        );
         let parsed = parse_folded(&folded).unwrap();
         assert_eq!(parsed[1], (st(&["main", "hot_cpu_work"]), 2));
         let svg = std::fs::read_to_string(dir.join(CPU_SVG)).unwrap();
@@ -198,9 +222,24 @@ mod tests {
         assert!(svg.contains("<svg"));
 
         let spans = vec![
-            OffCpuSpan { tid: 1, ts_ns: 0, dur_ns: 1500, stack: st(&["main", "sync"]) },
-            OffCpuSpan { tid: 1, ts_ns: 0, dur_ns: 600, stack: st(&["main", "sync"]) },
-            OffCpuSpan { tid: 1, ts_ns: 0, dur_ns: 999, stack: st(&["main", "tiny"]) },
+            OffCpuSpan {
+                tid: 1,
+                ts_ns: 0,
+                dur_ns: 1500,
+                stack: st(&["main", "sync"]),
+            },
+            OffCpuSpan {
+                tid: 1,
+                ts_ns: 0,
+                dur_ns: 600,
+                stack: st(&["main", "sync"]),
+            },
+            OffCpuSpan {
+                tid: 1,
+                ts_ns: 0,
+                dur_ns: 999,
+                stack: st(&["main", "tiny"]),
+            },
         ];
         write_offcpu(&dir, &spans).unwrap();
         let folded = std::fs::read_to_string(dir.join(OFFCPU_FOLDED)).unwrap();
@@ -218,7 +257,11 @@ mod tests {
         assert_eq!(std::fs::read_to_string(dir.join(CPU_FOLDED)).unwrap(), "");
         let svg = std::fs::read_to_string(dir.join(CPU_SVG)).unwrap();
         assert!(svg.contains("No samples"));
-        assert!(std::fs::read_to_string(dir.join(OFFCPU_SVG)).unwrap().contains("No samples"));
+        assert!(
+            std::fs::read_to_string(dir.join(OFFCPU_SVG))
+                .unwrap()
+                .contains("No samples")
+        );
         assert!(parse_folded("").unwrap().is_empty());
         assert!(parse_folded("a;b x\n").is_err());
         std::fs::remove_dir_all(&dir).unwrap();

@@ -143,10 +143,14 @@ fn parse_steps(path: &Path, text: &str) -> Result<Vec<StepLine>> {
     for (i, rec) in r.records().enumerate() {
         let rec = rec.with_context(|| format!("{}: row {}", path.display(), i + 1))?;
         let get = |c: usize| -> Result<u64> {
-            rec.get(c)
-                .unwrap_or("")
-                .parse()
-                .with_context(|| format!("{}: row {}, column {}", path.display(), i + 1, headers.get(c).unwrap_or("?")))
+            rec.get(c).unwrap_or("").parse().with_context(|| {
+                format!(
+                    "{}: row {}, column {}",
+                    path.display(),
+                    i + 1,
+                    headers.get(c).unwrap_or("?")
+                )
+            })
         };
         out.push(StepLine {
             step: get(c_step)?,
@@ -203,11 +207,15 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
 
     let meta: Option<Value> = match meta_text {
         Some(t) => Some(
-            serde_json::from_str(&t).with_context(|| format!("parsing {}", dir.join(META_FILE).display()))?,
+            serde_json::from_str(&t)
+                .with_context(|| format!("parsing {}", dir.join(META_FILE).display()))?,
         ),
         None => None,
     };
-    let complete = meta.as_ref().and_then(|m| m.get("complete")).and_then(Value::as_bool);
+    let complete = meta
+        .as_ref()
+        .and_then(|m| m.get("complete"))
+        .and_then(Value::as_bool);
     let incomplete_reason = meta.as_ref().and_then(|m| {
         ["incomplete_reason", "reason", "error"]
             .iter()
@@ -221,7 +229,9 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
         )),
         (Some(_), Some(false)) => warnings.push(format!(
             "INCOMPLETE: {}",
-            incomplete_reason.as_deref().unwrap_or("meta.json marks this window incomplete (no reason given)")
+            incomplete_reason
+                .as_deref()
+                .unwrap_or("meta.json marks this window incomplete (no reason given)")
         )),
         (Some(_), None) => warnings.push(format!("{META_FILE} has no \"complete\" field")),
         _ => {}
@@ -229,10 +239,13 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
 
     let summary: Option<Summary> = match &summary_text {
         Some(t) => Some(
-            serde_json::from_str(t).with_context(|| format!("parsing {}", dir.join(SUMMARY_FILE).display()))?,
+            serde_json::from_str(t)
+                .with_context(|| format!("parsing {}", dir.join(SUMMARY_FILE).display()))?,
         ),
         None => {
-            warnings.push(format!("no {SUMMARY_FILE}: drops and collector set unknown"));
+            warnings.push(format!(
+                "no {SUMMARY_FILE}: drops and collector set unknown"
+            ));
             None
         }
     };
@@ -261,7 +274,8 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
     let folded_path = dir.join(CPU_FOLDED);
     let (cpu_samples, top_frames_self, top_frames_inclusive) = match read_opt(&folded_path)? {
         Some(t) => {
-            let stacks = parse_folded(&t).with_context(|| format!("parsing {}", folded_path.display()))?;
+            let stacks =
+                parse_folded(&t).with_context(|| format!("parsing {}", folded_path.display()))?;
             let total = stacks.iter().map(|(_, c)| c).sum();
             let (s, i) = top_frames(stacks.iter().map(|(s, c)| (s.as_slice(), *c)), TOP);
             (total, s, i)
@@ -285,14 +299,22 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
         )
     } else {
         let s = summary.as_ref().expect("checked above");
-        (s.step_time.clone(), s.device_wait_ns, s.host_busy_ns, s.api_calls)
+        (
+            s.step_time.clone(),
+            s.device_wait_ns,
+            s.host_busy_ns,
+            s.api_calls,
+        )
     };
     let device_wait_share = ratio(device_wait_ns, step_time.total_ns);
     let device_wait_apis: Vec<String> = summary
         .as_ref()
         .map(|s| s.device_wait_apis.iter().map(|a| a.api.clone()).collect())
         .unwrap_or_default();
-    let drops = summary.as_ref().map(|s| s.drops.clone()).unwrap_or_default();
+    let drops = summary
+        .as_ref()
+        .map(|s| s.drops.clone())
+        .unwrap_or_default();
     let dropped = drops_list(&drops);
     if !dropped.is_empty() {
         warnings.push(format!("events were lost: {}", dropped.join(", ")));
@@ -312,7 +334,10 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
         complete,
         incomplete_reason,
         target,
-        process_name: summary.as_ref().map(|s| s.process_name.clone()).unwrap_or_default(),
+        process_name: summary
+            .as_ref()
+            .map(|s| s.process_name.clone())
+            .unwrap_or_default(),
         host_pid: summary.as_ref().map(|s| s.host_pid).unwrap_or(0),
         collectors,
         steps,
@@ -333,7 +358,15 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
 }
 
 fn drops_list(d: &Drops) -> Vec<String> {
-    let Drops { step, api, cpu, offcpu, cpu_stack, offcpu_stack, api_nesting } = d;
+    let Drops {
+        step,
+        api,
+        cpu,
+        offcpu,
+        cpu_stack,
+        offcpu_stack,
+        api_nesting,
+    } = d;
     [
         ("step", step),
         ("api", api),
@@ -356,7 +389,10 @@ fn verdict(
     wait_api: Option<&str>,
     top_frame: Option<String>,
 ) -> Verdict {
-    let frame_txt = format!("top frame: {}", top_frame.as_deref().unwrap_or("n/a (no CPU samples)"));
+    let frame_txt = format!(
+        "top frame: {}",
+        top_frame.as_deref().unwrap_or("n/a (no CPU samples)")
+    );
     if steps == 0 {
         return Verdict {
             bound: Bound::Unknown,
@@ -370,7 +406,9 @@ fn verdict(
             bound: Bound::Unknown,
             percent: 0,
             top_frame,
-            text: format!("unknown: the api collector did not run, so device waits were not measured; {frame_txt}"),
+            text: format!(
+                "unknown: the api collector did not run, so device waits were not measured; {frame_txt}"
+            ),
         };
     }
     if share >= DEVICE_BOUND_THRESHOLD {
@@ -473,7 +511,15 @@ pub fn render_one(a: &Analysis) -> String {
     let _ = writeln!(o, "\nSteps: {}", st.count);
     if st.count > 0 {
         let mut t = table();
-        t.set_header(vec!["mean", "p50", "p99", "min", "max", "device wait", "host busy"]);
+        t.set_header(vec![
+            "mean",
+            "p50",
+            "p99",
+            "min",
+            "max",
+            "device wait",
+            "host busy",
+        ]);
         t.add_row(vec![
             right(ms(st.mean_ns)),
             right(ms(st.p50_ns)),
@@ -490,7 +536,16 @@ pub fn render_one(a: &Analysis) -> String {
     if !a.top_apis.is_empty() {
         let _ = writeln!(o, "\nTop APIs by time:");
         let mut t = table();
-        t.set_header(vec!["api", "calls", "total", "mean", "p50", "p99", "max", "% of steps"]);
+        t.set_header(vec![
+            "api",
+            "calls",
+            "total",
+            "mean",
+            "p50",
+            "p99",
+            "max",
+            "% of steps",
+        ]);
         for s in a.top_apis.iter().take(TOP) {
             t.add_row(vec![
                 Cell::new(&s.api),
@@ -500,7 +555,10 @@ pub fn render_one(a: &Analysis) -> String {
                 right(ms(s.p50_ns)),
                 right(ms(s.p99_ns)),
                 right(ms(s.max_ns)),
-                right(format!("{:.1}%", 100.0 * ratio(s.total_ns, a.step_time.total_ns))),
+                right(format!(
+                    "{:.1}%",
+                    100.0 * ratio(s.total_ns, a.step_time.total_ns)
+                )),
             ]);
         }
         let _ = writeln!(o, "{t}");
@@ -513,9 +571,15 @@ pub fn render_one(a: &Analysis) -> String {
             t.add_row(vec![
                 Cell::new(&f.frame),
                 right(f.self_samples),
-                right(format!("{:.1}%", 100.0 * ratio(f.self_samples, a.cpu_samples))),
+                right(format!(
+                    "{:.1}%",
+                    100.0 * ratio(f.self_samples, a.cpu_samples)
+                )),
                 right(f.inclusive_samples),
-                right(format!("{:.1}%", 100.0 * ratio(f.inclusive_samples, a.cpu_samples))),
+                right(format!(
+                    "{:.1}%",
+                    100.0 * ratio(f.inclusive_samples, a.cpu_samples)
+                )),
             ]);
         }
         let _ = writeln!(o, "{t}");
@@ -526,7 +590,14 @@ pub fn render_one(a: &Analysis) -> String {
 
 fn step_table(steps: &[StepLine]) -> String {
     let mut t = table();
-    t.set_header(vec!["step", "duration", "device wait", "wait %", "host busy", "api calls"]);
+    t.set_header(vec![
+        "step",
+        "duration",
+        "device wait",
+        "wait %",
+        "host busy",
+        "api calls",
+    ]);
     let row = |s: &StepLine| {
         vec![
             right(s.step),
@@ -585,11 +656,31 @@ fn comparison_rows(an: &[Analysis]) -> Vec<CompareRow> {
     let per = |f: &dyn Fn(&Analysis) -> Option<f64>| an.iter().map(f).collect::<Vec<_>>();
     let has = |a: &Analysis| a.step_time.count > 0;
     let mut rows = vec![
-        CompareRow { metric: "steps".into(), values: per(&|a| Some(a.step_time.count as f64)), unit: Unit::Count },
-        CompareRow { metric: "step mean".into(), values: per(&|a| has(a).then(|| a.step_time.mean_ns as f64)), unit: Unit::Ms },
-        CompareRow { metric: "step p50".into(), values: per(&|a| has(a).then(|| a.step_time.p50_ns as f64)), unit: Unit::Ms },
-        CompareRow { metric: "step p99".into(), values: per(&|a| has(a).then(|| a.step_time.p99_ns as f64)), unit: Unit::Ms },
-        CompareRow { metric: "step max".into(), values: per(&|a| has(a).then(|| a.step_time.max_ns as f64)), unit: Unit::Ms },
+        CompareRow {
+            metric: "steps".into(),
+            values: per(&|a| Some(a.step_time.count as f64)),
+            unit: Unit::Count,
+        },
+        CompareRow {
+            metric: "step mean".into(),
+            values: per(&|a| has(a).then_some(a.step_time.mean_ns as f64)),
+            unit: Unit::Ms,
+        },
+        CompareRow {
+            metric: "step p50".into(),
+            values: per(&|a| has(a).then_some(a.step_time.p50_ns as f64)),
+            unit: Unit::Ms,
+        },
+        CompareRow {
+            metric: "step p99".into(),
+            values: per(&|a| has(a).then_some(a.step_time.p99_ns as f64)),
+            unit: Unit::Ms,
+        },
+        CompareRow {
+            metric: "step max".into(),
+            values: per(&|a| has(a).then_some(a.step_time.max_ns as f64)),
+            unit: Unit::Ms,
+        },
         CompareRow {
             metric: "device wait / step".into(),
             values: per(&|a| has(a).then(|| a.device_wait_ns as f64 / a.step_time.count as f64)),
@@ -600,7 +691,11 @@ fn comparison_rows(an: &[Analysis]) -> Vec<CompareRow> {
             values: per(&|a| has(a).then(|| a.host_busy_ns as f64 / a.step_time.count as f64)),
             unit: Unit::Ms,
         },
-        CompareRow { metric: "device-wait share".into(), values: per(&|a| has(a).then_some(a.device_wait_share)), unit: Unit::Percent },
+        CompareRow {
+            metric: "device-wait share".into(),
+            values: per(&|a| has(a).then_some(a.device_wait_share)),
+            unit: Unit::Percent,
+        },
         CompareRow {
             metric: "api calls / step".into(),
             values: per(&|a| has(a).then(|| a.api_calls as f64 / a.step_time.count as f64)),
@@ -622,7 +717,11 @@ fn comparison_rows(an: &[Analysis]) -> Vec<CompareRow> {
             metric: format!("{api} / step"),
             values: per(&|a| {
                 has(a).then(|| {
-                    a.top_apis.iter().find(|s| s.api == api).map(|s| s.total_ns).unwrap_or(0) as f64
+                    a.top_apis
+                        .iter()
+                        .find(|s| s.api == api)
+                        .map(|s| s.total_ns)
+                        .unwrap_or(0) as f64
                         / a.step_time.count as f64
                 })
             }),
@@ -643,7 +742,11 @@ fn comparison_rows(an: &[Analysis]) -> Vec<CompareRow> {
             values: per(&|a| {
                 (a.cpu_samples > 0).then(|| {
                     ratio(
-                        a.top_frames_self.iter().find(|f| f.frame == fr).map(|f| f.self_samples).unwrap_or(0),
+                        a.top_frames_self
+                            .iter()
+                            .find(|f| f.frame == fr)
+                            .map(|f| f.self_samples)
+                            .unwrap_or(0),
                         a.cpu_samples,
                     )
                 })
@@ -672,7 +775,10 @@ pub fn render_compare(an: &[Analysis]) -> String {
     for (i, a) in an.iter().enumerate() {
         let status = match a.complete {
             Some(true) => "complete".to_string(),
-            Some(false) => format!("INCOMPLETE ({})", a.incomplete_reason.as_deref().unwrap_or("no reason given")),
+            Some(false) => format!(
+                "INCOMPLETE ({})",
+                a.incomplete_reason.as_deref().unwrap_or("no reason given")
+            ),
             None => "completeness unknown".to_string(),
         };
         let _ = writeln!(o, "[{}] {}  [{status}]", i + 1, a.dir.display());
@@ -733,14 +839,48 @@ mod tests {
                 tid: 777,
                 aux: vec![("backward".into(), 1)],
             });
-            d.api_calls.push(ApiCall { tid: 777, api: "aclrtLaunchKernel".into(), start_ts_ns: s + 100_000, dur_ns: 20_000, ret: 0, device_wait: false });
-            d.api_calls.push(ApiCall { tid: 778, api: "aclrtLaunchKernel".into(), start_ts_ns: s + 200_000, dur_ns: 20_000, ret: 0, device_wait: false });
+            d.api_calls.push(ApiCall {
+                tid: 777,
+                api: "aclrtLaunchKernel".into(),
+                start_ts_ns: s + 100_000,
+                dur_ns: 20_000,
+                ret: 0,
+                device_wait: false,
+            });
+            d.api_calls.push(ApiCall {
+                tid: 778,
+                api: "aclrtLaunchKernel".into(),
+                start_ts_ns: s + 200_000,
+                dur_ns: 20_000,
+                ret: 0,
+                device_wait: false,
+            });
             let sync_start = s + step_ns - wait_ns - 1_000;
-            d.api_calls.push(ApiCall { tid: 777, api: "aclrtSynchronizeStream".into(), start_ts_ns: sync_start, dur_ns: wait_ns, ret: 0, device_wait: true });
-            d.offcpu.push(OffCpuSpan { tid: 777, ts_ns: sync_start + 500, dur_ns: wait_ns - 1_000, stack: vec!["main".into(), "aclrtSynchronizeStream".into(), "schedule_[k]".into()] });
+            d.api_calls.push(ApiCall {
+                tid: 777,
+                api: "aclrtSynchronizeStream".into(),
+                start_ts_ns: sync_start,
+                dur_ns: wait_ns,
+                ret: 0,
+                device_wait: true,
+            });
+            d.offcpu.push(OffCpuSpan {
+                tid: 777,
+                ts_ns: sync_start + 500,
+                dur_ns: wait_ns - 1_000,
+                stack: vec![
+                    "main".into(),
+                    "aclrtSynchronizeStream".into(),
+                    "schedule_[k]".into(),
+                ],
+            });
             for j in 0..4u64 {
                 let leaf = if j < 3 { hot } else { "other" };
-                d.samples.push(CpuSample { tid: 777, ts_ns: s + 300_000 + j * 10_000, stack: vec!["main".into(), "train_step".into(), leaf.into()] });
+                d.samples.push(CpuSample {
+                    tid: 777,
+                    ts_ns: s + 300_000 + j * 10_000,
+                    stack: vec!["main".into(), "train_step".into(), leaf.into()],
+                });
             }
         }
         d
@@ -749,11 +889,26 @@ mod tests {
     fn write(d: &WindowData, meta: Option<&str>) -> PathBuf {
         let dir = tempdir("report");
         let files = write_window_files(&dir, d, &Collectors::ALL).unwrap();
-        for f in ["steps.csv", "api_summary.csv", "cpu.folded", "flamegraph.svg", "offcpu.folded", "offcpu.svg", "trace.json", "summary.json"] {
+        for f in [
+            "steps.csv",
+            "api_summary.csv",
+            "cpu.folded",
+            "flamegraph.svg",
+            "offcpu.folded",
+            "offcpu.svg",
+            "trace.json",
+            "summary.json",
+        ] {
             assert!(files.contains(&dir.join(f)), "{f} not written: {files:?}");
             assert!(dir.join(f).exists());
         }
-        assert!(!std::fs::read_dir(&dir).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().ends_with(".tmp")));
+        assert!(
+            !std::fs::read_dir(&dir).unwrap().any(|e| e
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".tmp"))
+        );
         if let Some(m) = meta {
             std::fs::write(dir.join(META_FILE), m).unwrap();
         }
@@ -763,7 +918,10 @@ mod tests {
     #[test]
     fn host_bound_window() {
         // 2.8 ms of 10 ms waiting: 72% outside device waits.
-        let dir = write(&window(2_800_000, "hot_cpu_work"), Some(r#"{"complete":true,"target":{"pid":777}}"#));
+        let dir = write(
+            &window(2_800_000, "hot_cpu_work"),
+            Some(r#"{"complete":true,"target":{"pid":777}}"#),
+        );
         let a = analyze(&dir).unwrap();
         assert_eq!(a.complete, Some(true));
         assert_eq!(a.step_time.count, 4);
@@ -771,17 +929,37 @@ mod tests {
         assert_eq!(a.device_wait_ns, 4 * 2_800_000);
         assert_eq!(a.host_busy_ns, 4 * 7_200_000);
         assert_eq!(a.api_calls, 12);
-        assert_eq!(a.steps[0], StepLine { step: 5, duration_ns: 10_000_000, device_wait_ns: 2_800_000, host_busy_ns: 7_200_000, api_calls: 3 });
+        assert_eq!(
+            a.steps[0],
+            StepLine {
+                step: 5,
+                duration_ns: 10_000_000,
+                device_wait_ns: 2_800_000,
+                host_busy_ns: 7_200_000,
+                api_calls: 3
+            }
+        );
         assert_eq!(a.top_apis[0].api, "aclrtSynchronizeStream");
         assert_eq!(a.top_apis[0].total_ns, 4 * 2_800_000);
         assert_eq!(a.top_apis[1].calls, 8);
         assert_eq!(a.cpu_samples, 16);
-        assert_eq!(a.top_frames_self[0], FrameCount { frame: "hot_cpu_work".into(), self_samples: 12, inclusive_samples: 12 });
+        assert_eq!(
+            a.top_frames_self[0],
+            FrameCount {
+                frame: "hot_cpu_work".into(),
+                self_samples: 12,
+                inclusive_samples: 12
+            }
+        );
         assert_eq!(a.top_frames_inclusive[0].inclusive_samples, 16);
         assert_eq!(a.verdict.bound, Bound::HostBound);
-        assert_eq!(a.verdict.text, "host-bound: 72% of step time outside device waits; top frame: hot_cpu_work");
+        assert_eq!(
+            a.verdict.text,
+            "host-bound: 72% of step time outside device waits; top frame: hot_cpu_work"
+        );
         assert!(a.warnings.is_empty(), "{:?}", a.warnings);
         let text = render_one(&a);
+        println!("{text}");
         assert!(text.contains("verdict: host-bound: 72%"), "{text}");
         assert!(text.contains("aclrtLaunchKernel"));
         let j = to_json(std::slice::from_ref(&a));
@@ -803,16 +981,29 @@ mod tests {
             "device-bound: 64% of step time in device waits (aclrtSynchronizeStream); top frame: wait_loop"
         );
 
-        let after = write(&window(2_800_000, "hot_cpu_work"), Some(r#"{"complete":false,"incomplete_reason":"target exited"}"#));
+        let after = write(
+            &window(2_800_000, "hot_cpu_work"),
+            Some(r#"{"complete":false,"incomplete_reason":"target exited"}"#),
+        );
         let b = analyze(&after).unwrap();
-        assert!(b.warnings.iter().any(|w| w == "INCOMPLETE: target exited"), "{:?}", b.warnings);
+        assert!(
+            b.warnings.iter().any(|w| w == "INCOMPLETE: target exited"),
+            "{:?}",
+            b.warnings
+        );
         let text = render_compare(&[a.clone(), b.clone()]);
+        println!("{text}");
         assert!(text.contains("INCOMPLETE (target exited)"), "{text}");
         assert!(text.contains("[2]/[1]"), "{text}");
         // Device wait per step 6.4 ms -> 2.8 ms.
         assert!(text.contains("0.44x"), "{text}");
         let j = to_json(&[a, b]);
-        let row = j["comparison"].as_array().unwrap().iter().find(|r| r["metric"] == "device wait / step").unwrap();
+        let row = j["comparison"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["metric"] == "device wait / step")
+            .unwrap();
         assert_eq!(row["values"][0], 6_400_000.0);
         assert_eq!(row["ratios_to_first"][1], 0.4375);
         std::fs::remove_dir_all(&before).unwrap();
@@ -826,7 +1017,11 @@ mod tests {
         assert!(e.contains("not a dynprof PROF directory"), "{e}");
         assert!(analyze(&dir.join("nope")).is_err());
 
-        let only_cpu = Collectors { api: false, cpu: true, offcpu: false };
+        let only_cpu = Collectors {
+            api: false,
+            cpu: true,
+            offcpu: false,
+        };
         write_window_files(&dir, &window(1_000_000, "f"), &only_cpu).unwrap();
         assert!(!dir.join(API_SUMMARY_FILE).exists());
         assert!(!dir.join("offcpu.folded").exists());
@@ -839,7 +1034,13 @@ mod tests {
     #[test]
     fn many_steps_are_summarized() {
         let steps: Vec<StepLine> = (0..50)
-            .map(|i| StepLine { step: i, duration_ns: 1_000 + i, device_wait_ns: i * 10, host_busy_ns: 1_000 - 9 * i, api_calls: 1 })
+            .map(|i| StepLine {
+                step: i,
+                duration_ns: 1_000 + i,
+                device_wait_ns: i * 10,
+                host_busy_ns: 1_000 - 9 * i,
+                api_calls: 1,
+            })
             .collect();
         let t = step_table(&steps);
         assert!(t.contains("50 steps; device-wait share min 0.0%"), "{t}");

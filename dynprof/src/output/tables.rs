@@ -46,7 +46,11 @@ impl DurationStats {
         Self {
             count: v.len() as u64,
             total_ns: total,
-            mean_ns: if v.is_empty() { 0 } else { total / v.len() as u64 },
+            mean_ns: if v.is_empty() {
+                0
+            } else {
+                total / v.len() as u64
+            },
             min_ns: v.first().copied().unwrap_or(0),
             p50_ns: nearest_rank(&v, 50.0),
             p99_ns: nearest_rank(&v, 99.0),
@@ -236,7 +240,10 @@ pub fn write_steps(dir: &Path, data: &WindowData) -> Result<PathBuf> {
         rec.push(r.api_calls.to_string());
         w.write_record(&rec).with_context(ctx)?;
     }
-    let bytes = w.into_inner().map_err(|e| e.into_error()).with_context(ctx)?;
+    let bytes = w
+        .into_inner()
+        .map_err(|e| e.into_error())
+        .with_context(ctx)?;
     write_atomic(&path, &bytes)?;
     Ok(path)
 }
@@ -247,7 +254,8 @@ pub fn write_api_summary(dir: &Path, data: &WindowData) -> Result<PathBuf> {
     let mut w = csv::Writer::from_writer(Vec::new());
     // Written by hand rather than from ApiStat's serde names so the header
     // exists even with no rows, and is pinned to the documented contract.
-    w.write_record(API_SUMMARY_HEADER.split(',')).with_context(ctx)?;
+    w.write_record(API_SUMMARY_HEADER.split(','))
+        .with_context(ctx)?;
     for s in api_stats(&data.api_calls) {
         w.write_record([
             s.api.clone(),
@@ -260,7 +268,10 @@ pub fn write_api_summary(dir: &Path, data: &WindowData) -> Result<PathBuf> {
         ])
         .with_context(ctx)?;
     }
-    let bytes = w.into_inner().map_err(|e| e.into_error()).with_context(ctx)?;
+    let bytes = w
+        .into_inner()
+        .map_err(|e| e.into_error())
+        .with_context(ctx)?;
     write_atomic(&path, &bytes)?;
     Ok(path)
 }
@@ -500,6 +511,9 @@ mod tests {
         assert_eq!(s[0].self_samples, 3);
         assert_eq!(i[0].frame, "main");
         assert_eq!(i[0].inclusive_samples, 4);
-        assert_eq!(i.iter().find(|x| x.frame == "f").unwrap().inclusive_samples, 3);
+        assert_eq!(
+            i.iter().find(|x| x.frame == "f").unwrap().inclusive_samples,
+            3
+        );
     }
 }
