@@ -1,1 +1,60 @@
-fn main() {}
+//! `cargo xtask`: developer and CI tasks for dynprof.
+//!
+//! - `setup`: idempotent machine setup (nightly + rust-src, bpf-linker built
+//!   against the nightly's LLVM, Debian packages the tests need, tracefs).
+//! - `test`:  setup, build, then every test in the workspace.
+//! - `demo`:  setup, build, start the sample trainer, attach to it for 5 s.
+//! - `bench`: benchmarks (not implemented yet).
+
+mod bench;
+mod demo;
+mod fixtures;
+mod setup;
+mod test;
+mod util;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "dynprof developer tasks", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install/verify everything the build and the tests need (idempotent).
+    Setup,
+    /// Run setup, build the workspace, then run every test (unit + privileged integration).
+    ///
+    /// Arguments after `--` go to `cargo test`; a second `--` passes the rest
+    /// to the test harness, e.g. `cargo xtask test -- -p dynprof --test fixtures_smoke -- --nocapture`.
+    Test {
+        /// Extra arguments for `cargo test`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Run setup, build, start the sample trainer and attach dynprof to it for a few seconds.
+    Demo,
+    /// Benchmarks (not implemented yet).
+    Bench {
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result: Result<()> = match cli.cmd {
+        Cmd::Setup => setup::run(),
+        Cmd::Test { args } => test::run(&args),
+        Cmd::Demo => demo::run(),
+        Cmd::Bench { args } => bench::run(&args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

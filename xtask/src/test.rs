@@ -1,0 +1,147 @@
+//! `cargo xtask test`: setup, build everything, run every test.
+
+use std::{
+    io::{BufRead as _, BufReader, IsTerminal as _, Write as _},
+    process::Stdio,
+    sync::{Arc, Mutex},
+    thread,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{setup, util};
+
+/// The eBPF crate only builds for the BPF target (dynprof/build.rs builds it),
+/// so the host-side `--workspace` commands exclude it.
+const HOST_EXCLUDE: &[&str] = &["--exclude", "dynprof-ebpf"];
+
+pub fn run(extra: &[String]) -> Result<()> {
+    setup::run()?;
+
+    println!("[test] cargo build --workspace");
+    util::run(util::cargo().args(["build", "--workspace"]).args(HOST_EXCLUDE)).context("the build failed")?;
+
+    // `extra` = cargo test args [-- harness args]
+    let (cargo_args, harness_args) = match extra.iter().position(|a| a == "--") {
+        Some(i) => (&extra[..i], &extra[i + 1..]),
+        None => (extra, &[][..]),
+    };
+    let mut cmd = util::cargo();
+    cmd.args(["test", "--workspace"])
+        .args(HOST_EXCLUDE)
+        .arg("--no-fail-fast")
+        .args(cargo_args)
+        .args(["--", "--test-threads=2"])
+        .args(harness_args);
+    if std::io::stdout().is_terminal() {
+        cmd.env("CARGO_TERM_COLOR", "always");
+    }
+    println!("[test] {}", util::display(&cmd));
+    let shown = util::display(&cmd);
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("could not start `{shown}`"))?;
+
+    // Stream both pipes through unchanged, remembering cargo's result lines and
+    // the skip notices written by tests/common's `require_privileges!`.
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let out = child.stdout.take().expect("piped");
+    let err = child.stderr.take().expect("piped");
+    let t_out = {
+        let seen = seen.clone();
+        thread::spawn(move || pump(out, false, &seen))
+    };
+    let t_err = {
+        let seen = seen.clone();
+        thread::spawn(move || pump(err, true, &seen))
+    };
+    let status = child.wait().context("waiting for cargo test")?;
+    let _ = t_out.join();
+    let _ = t_err.join();
+
+    let seen = seen.lock().unwrap();
+    println!();
+    println!("[test] ---- summary ----");
+    if !seen.skipped.is_empty() {
+        println!("[test] {} test(s) SKIPPED for lack of privileges:", seen.skipped.len());
+        for s in &seen.skipped {
+            println!("[test]   {s}");
+        }
+    }
+    for f in &seen.failed_lines {
+        println!("[test] {f}");
+    }
+    match seen.results.last() {
+        Some(last) => println!(
+            "[test] {} test binaries ran; cargo's last result line: {last}",
+            seen.results.len()
+        ),
+        None => println!("[test] cargo printed no `test result:` line"),
+    }
+    if !status.success() {
+        bail!("cargo test failed ({status})");
+    }
+    println!("[test] all tests passed");
+    Ok(())
+}
+
+#[derive(Default)]
+struct Seen {
+    results: Vec<String>,
+    failed_lines: Vec<String>,
+    skipped: Vec<String>,
+    in_failed: bool,
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn pump(src: impl std::io::Read, is_err: bool, seen: &Mutex<Seen>) {
+    let mut reader = BufReader::new(src);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        if is_err {
+            let _ = std::io::stderr().write_all(&buf);
+        } else {
+            let _ = std::io::stdout().write_all(&buf);
+        }
+        let line = strip_ansi(String::from_utf8_lossy(&buf).trim_end());
+        let mut seen = seen.lock().unwrap();
+        if line.starts_with("test result:") {
+            seen.results.push(line.clone());
+        }
+        // `error: 2 targets failed:` followed by indented `-p dynprof --test x` lines.
+        if line.starts_with("error: ") && line.contains("target") && line.contains("failed") {
+            seen.in_failed = true;
+            seen.failed_lines.push(line.clone());
+        } else if seen.in_failed && line.starts_with(char::is_whitespace) {
+            seen.failed_lines.push(line.clone());
+        } else {
+            seen.in_failed = false;
+        }
+        if let Some(i) = line.find("SKIPPED (needs root") {
+            seen.skipped.push(line[i..].to_string());
+        }
+    }
+}
