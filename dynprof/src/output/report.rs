@@ -98,6 +98,10 @@ pub struct Analysis {
     pub cpu_samples: u64,
     pub top_frames_self: Vec<FrameCount>,
     pub top_frames_inclusive: Vec<FrameCount>,
+    /// Self samples of every leaf frame, so a comparison can show a frame
+    /// that is in one directory's top list but not another's.
+    #[serde(skip)]
+    pub self_samples: std::collections::HashMap<String, u64>,
     pub drops: Drops,
     pub verdict: Verdict,
     /// Things the reader must know: missing files, drops, incompleteness.
@@ -272,11 +276,17 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
     let api_measured = collectors.map(|c| c.api).unwrap_or(!top_apis.is_empty());
 
     let folded_path = dir.join(CPU_FOLDED);
+    let mut self_samples = std::collections::HashMap::new();
     let (cpu_samples, top_frames_self, top_frames_inclusive) = match read_opt(&folded_path)? {
         Some(t) => {
             let stacks =
                 parse_folded(&t).with_context(|| format!("parsing {}", folded_path.display()))?;
             let total = stacks.iter().map(|(_, c)| c).sum();
+            for (st, c) in &stacks {
+                if let Some(leaf) = st.last() {
+                    *self_samples.entry(leaf.clone()).or_insert(0) += c;
+                }
+            }
             let (s, i) = top_frames(stacks.iter().map(|(s, c)| (s.as_slice(), *c)), TOP);
             (total, s, i)
         }
@@ -351,6 +361,7 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
         cpu_samples,
         top_frames_self,
         top_frames_inclusive,
+        self_samples,
         drops,
         verdict,
         warnings,
@@ -740,16 +751,8 @@ fn comparison_rows(an: &[Analysis]) -> Vec<CompareRow> {
         rows.push(CompareRow {
             metric: format!("cpu self: {fr}"),
             values: per(&|a| {
-                (a.cpu_samples > 0).then(|| {
-                    ratio(
-                        a.top_frames_self
-                            .iter()
-                            .find(|f| f.frame == fr)
-                            .map(|f| f.self_samples)
-                            .unwrap_or(0),
-                        a.cpu_samples,
-                    )
-                })
+                (a.cpu_samples > 0)
+                    .then(|| ratio(a.self_samples.get(&fr).copied().unwrap_or(0), a.cpu_samples))
             }),
             unit: Unit::Percent,
         });
