@@ -52,27 +52,29 @@ pub mod drop_slot {
     pub const COUNT: u32 = 8;
 }
 
-/// x86-64 `pt_regs` registers a marker argument can live in, in the order
-/// the kernel program switches on. Function arguments 0..5 are the SysV
-/// registers; USDT operands may name any of them.
+/// x86-64 registers a marker argument can live in, as word indices into the
+/// kernel's `struct pt_regs` (arch/x86/include/asm/ptrace.h). Function
+/// arguments 0..5 are the SysV registers; USDT operands may name any of them.
 pub mod reg {
-    pub const RDI: u32 = 0;
-    pub const RSI: u32 = 1;
-    pub const RDX: u32 = 2;
-    pub const RCX: u32 = 3;
-    pub const R8: u32 = 4;
-    pub const R9: u32 = 5;
-    pub const RAX: u32 = 6;
-    pub const RBX: u32 = 7;
-    pub const RBP: u32 = 8;
-    pub const RSP: u32 = 9;
-    pub const R10: u32 = 10;
-    pub const R11: u32 = 11;
-    pub const R12: u32 = 12;
-    pub const R13: u32 = 13;
-    pub const R14: u32 = 14;
-    pub const R15: u32 = 15;
+    pub const R15: u32 = 0;
+    pub const R14: u32 = 1;
+    pub const R13: u32 = 2;
+    pub const R12: u32 = 3;
+    pub const RBP: u32 = 4;
+    pub const RBX: u32 = 5;
+    pub const R11: u32 = 6;
+    pub const R10: u32 = 7;
+    pub const R9: u32 = 8;
+    pub const R8: u32 = 9;
+    pub const RAX: u32 = 10;
+    pub const RCX: u32 = 11;
+    pub const RDX: u32 = 12;
+    pub const RSI: u32 = 13;
+    pub const RDI: u32 = 14;
     pub const RIP: u32 = 16;
+    pub const RSP: u32 = 19;
+    /// Words in `struct pt_regs`.
+    pub const COUNT: u32 = 21;
 }
 
 /// Per-marker configuration, written by user space into `MARKERS[cookie]`.

@@ -18,7 +18,7 @@ use aya_ebpf::{
     bindings::{BPF_F_USER_STACK, pt_regs},
     helpers::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
-        bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+        bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, generated,
     },
     macros::{map, perf_event, tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
@@ -93,33 +93,22 @@ fn emit<T: 'static>(ev: T, slot: u32) {
     }
 }
 
+/// Reads one saved register by its word index in `pt_regs`. Through a
+/// helper on purpose: the verifier rejects context loads at a computed
+/// offset, and LLVM turns a per-register `match` into exactly that.
 #[inline(always)]
-fn read_reg(regs: &pt_regs, r: u32) -> u64 {
-    match r {
-        reg::RDI => regs.rdi,
-        reg::RSI => regs.rsi,
-        reg::RDX => regs.rdx,
-        reg::RCX => regs.rcx,
-        reg::R8 => regs.r8,
-        reg::R9 => regs.r9,
-        reg::RAX => regs.rax,
-        reg::RBX => regs.rbx,
-        reg::RBP => regs.rbp,
-        reg::RSP => regs.rsp,
-        reg::R10 => regs.r10,
-        reg::R11 => regs.r11,
-        reg::R12 => regs.r12,
-        reg::R13 => regs.r13,
-        reg::R14 => regs.r14,
-        reg::R15 => regs.r15,
-        _ => regs.rip,
+fn read_reg(regs: *const pt_regs, r: u32) -> Option<u64> {
+    if r >= reg::COUNT {
+        return None;
     }
+    let addr = regs as usize + r as usize * 8;
+    unsafe { bpf_probe_read_kernel(addr as *const u64) }.ok()
 }
 
 /// Does the marker's string argument start with its prefix?
 #[inline(always)]
-fn prefix_matches(regs: &pt_regs, cfg: &MarkerConfig) -> bool {
-    let mut value = read_reg(regs, cfg.arg_reg);
+fn prefix_matches(regs: *const pt_regs, cfg: &MarkerConfig) -> bool {
+    let Some(mut value) = read_reg(regs, cfg.arg_reg) else { return false };
     if cfg.arg_in_memory != 0 {
         let addr = (value as i64).wrapping_add(cfg.arg_offset) as *const u64;
         value = match unsafe { bpf_probe_read_user(addr) } {
@@ -134,21 +123,28 @@ fn prefix_matches(regs: &pt_regs, cfg: &MarkerConfig) -> bool {
             Err(_) => return false,
         };
     }
-    let mut buf = [0u8; PREFIX_LEN];
-    let s = match unsafe { bpf_probe_read_user_str_bytes(value as *const u8, &mut buf) } {
-        Ok(s) => s,
-        Err(_) => return false,
+    // Zeroed, so bytes past the string's NUL compare as 0: a prefix that
+    // ends in NUL (user space's `eq=`) then tests whole-string equality.
+    // Left uninitialised on purpose: zeroing it compiles to a memset call,
+    // which BPF cannot make. The helper NUL-terminates what it reads, so a
+    // shorter string mismatches at its NUL before any stale byte is compared,
+    // and a prefix that ends in NUL (user space's `eq=`) tests equality.
+    let mut buf = core::mem::MaybeUninit::<[u8; PREFIX_LEN]>::uninit();
+    let got = unsafe {
+        generated::bpf_probe_read_user_str(buf.as_mut_ptr().cast(), PREFIX_LEN as u32, value as *const _)
     };
-    let n = cfg.prefix_len as usize;
-    if s.len() < n {
+    if got < 0 {
         return false;
     }
+    let buf = buf.as_ptr() as *const u8;
+    let n = cfg.prefix_len as usize;
     let mut i = 0;
     while i < PREFIX_LEN {
         if i >= n {
             break;
         }
-        if buf[i] != cfg.prefix[i] {
+        // SAFETY: i < PREFIX_LEN, the length of both arrays.
+        if unsafe { *buf.add(i) != *cfg.prefix.as_ptr().add(i) } {
             return false;
         }
         i += 1;
@@ -167,7 +163,7 @@ pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let marker = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let Some(cfg) = MARKERS.get(marker) else { return 0 };
-    if cfg.arg_mode != arg_mode::NONE && !prefix_matches(unsafe { &*ctx.regs }, cfg) {
+    if cfg.arg_mode != arg_mode::NONE && !prefix_matches(ctx.regs, cfg) {
         return 0;
     }
     let ts_ns = unsafe { bpf_ktime_get_ns() };

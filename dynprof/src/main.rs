@@ -1,4 +1,42 @@
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use dynprof::commands::attach::{self, AttachArgs};
+
+/// Attach-mode profiler for AI training and inference jobs.
+///
+/// Attaches to an already-running process by PID, finds its training-step
+/// boundaries with uprobes, and collects exactly at those boundaries. The
+/// target needs nothing at launch: no env var, no code change, no restart.
+#[derive(Parser, Debug)]
+#[command(name = "dynprof", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Attach to a running job and follow its training steps.
+    ///
+    /// Example: sudo dynprof attach --pid 4242
+    ///          sudo dynprof attach --pid 4242 --marker exe:train_step --steps 100 --json
+    Attach(AttachArgs),
+}
+
 fn main() {
-    let obj = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dynprof"));
-    println!("{}", obj.len());
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_target(false)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("dynprof: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    match cli.command {
+        Command::Attach(a) => rt.block_on(attach::run(a)),
+    }
 }

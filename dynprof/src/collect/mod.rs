@@ -1,0 +1,2 @@
+//! Collectors armed around windows.
+pub mod symbolize;

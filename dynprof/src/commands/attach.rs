@@ -1,0 +1,147 @@
+//! `dynprof attach`: resolve markers, load, attach, run the session.
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use clap::Args;
+use serde_json::json;
+
+use super::printer::StepPrinter;
+use crate::{
+    bpf::Kernel,
+    probes::{self, MarkerArg, ResolvedProbe},
+    session::{EndReason, Limits, Observer, Session, SessionSummary},
+    target::Target,
+    types::HostPid,
+};
+
+const MARKER_HELP: &str = "\
+Step marker (repeatable). Default: auto.
+  auto                          detect the framework from /proc/PID/maps
+                                (PyTorch: the optimizer step, plus backward as aux)
+  OBJECT:SYMBOL[+OFF][,OPT...]  a uprobe; OBJECT is `exe`, a path, or a library
+                                name fragment (libtorch_cpu); SYMBOL is mangled or
+                                demangled (torch::autograd::Engine::execute)
+  usdt:OBJECT:PROVIDER:NAME[,OPT...]
+  python:FUNC                   a Python function (USDT function__return)
+OPT: role=step|aux   arg=N:cstr|str   prefix=TEXT | eq=TEXT   name=LABEL
+Example: libtorch_cpu:c10::ivalue::ConstantString::create(std::string),arg=1:str,prefix=Optimizer.step#";
+
+#[derive(Args, Debug, Clone)]
+pub struct AttachArgs {
+    /// Host PID of the running job (see `dynprof ps`).
+    #[arg(long, short = 'p', value_name = "PID")]
+    pub pid: u32,
+
+    #[arg(long = "marker", short = 'm', value_name = "SPEC", long_help = MARKER_HELP)]
+    pub markers: Vec<String>,
+
+    /// Print JSON lines on stdout (attached, step..., summary) instead of live text.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Detach after this many step boundaries.
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
+
+    /// Detach after this many seconds.
+    #[arg(long, value_name = "SECS")]
+    pub duration: Option<f64>,
+
+    /// Ring buffer size in KiB (a power of two, at least 4).
+    #[arg(long, default_value_t = 4096, value_name = "KIB")]
+    pub ring_buffer_kb: u32,
+}
+
+/// Parses all `--marker` SPECs, failing on the first malformed one.
+pub fn parse_markers(raw: &[String]) -> Result<Vec<MarkerArg>> {
+    if raw.is_empty() {
+        return Ok(vec![MarkerArg::Auto]);
+    }
+    raw.iter().map(|s| probes::spec::parse(s)).collect()
+}
+
+pub fn ring_bytes(kb: u32) -> Result<u32> {
+    if kb < 4 || !kb.is_power_of_two() {
+        bail!("--ring-buffer-kb must be a power of two and at least 4 (got {kb})");
+    }
+    Ok(kb * 1024)
+}
+
+/// Resolves, loads and attaches; returns a ready session.
+pub fn prepare(target: Target, markers: &[MarkerArg], ring_kb: u32) -> Result<Session> {
+    let resolved = probes::resolve_markers(&target, markers)?;
+    let mut kernel = Kernel::load(target.host_pid, ring_bytes(ring_kb)?)?;
+    for p in &resolved {
+        kernel.attach_marker(p)?;
+    }
+    Ok(Session::new(kernel, target, resolved))
+}
+
+pub fn attached_json(target: &Target, probes: &[ResolvedProbe]) -> serde_json::Value {
+    json!({
+        "event": "attached",
+        "host_pid": target.host_pid,
+        "ns_pids": target.ns_pids,
+        "ns_pid": target.inner_pid(),
+        "container": target.container,
+        "comm": target.comm,
+        "markers": probes.iter().map(|p| json!({
+            "label": p.label,
+            "role": p.role,
+            "spec": p.spec,
+            "object": p.object,
+            "build_id": p.build_id,
+            "symbol": p.symbol,
+            "file_offset": p.file_offset,
+            "usdt_semaphore": p.semaphore.as_ref().map(|s| s.runtime_addr),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
+    if json_mode {
+        let mut v = serde_json::to_value(s).unwrap_or_default();
+        v["event"] = json!("summary");
+        v["host_pid"] = json!(target.host_pid);
+        v["ns_pids"] = json!(target.ns_pids);
+        v["container"] = json!(target.container);
+        println!("{v}");
+        return;
+    }
+    if s.end == EndReason::TargetExited {
+        eprintln!("dynprof: target PID {} exited; keeping what was counted", target.host_pid);
+    }
+    let st = &s.steps;
+    eprintln!(
+        "dynprof: {} steps ({} complete) in {:.1} s; step time mean {:.3} ms, p50 {:.3} ms, p99 {:.3} ms; ended: {}",
+        st.steps, st.completed_steps, s.elapsed_s, st.mean_ms, st.p50_ms, st.p99_ms, s.end.describe()
+    );
+    for (k, v) in &st.aux_per_step {
+        eprintln!("dynprof: {k}: {v:.2} per step");
+    }
+    let d = &s.drops;
+    if d.step + d.api + d.cpu + d.offcpu + d.cpu_stack + d.offcpu_stack > 0 {
+        eprintln!("dynprof: LOST events: {d:?} (enlarge --ring-buffer-kb)");
+    }
+}
+
+pub async fn run(args: AttachArgs) -> Result<()> {
+    let markers = parse_markers(&args.markers)?;
+    let target = Target::open(HostPid(args.pid))?;
+    let mut session = prepare(target, &markers, args.ring_buffer_kb)?;
+    if args.json {
+        println!("{}", attached_json(&session.target, &session.probes));
+    } else {
+        for p in &session.probes {
+            eprintln!(
+                "dynprof: attached {} marker `{}` at {}+{:#x} ({})",
+                p.role, p.label, p.object, p.file_offset, p.symbol
+            );
+        }
+    }
+    let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(StepPrinter { json: args.json })];
+    let limits = Limits { steps: args.steps, duration: args.duration.map(Duration::from_secs_f64) };
+    let summary = session.run(&mut observers, limits, None).await.context("event loop")?;
+    print_summary(args.json, &session.target, &summary);
+    Ok(())
+}

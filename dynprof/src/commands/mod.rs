@@ -1,0 +1,3 @@
+//! The subcommands' implementations; `main.rs` only parses.
+pub mod attach;
+pub mod printer;

@@ -1,0 +1,15 @@
+//! dynprof: attach to a running AI job by PID, find its training-step
+//! boundaries with uprobes, and collect exactly at those boundaries.
+//!
+//! Data flows one way: `target` (/proc) → `symbols`/`probes` (ELF, USDT) →
+//! kernel (`dynprof-ebpf`: count, gate, emit) → `session` (event loop, step
+//! clock) → `window` (plans, scheduler) → `collect` → `output`.
+pub mod bpf;
+pub mod collect;
+pub mod commands;
+pub mod output;
+pub mod probes;
+pub mod session;
+pub mod symbols;
+pub mod target;
+pub mod types;

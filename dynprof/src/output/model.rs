@@ -1,0 +1,76 @@
+//! What one window captured, in user-space terms: the input of every output
+//! writer (`trace.json`, tables, flamegraphs) and what `report` reads back.
+use serde::{Deserialize, Serialize};
+
+use crate::types::StepIndex;
+
+/// One recorded step: from its boundary hit to the next.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepSpan {
+    pub step: StepIndex,
+    pub start_ts_ns: u64,
+    pub end_ts_ns: u64,
+    /// Host tid that hit the boundary that began this step.
+    pub tid: u32,
+    /// Aux marker hits during this step, by aux marker name.
+    pub aux: Vec<(String, u64)>,
+}
+
+/// One completed runtime API call.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ApiCall {
+    pub tid: u32,
+    pub api: String,
+    pub start_ts_ns: u64,
+    pub dur_ns: u64,
+    pub ret: i64,
+    /// Synchronize-type calls: time the host waits for the device.
+    pub device_wait: bool,
+}
+
+/// A symbolized stack, root first, leaf last; kernel frames are suffixed
+/// `_[k]` as in the flamegraph convention.
+pub type Stack = Vec<String>;
+
+/// One CPU sample.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CpuSample {
+    pub tid: u32,
+    pub ts_ns: u64,
+    pub stack: Stack,
+}
+
+/// One off-CPU interval.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OffCpuSpan {
+    pub tid: u32,
+    pub ts_ns: u64,
+    pub dur_ns: u64,
+    pub stack: Stack,
+}
+
+/// Per-collector losses, from the kernel's DROPS map over the window.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Drops {
+    pub step: u64,
+    pub api: u64,
+    pub cpu: u64,
+    pub offcpu: u64,
+    pub cpu_stack: u64,
+    pub offcpu_stack: u64,
+    pub api_nesting: u64,
+}
+
+/// Everything a window's collectors produced, filtered to its recorded steps.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct WindowData {
+    pub steps: Vec<StepSpan>,
+    pub api_calls: Vec<ApiCall>,
+    pub samples: Vec<CpuSample>,
+    pub offcpu: Vec<OffCpuSpan>,
+    /// Host tid -> thread name (from /proc/PID/task/TID/comm).
+    pub thread_names: Vec<(u32, String)>,
+    pub process_name: String,
+    pub host_pid: u32,
+    pub drops: Drops,
+}

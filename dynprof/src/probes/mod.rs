@@ -1,0 +1,7 @@
+//! Markers: the grammar, framework presets, and resolution to file offsets.
+pub mod presets;
+pub mod resolve;
+pub mod spec;
+
+pub use resolve::{ResolvedProbe, resolve_markers};
+pub use spec::{MarkerArg, MarkerSpec, Role};

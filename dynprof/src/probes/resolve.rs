@@ -1,0 +1,278 @@
+//! MarkerSpec (what the user wrote) → ResolvedProbe (object, file offset,
+//! kernel config), through the target's /proc/PID/maps and mount namespace.
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use dynprof_common::{MarkerConfig, arg_mode, reg, role};
+use serde::Serialize;
+
+use super::{
+    presets,
+    spec::{Location, MarkerArg, MarkerSpec, ObjectRef, Role, StrKind},
+};
+use crate::{
+    symbols::{ElfImage, usdt},
+    target::{Mapping, Target},
+};
+
+/// SysV x86-64 integer argument registers, in order.
+const ARG_REGS: [u32; 6] = [reg::RDI, reg::RSI, reg::RDX, reg::RCX, reg::R8, reg::R9];
+
+/// A USDT semaphore to raise while attached (as bcc does, through /proc/PID/mem).
+#[derive(Clone, Debug, Serialize)]
+pub struct Semaphore {
+    pub runtime_addr: u64,
+}
+
+/// One attach point, ready for the kernel.
+#[derive(Clone, Debug, Serialize)]
+pub struct ResolvedProbe {
+    /// Index into the kernel's MARKERS map; the uprobe's attach cookie.
+    pub index: u32,
+    pub label: String,
+    pub role: Role,
+    pub spec: String,
+    /// Path as the target sees it.
+    pub object: String,
+    /// Path dynprof opens and attaches to (through /proc/PID/root or map_files).
+    #[serde(serialize_with = "ser_path")]
+    pub attach_path: PathBuf,
+    pub build_id: Option<String>,
+    pub symbol: String,
+    pub file_offset: u64,
+    #[serde(skip)]
+    pub config: MarkerConfig,
+    pub semaphore: Option<Semaphore>,
+}
+
+fn ser_path<S: serde::Serializer>(p: &PathBuf, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&p.to_string_lossy())
+}
+
+/// Why a spec did not resolve, for the error message.
+#[derive(Debug)]
+pub struct Miss {
+    pub spec: String,
+    pub tried: Vec<String>,
+    /// No mapped object matched: it may still be loaded later.
+    pub not_mapped: bool,
+}
+
+/// Resolves `--marker` arguments, expanding `auto`. Fails with every object
+/// and symbol tried when no step marker resolves.
+pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<ResolvedProbe>> {
+    let maps = target.maps()?;
+    let mut out: Vec<ResolvedProbe> = Vec::new();
+    let mut misses: Vec<Miss> = Vec::new();
+    for arg in args {
+        match arg {
+            MarkerArg::Spec(spec) => match resolve_spec(target, &maps, spec, out.len() as u32) {
+                Ok(mut v) => out.append(&mut v),
+                Err(m) => misses.push(m),
+            },
+            MarkerArg::Auto => {
+                let groups = presets::auto_markers(&maps)?;
+                let mut step_found = false;
+                for group in groups {
+                    for spec in group {
+                        if spec.role == Role::Step && step_found {
+                            continue;
+                        }
+                        if spec.role == Role::Aux && out.iter().any(|p| p.spec == spec.raw) {
+                            continue;
+                        }
+                        match resolve_spec(target, &maps, &spec, out.len() as u32) {
+                            Ok(mut v) => {
+                                step_found |= spec.role == Role::Step;
+                                out.append(&mut v);
+                            }
+                            Err(m) => misses.push(m),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if !out.iter().any(|p| p.role == Role::Step) {
+        let mut msg = String::from("no step marker resolved in the target; tried:");
+        for m in &misses {
+            msg.push_str(&format!("\n  {}:", m.spec));
+            for t in &m.tried {
+                msg.push_str(&format!("\n    - {t}"));
+            }
+        }
+        msg.push_str("\nhint: check the symbol with `nm -D --defined-only OBJECT`, or name another with --marker");
+        bail!(msg);
+    }
+    for m in misses {
+        log::warn!("marker `{}` did not resolve: {}", m.spec, m.tried.join("; "));
+    }
+    Ok(out)
+}
+
+/// Objects the spec may refer to: (path in target, a mapping of it).
+fn candidates<'a>(target: &Target, maps: &'a [Mapping], obj: &ObjectRef) -> Vec<&'a Mapping> {
+    let mut seen: Vec<&str> = Vec::new();
+    let mut out = Vec::new();
+    let exe = std::fs::read_link(format!("/proc/{}/exe", target.host_pid))
+        .map(|p| p.to_string_lossy().trim_end_matches(" (deleted)").to_string())
+        .unwrap_or_default();
+    for m in maps {
+        let base = m.path.rsplit('/').next().unwrap_or("");
+        let ok = match obj {
+            ObjectRef::Exe => m.path == exe,
+            ObjectRef::Path(p) => &m.path == p,
+            ObjectRef::Lib(frag) => base.contains(frag.as_str()),
+        };
+        if ok && !seen.contains(&m.path.as_str()) {
+            seen.push(&m.path);
+            out.push(m);
+        }
+    }
+    out
+}
+
+/// The host path through which dynprof reads and attaches to a mapped file:
+/// the target's root normally; map_files when the file was deleted/replaced
+/// or is otherwise not reachable by name.
+pub fn host_path_for(target: &Target, m: &Mapping) -> PathBuf {
+    let by_root = target.host_path(&m.path);
+    if !m.deleted && by_root.exists() {
+        by_root
+    } else {
+        PathBuf::from(format!("/proc/{}/map_files/{:x}-{:x}", target.host_pid, m.start, m.end))
+    }
+}
+
+pub fn resolve_spec(target: &Target, maps: &[Mapping], spec: &MarkerSpec, first_index: u32) -> Result<Vec<ResolvedProbe>, Miss> {
+    let objects = candidates(target, maps, &spec.object);
+    let what = match &spec.location {
+        Location::Symbol { name, .. } => format!("symbol `{name}`"),
+        Location::Usdt { provider, name } => format!("USDT probe {provider}:{name}"),
+    };
+    if objects.is_empty() {
+        let obj = match &spec.object {
+            ObjectRef::Exe => "the main executable".to_string(),
+            ObjectRef::Path(p) => format!("`{p}`"),
+            ObjectRef::Lib(f) => format!("a library matching `{f}`"),
+        };
+        return Err(Miss { spec: spec.raw.clone(), tried: vec![format!("{obj} is not mapped by PID {}", target.host_pid)], not_mapped: true });
+    }
+    let mut tried = Vec::new();
+    for m in objects {
+        let host = host_path_for(target, m);
+        let img = match ElfImage::open(&host) {
+            Ok(i) => i,
+            Err(e) => {
+                tried.push(format!("{}: {e:#}", m.path));
+                continue;
+            }
+        };
+        let found = match &spec.location {
+            Location::Symbol { name, offset } => {
+                let hits = img.find_function(name);
+                if hits.len() > 1 && spec.role == Role::Step {
+                    tried.push(format!(
+                        "{}: {what} is ambiguous, write the full signature; candidates: {}",
+                        m.path,
+                        hits.iter().map(|h| h.demangled.as_str()).collect::<Vec<_>>().join(" | ")
+                    ));
+                    continue;
+                }
+                hits.into_iter()
+                    .map(|h| (h.demangled, h.file_offset + offset, None, None))
+                    .collect::<Vec<_>>()
+            }
+            Location::Usdt { provider, name } => match usdt::probes(&img) {
+                Ok(ps) => ps
+                    .into_iter()
+                    .filter(|p| &p.provider == provider && &p.name == name)
+                    .map(|p| {
+                        let sem = (p.semaphore_vaddr != 0)
+                            .then(|| semaphore_addr(&img, maps, &m.path, p.semaphore_vaddr))
+                            .flatten();
+                        (format!("{provider}:{name}"), p.file_offset, Some(p.args), sem)
+                    })
+                    .collect(),
+                Err(e) => {
+                    tried.push(format!("{}: reading USDT notes: {e:#}", m.path));
+                    continue;
+                }
+            },
+        };
+        if found.is_empty() {
+            tried.push(format!("{}: no {what}", m.path));
+            continue;
+        }
+        let mut out = Vec::new();
+        for (i, (symbol, file_offset, usdt_args, sem)) in found.into_iter().enumerate() {
+            let config = match kernel_config(spec, usdt_args.as_deref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    tried.push(format!("{}: {e}", m.path));
+                    continue;
+                }
+            };
+            out.push(ResolvedProbe {
+                index: first_index + i as u32,
+                label: spec.label(),
+                role: spec.role,
+                spec: spec.raw.clone(),
+                object: m.path.clone(),
+                attach_path: host.clone(),
+                build_id: img.build_id(),
+                symbol,
+                file_offset,
+                config,
+                semaphore: sem.map(|runtime_addr| Semaphore { runtime_addr }),
+            });
+        }
+        if !out.is_empty() {
+            return Ok(out);
+        }
+    }
+    Err(Miss { spec: spec.raw.clone(), tried, not_mapped: false })
+}
+
+/// Runtime address of a USDT semaphore: its file offset located in one of
+/// the object's mappings.
+fn semaphore_addr(img: &ElfImage, maps: &[Mapping], path: &str, vaddr: u64) -> Option<u64> {
+    let off = img.vaddr_to_offset(vaddr)?;
+    maps.iter()
+        .find(|m| m.path == path && off >= m.offset && off < m.offset + (m.end - m.start))
+        .map(|m| m.start + (off - m.offset))
+}
+
+fn kernel_config(spec: &MarkerSpec, usdt_args: Option<&[(i32, usdt::ArgLoc)]>) -> Result<MarkerConfig, String> {
+    let mut c = MarkerConfig::zeroed();
+    c.role = match spec.role {
+        Role::Step => role::STEP,
+        Role::Aux => role::AUX,
+    };
+    let Some(f) = &spec.filter else { return Ok(c) };
+    c.arg_mode = match f.kind {
+        StrKind::CStr => arg_mode::CSTR,
+        StrKind::StdString => arg_mode::STD_STRING,
+    };
+    match usdt_args {
+        None => c.arg_reg = ARG_REGS[f.arg as usize],
+        Some(args) => match args.get(f.arg as usize) {
+            Some((_, usdt::ArgLoc::Reg(r))) => c.arg_reg = *r,
+            Some((_, usdt::ArgLoc::Mem { base, offset })) => {
+                c.arg_reg = *base;
+                c.arg_in_memory = 1;
+                c.arg_offset = *offset;
+            }
+            Some((_, usdt::ArgLoc::Const(_))) => return Err(format!("USDT argument {} is a constant, not a string", f.arg)),
+            None => return Err(format!("the USDT probe has no argument {}", f.arg)),
+        },
+    }
+    let mut bytes = f.text.as_bytes().to_vec();
+    if f.exact {
+        // Comparing the terminating NUL too turns the prefix test into equality.
+        bytes.push(0);
+    }
+    c.prefix_len = bytes.len() as u32;
+    c.prefix[..bytes.len()].copy_from_slice(&bytes);
+    Ok(c)
+}

@@ -1,0 +1,222 @@
+//! The session: one task that owns the event stream, the step clock and
+//! the observers (live printer, window scheduler, collectors).
+pub mod clock;
+pub mod events;
+
+use std::{
+    any::Any,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result};
+use aya::maps::{MapData, RingBuf};
+use serde::Serialize;
+use tokio::{io::unix::AsyncFd, signal::unix::{SignalKind, signal}, sync::mpsc};
+
+pub use clock::{CompletedStep, StepClock, StepSummary};
+pub use events::Decoded;
+
+use crate::{
+    bpf::Kernel,
+    output::model::Drops,
+    probes::{ResolvedProbe, Role},
+    target::Target,
+    types::StepIndex,
+};
+
+/// Why a session ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndReason {
+    StepsReached,
+    Duration,
+    Interrupted,
+    TargetExited,
+    /// An observer (e.g. a finished window plan, or `quit`) asked to stop.
+    Done,
+}
+
+impl EndReason {
+    pub fn describe(&self) -> &'static str {
+        match self {
+            EndReason::StepsReached => "requested steps reached",
+            EndReason::Duration => "duration elapsed",
+            EndReason::Interrupted => "interrupted",
+            EndReason::TargetExited => "target exited",
+            EndReason::Done => "done",
+        }
+    }
+}
+
+/// What observers can reach while handling an event.
+pub struct Ctx<'a> {
+    pub kernel: &'a mut Kernel,
+    pub target: &'a Target,
+    pub probes: &'a [ResolvedProbe],
+    pub clock: &'a StepClock,
+}
+
+/// A consumer of the event stream. Everything but counting steps is an
+/// observer: the live printer, the window scheduler, the collectors.
+pub trait Observer {
+    /// Called for every event, after the step clock has seen it. `completed`
+    /// is the step a step event just closed, if any.
+    fn on_event(&mut self, ev: &Decoded, completed: Option<&CompletedStep>, ctx: &mut Ctx) -> Result<()>;
+    /// Commands from triggers (console, config watcher), routed by type.
+    fn on_command(&mut self, _cmd: &mut dyn Any, _ctx: &mut Ctx) -> Result<()> {
+        Ok(())
+    }
+    /// About every 100 ms, for housekeeping that must not wait for a step.
+    fn on_tick(&mut self, _ctx: &mut Ctx) -> Result<()> {
+        Ok(())
+    }
+    /// The session is ending; flush and finalize.
+    fn finish(&mut self, _end: &EndReason, _ctx: &mut Ctx) -> Result<()> {
+        Ok(())
+    }
+    /// True when this observer has nothing left to do and the session may end.
+    fn wants_exit(&self) -> bool {
+        false
+    }
+}
+
+pub type Command = Box<dyn Any + Send>;
+
+pub struct Limits {
+    pub steps: Option<u64>,
+    pub duration: Option<Duration>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SessionSummary {
+    pub end: EndReason,
+    #[serde(flatten)]
+    pub steps: StepSummary,
+    pub drops: Drops,
+    pub elapsed_s: f64,
+}
+
+/// Opens a pidfd, which becomes readable when the process exits: no polling.
+fn pidfd(pid: u32) -> Result<OwnedFd> {
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("pidfd_open({pid})"));
+    }
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+pub struct Session {
+    pub kernel: Kernel,
+    pub target: Target,
+    pub probes: Vec<ResolvedProbe>,
+    pub clock: StepClock,
+}
+
+impl Session {
+    pub fn new(kernel: Kernel, target: Target, probes: Vec<ResolvedProbe>) -> Self {
+        Self { kernel, target, probes, clock: StepClock::default() }
+    }
+
+    /// Runs until a limit, a signal, the target's exit or an observer ends it.
+    pub async fn run(
+        &mut self,
+        observers: &mut [Box<dyn Observer>],
+        limits: Limits,
+        mut commands: Option<mpsc::UnboundedReceiver<Command>>,
+    ) -> Result<SessionSummary> {
+        let started = Instant::now();
+        let ring: RingBuf<MapData> = self.kernel.take_events()?;
+        let mut ring = AsyncFd::new(ring).context("registering the ring buffer with tokio")?;
+        let exit_fd = AsyncFd::new(pidfd(self.target.host_pid.0)?)?;
+        let mut sigint = signal(SignalKind::interrupt())?;
+        let mut sigterm = signal(SignalKind::terminate())?;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let deadline = limits.duration.map(|d| tokio::time::Instant::now() + d);
+        let sleep_until = async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(sleep_until);
+
+        let end = 'outer: loop {
+            tokio::select! {
+                guard = ring.readable_mut() => {
+                    let mut guard = guard?;
+                    let mut stop = None;
+                    while let Some(item) = guard.get_inner_mut().next() {
+                        let Some(ev) = events::decode(&item) else { continue };
+                        drop(item);
+                        if let Some(r) = self.dispatch(&ev, observers, &limits)? {
+                            stop = Some(r);
+                            break;
+                        }
+                    }
+                    guard.clear_ready();
+                    if let Some(r) = stop { break 'outer r; }
+                }
+                _ = exit_fd.readable() => {
+                    // Drain what the target emitted before it died.
+                    let mut stop = None;
+                    while let Some(item) = ring.get_mut().next() {
+                        let Some(ev) = events::decode(&item) else { continue };
+                        drop(item);
+                        if let Some(r) = self.dispatch(&ev, observers, &limits)? { stop = Some(r); break; }
+                    }
+                    break stop.unwrap_or(EndReason::TargetExited);
+                }
+                Some(mut cmd) = async { match commands.as_mut() { Some(c) => c.recv().await, None => None } } => {
+                    let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
+                    for o in observers.iter_mut() {
+                        o.on_command(cmd.as_mut(), &mut ctx)?;
+                    }
+                    if !observers.is_empty() && observers.iter().all(|o| o.wants_exit()) { break EndReason::Done; }
+                }
+                _ = tick.tick() => {
+                    let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
+                    for o in observers.iter_mut() {
+                        o.on_tick(&mut ctx)?;
+                    }
+                    if observers.iter().any(|o| o.wants_exit()) { break EndReason::Done; }
+                }
+                _ = &mut sleep_until => break EndReason::Duration,
+                _ = sigint.recv() => break EndReason::Interrupted,
+                _ = sigterm.recv() => break EndReason::Interrupted,
+            }
+        };
+        let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
+        for o in observers.iter_mut() {
+            o.finish(&end, &mut ctx)?;
+        }
+        let drops = self.kernel.drops().unwrap_or_default();
+        self.kernel.detach_all();
+        let _ = ring.as_raw_fd();
+        Ok(SessionSummary { end, steps: self.clock.summary(), drops, elapsed_s: started.elapsed().as_secs_f64() })
+    }
+
+    fn dispatch(&mut self, ev: &Decoded, observers: &mut [Box<dyn Observer>], limits: &Limits) -> Result<Option<EndReason>> {
+        let mut completed = None;
+        if let Decoded::Step(s) = ev {
+            let label = self.probes.iter().find(|p| p.index == s.marker).map(|p| p.label.as_str()).unwrap_or("?");
+            match self.probes.iter().find(|p| p.index == s.marker).map(|p| p.role) {
+                Some(Role::Aux) => self.clock.on_aux(label),
+                _ => completed = self.clock.on_step(StepIndex(s.step), s.hdr.ts_ns, s.hdr.tid),
+            }
+        }
+        let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
+        for o in observers.iter_mut() {
+            o.on_event(ev, completed.as_ref(), &mut ctx)?;
+        }
+        if let (Some(n), Decoded::Step(s)) = (limits.steps, ev) {
+            if s.role == dynprof_common::role::STEP && self.clock.steps_seen >= n {
+                return Ok(Some(EndReason::StepsReached));
+            }
+        }
+        if !observers.is_empty() && observers.iter().any(|o| o.wants_exit()) {
+            return Ok(Some(EndReason::Done));
+        }
+        Ok(None)
+    }
+}

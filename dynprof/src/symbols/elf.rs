@@ -1,0 +1,166 @@
+//! Symbol lookup in one ELF object, by mangled or demangled name.
+use std::{fs, path::{Path, PathBuf}};
+
+use anyhow::{Context as _, Result, bail};
+use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
+
+/// A function symbol found in an object, with the file offset uprobes need.
+#[derive(Clone, Debug)]
+pub struct SymbolHit {
+    pub mangled: String,
+    pub demangled: String,
+    pub vaddr: u64,
+    pub file_offset: u64,
+}
+
+/// An ELF file read into memory (through the target's mount namespace).
+pub struct ElfImage {
+    pub path: PathBuf,
+    data: Vec<u8>,
+}
+
+impl ElfImage {
+    pub fn open(path: &Path) -> Result<Self> {
+        let data = fs::read(path).with_context(|| format!("reading ELF {}", path.display()))?;
+        object::File::parse(&*data)
+            .with_context(|| format!("{} is not a valid ELF object", path.display()))?;
+        Ok(Self { path: path.to_path_buf(), data })
+    }
+
+    pub fn file(&self) -> object::File<'_> {
+        // Parsed once in `open`, so this cannot fail.
+        object::File::parse(&*self.data).expect("validated in ElfImage::open")
+    }
+
+    pub fn build_id(&self) -> Option<String> {
+        let id = self.file().build_id().ok()??;
+        Some(id.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Translates a virtual address to a file offset through the PT_LOAD
+    /// segment containing it (what the kernel's uprobe API takes).
+    pub fn vaddr_to_offset(&self, vaddr: u64) -> Option<u64> {
+        self.file().segments().find_map(|seg| {
+            let (start, size) = (seg.address(), seg.size());
+            let (file_off, _) = seg.file_range();
+            (vaddr >= start && vaddr < start + size).then(|| vaddr - start + file_off)
+        })
+    }
+
+    /// Finds defined function symbols named `spec`: the mangled name, the
+    /// full demangled signature, or the demangled name without parameters.
+    /// Duplicates (.symtab and .dynsym both list most symbols) are merged.
+    pub fn find_function(&self, spec: &str) -> Vec<SymbolHit> {
+        let file = self.file();
+        let needles = mangled_needles(spec);
+        let mut hits: Vec<SymbolHit> = Vec::new();
+        for sym in file.symbols().chain(file.dynamic_symbols()) {
+            if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
+                continue;
+            }
+            let Ok(name) = sym.name() else { continue };
+            // Strip symbol versions such as `foo@@GLIBC_2.2.5`.
+            let name = name.split('@').next().unwrap_or(name);
+            let matched = if name == spec {
+                Some(demangle(name))
+            } else if name.starts_with("_Z") && needles.iter().all(|n| name.contains(n.as_str())) {
+                let full = demangle(name);
+                (full == spec || strip_params(&full) == spec).then_some(full)
+            } else {
+                None
+            };
+            if let Some(demangled) = matched {
+                if hits.iter().any(|h| h.vaddr == sym.address()) {
+                    continue;
+                }
+                if let Some(file_offset) = self.vaddr_to_offset(sym.address()) {
+                    hits.push(SymbolHit {
+                        mangled: name.to_string(),
+                        demangled,
+                        vaddr: sym.address(),
+                        file_offset,
+                    });
+                }
+            }
+        }
+        hits
+    }
+
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+}
+
+/// Demangles a C++ (Itanium) name, writing libstdc++'s string type as
+/// `std::string` the way people write it; returns other names unchanged.
+pub fn demangle(name: &str) -> String {
+    if let Ok(sym) = cpp_demangle::Symbol::new(name) {
+        if let Ok(s) = sym.demangle(&cpp_demangle::DemangleOptions::default()) {
+            return s
+                .replace("std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >", "std::string")
+                .replace("std::basic_string<char, std::char_traits<char>, std::allocator<char> >", "std::string");
+        }
+    }
+    name.to_string()
+}
+
+/// `ns::Class::f(int, char)` → `ns::Class::f`.
+pub fn strip_params(demangled: &str) -> &str {
+    let mut depth = 0i32;
+    for (i, c) in demangled.char_indices() {
+        match c {
+            '<' => depth += 1,
+            '>' => depth -= 1,
+            '(' if depth == 0 && i > 0 => return &demangled[..i],
+            _ => {}
+        }
+    }
+    demangled
+}
+
+/// Cheap pre-filter: every identifier of a demangled spec appears in the
+/// mangled name as `<len><ident>`. Demangling all of libtorch's ~10^5 symbols
+/// would take seconds; this keeps resolution well under a second.
+fn mangled_needles(spec: &str) -> Vec<String> {
+    strip_params(spec)
+        .split("::")
+        .filter(|p| !p.is_empty() && p.chars().all(|c| c.is_alphanumeric() || c == '_'))
+        .map(|p| format!("{}{}", p.len(), p))
+        .collect()
+}
+
+pub fn require_elf(path: &Path) -> Result<()> {
+    if !path.exists() {
+        bail!("{} does not exist", path.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_parameters_but_not_templates() {
+        assert_eq!(strip_params("a::b(int)"), "a::b");
+        assert_eq!(strip_params("a::b<c(d)>::e(int)"), "a::b<c(d)>::e");
+        assert_eq!(strip_params("plain"), "plain");
+    }
+
+    #[test]
+    fn needles_follow_itanium_mangling() {
+        assert_eq!(
+            mangled_needles("torch::autograd::Engine::execute"),
+            vec!["5torch", "8autograd", "6Engine", "7execute"]
+        );
+    }
+
+    #[test]
+    fn finds_a_function_in_the_test_binary() {
+        let exe = std::env::current_exe().unwrap();
+        let img = ElfImage::open(&exe).unwrap();
+        let hits = img.find_function("main");
+        assert_eq!(hits.len(), 1, "{hits:?}");
+        assert!(hits[0].file_offset > 0);
+    }
+}

@@ -1,0 +1,5 @@
+//! ELF symbols, C++ demangling, USDT notes and build ids.
+pub mod elf;
+pub mod usdt;
+
+pub use elf::{ElfImage, SymbolHit};
