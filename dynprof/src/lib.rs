@@ -12,4 +12,6 @@ pub mod probes;
 pub mod session;
 pub mod symbols;
 pub mod target;
+pub mod trigger;
 pub mod types;
+pub mod window;

@@ -1,2 +1,67 @@
-//! Collectors armed around windows.
+//! Collectors, armed around windows by the window scheduler.
+//!
+//! Two kinds:
+//! - [`Collector`]: built-in eBPF collectors (api, cpu, offcpu). Armed about
+//!   one step before a window, gated in the kernel at the window's exact
+//!   boundaries, detached after it. They see every event while armed and hand
+//!   the window's share over as [`WindowData`].
+//! - [`WindowHook`]: things driven at the boundaries themselves (msprof,
+//!   torch_npu dynamic_profile, user hooks). They get the boundary as soon as
+//!   user space learns of it and report metadata for `meta.json`.
 pub mod symbolize;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::{
+    bpf::Kernel,
+    output::model::WindowData,
+    session::Decoded,
+    target::Target,
+    types::{StepIndex, WindowId},
+};
+
+/// A window as the scheduler knows it when calling collectors and hooks.
+#[derive(Clone, Debug, Serialize)]
+pub struct WindowInfo {
+    pub id: WindowId,
+    /// First step inside the kernel gate (warmup included).
+    pub first_step: StepIndex,
+    /// First recorded step (after warmup).
+    pub first_recorded: StepIndex,
+    /// Boundary timestamp (CLOCK_MONOTONIC ns) of `first_step`'s hit.
+    pub open_ts_ns: u64,
+    /// Where this window's files go (the directory exists, being written).
+    pub dir: std::path::PathBuf,
+}
+
+pub trait Collector {
+    fn name(&self) -> &'static str;
+    /// Attaches probes. Called at least one step before the window opens
+    /// (or immediately, for a window that opens at the next boundary).
+    fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()>;
+    /// Detaches probes after the window closed.
+    fn disarm(&mut self, kernel: &mut Kernel);
+    /// Every event while armed (the kernel only emits inside the gate).
+    fn on_event(&mut self, ev: &Decoded);
+    /// Moves what was gathered between `start_ts_ns` and `end_ts_ns` (the
+    /// recorded steps' bounds) into `data`, dropping the rest (warmup).
+    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()>;
+}
+
+pub trait WindowHook {
+    fn name(&self) -> &'static str;
+    /// Called once when dynprof attaches, before any window (e.g. start msprof).
+    fn prepare(&mut self, _target: &Target) -> Result<()> {
+        Ok(())
+    }
+    /// The window's first recorded step just began (boundary hit seen).
+    fn on_window_start(&mut self, w: &WindowInfo, target: &Target) -> Result<()>;
+    /// The window's last step just ended. Returns metadata for meta.json
+    /// (under `hooks.<name>`); an Err marks the window incomplete.
+    fn on_window_end(&mut self, w: &WindowInfo, target: &Target) -> Result<serde_json::Value>;
+    /// dynprof is detaching.
+    fn shutdown(&mut self, _target: &Target) -> Result<()> {
+        Ok(())
+    }
+}

@@ -11,7 +11,6 @@ use crate::{
     probes::{self, MarkerArg, ResolvedProbe},
     session::{EndReason, Limits, Observer, Session, SessionSummary},
     target::Target,
-    types::HostPid,
 };
 
 const MARKER_HELP: &str = "\
@@ -28,9 +27,18 @@ Example: libtorch_cpu:c10::ivalue::ConstantString::create(std::string),arg=1:str
 
 #[derive(Args, Debug, Clone)]
 pub struct AttachArgs {
-    /// Host PID of the running job (see `dynprof ps`).
+    /// PID of the running job: a host PID, or with --in-pidns the PID seen
+    /// inside that PID namespace (see `dynprof ps`).
     #[arg(long, short = 'p', value_name = "PID")]
     pub pid: u32,
+
+    /// Read --pid in this PID namespace: a host PID of any process in it,
+    /// /proc/X/ns/pid, pid:[INODE], or a container id (>= 12 hex chars).
+    #[arg(long, value_name = "REF")]
+    pub in_pidns: Option<String>,
+
+    #[command(flatten)]
+    pub window: crate::window::args::WindowArgs,
 
     #[arg(long = "marker", short = 'm', value_name = "SPEC", long_help = MARKER_HELP)]
     pub markers: Vec<String>,
@@ -127,7 +135,7 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
 
 pub async fn run(args: AttachArgs) -> Result<()> {
     let markers = parse_markers(&args.markers)?;
-    let target = Target::open(HostPid(args.pid))?;
+    let target = Target::open(crate::target::resolve_pid(args.pid, args.in_pidns.as_deref())?)?;
     let mut session = prepare(target, &markers, args.ring_buffer_kb)?;
     if args.json {
         println!("{}", attached_json(&session.target, &session.probes));

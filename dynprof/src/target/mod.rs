@@ -104,6 +104,14 @@ impl Target {
     }
 }
 
+/// Turns `--pid N [--in-pidns REF]` into a host PID.
+pub fn resolve_pid(pid: u32, in_pidns: Option<&str>) -> Result<HostPid> {
+    match in_pidns {
+        None => Ok(HostPid(pid)),
+        Some(r) => bail!("--in-pidns {r}: not implemented yet"),
+    }
+}
+
 pub fn read_environ(pid: HostPid) -> Result<Vec<(String, String)>> {
     let raw = fs::read(format!("/proc/{pid}/environ"))
         .with_context(|| format!("reading /proc/{pid}/environ"))?;
