@@ -21,6 +21,11 @@ enum Command {
     /// Example: sudo dynprof attach --pid 4242
     ///          sudo dynprof attach --pid 4242 --marker exe:train_step --steps 100 --json
     Attach(AttachArgs),
+    /// Summarize one PROF_* window directory, or compare several side by side.
+    ///
+    /// Example: dynprof report out/PROF_20261202120000123_4242_1
+    ///          dynprof report before/PROF_* after/PROF_* --json
+    Report(dynprof::output::report::ReportArgs),
 }
 
 fn main() {
@@ -38,5 +43,6 @@ fn run(cli: Cli) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     match cli.command {
         Command::Attach(a) => rt.block_on(attach::run(a)),
+        Command::Report(r) => dynprof::output::report::run(&r),
     }
 }
