@@ -257,3 +257,9 @@ fn torch_train_py_logs_optimizer_steps_and_backward_passes() {
     check_steps(&lines, 3, t0, monotonic_ns());
     assert_eq!(lines.iter().filter(|l| l.kind == "backward").count(), 6);
 }
+
+#[test]
+fn require_privileges_skips_or_passes() {
+    require_privileges!();
+    assert!(privileged());
+}
