@@ -18,8 +18,10 @@ const HOST_EXCLUDE: &[&str] = &["--exclude", "dynprof-ebpf"];
 pub fn run(extra: &[String]) -> Result<()> {
     setup::run()?;
 
-    println!("[test] cargo build --workspace");
-    util::run(util::cargo().args(["build", "--workspace"]).args(HOST_EXCLUDE)).context("the build failed")?;
+    let mut build = util::cargo();
+    build.args(["build", "--workspace"]).args(HOST_EXCLUDE);
+    println!("[test] {}", util::display(&build));
+    util::run(&mut build).context("the build failed")?;
 
     // `extra` = cargo test args [-- harness args]
     let (cargo_args, harness_args) = match extra.iter().position(|a| a == "--") {
@@ -74,10 +76,19 @@ pub fn run(extra: &[String]) -> Result<()> {
         println!("[test] {f}");
     }
     match seen.results.last() {
-        Some(last) => println!(
-            "[test] {} test binaries ran; cargo's last result line: {last}",
-            seen.results.len()
-        ),
+        Some(last) => {
+            let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+            for r in &seen.results {
+                passed += count(r, "passed");
+                failed += count(r, "failed");
+                ignored += count(r, "ignored");
+            }
+            println!(
+                "[test] summed over cargo's {} `test result:` lines: {passed} passed; {failed} failed; {ignored} ignored",
+                seen.results.len()
+            );
+            println!("[test] cargo's last result line: {last}");
+        }
         None => println!("[test] cargo printed no `test result:` line"),
     }
     if !status.success() {
@@ -93,6 +104,16 @@ struct Seen {
     failed_lines: Vec<String>,
     skipped: Vec<String>,
     in_failed: bool,
+}
+
+/// `N` from "... N <what>; ..." in a libtest result line.
+fn count(line: &str, what: &str) -> u64 {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    words
+        .windows(2)
+        .find(|w| w[1].trim_end_matches([';', ',', '.']) == what)
+        .and_then(|w| w[0].parse().ok())
+        .unwrap_or(0)
 }
 
 fn strip_ansi(s: &str) -> String {
