@@ -39,7 +39,11 @@ pub fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(d) if !d.is_empty() => {
             let d = PathBuf::from(d);
-            if d.is_absolute() { d } else { workspace_root().join(d) }
+            if d.is_absolute() {
+                d
+            } else {
+                workspace_root().join(d)
+            }
         }
         _ => workspace_root().join("target"),
     }
@@ -97,7 +101,9 @@ impl Fixtures {
 /// compiler's output if the build fails.
 pub fn fixtures() -> &'static Fixtures {
     static FIXTURES: OnceLock<Fixtures> = OnceLock::new();
-    FIXTURES.get_or_init(|| build_fixtures().unwrap_or_else(|e| panic!("building test fixtures: {e:#}")))
+    FIXTURES.get_or_init(|| {
+        build_fixtures().unwrap_or_else(|e| panic!("building test fixtures: {e:#}"))
+    })
 }
 
 fn build_fixtures() -> Result<Fixtures> {
@@ -115,7 +121,11 @@ fn build_fixtures() -> Result<Fixtures> {
         .with_context(|| format!("opening {}", lock_path.display()))?;
     // SAFETY: plain flock(2) on a file descriptor we own; released on close.
     if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        bail!("flock {}: {}", lock_path.display(), std::io::Error::last_os_error());
+        bail!(
+            "flock {}: {}",
+            lock_path.display(),
+            std::io::Error::last_os_error()
+        );
     }
     let out = Command::new("make")
         .arg("--no-print-directory")
@@ -192,7 +202,12 @@ fn can_create_bpf_map() -> bool {
     attr[3] = 1;
     // SAFETY: bpf(BPF_MAP_CREATE=0) reads `size` bytes of `attr`, which is zeroed beyond the fields set.
     let fd = unsafe {
-        libc::syscall(libc::SYS_bpf, 0 as libc::c_long, attr.as_mut_ptr(), std::mem::size_of_val(&attr))
+        libc::syscall(
+            libc::SYS_bpf,
+            0 as libc::c_long,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
     };
     if fd >= 0 {
         // SAFETY: fd was just returned to us.
@@ -229,7 +244,9 @@ pub fn skip_unprivileged(test: &str) -> bool {
         return false;
     }
     if privileges_required() {
-        panic!("{test}: needs root / CAP_BPF+CAP_PERFMON, and DYNPROF_REQUIRE_PRIVILEGED=1 forbids skipping");
+        panic!(
+            "{test}: needs root / CAP_BPF+CAP_PERFMON, and DYNPROF_REQUIRE_PRIVILEGED=1 forbids skipping"
+        );
     }
     // Written straight to fd 2 so libtest's output capture cannot hide it.
     use std::io::Write as _;
@@ -281,7 +298,8 @@ impl Proc {
     /// Spawns `cmd` and waits (up to 120 s) for its `ready <pid>` line.
     pub fn spawn_ready(cmd: &mut Command) -> Proc {
         let mut p = Proc::spawn(cmd);
-        p.pid = wait_ready(&mut p.child).unwrap_or_else(|e| panic!("{:?}: {e:#}", cmd.get_program()));
+        p.pid =
+            wait_ready(&mut p.child).unwrap_or_else(|e| panic!("{:?}: {e:#}", cmd.get_program()));
         p
     }
 
@@ -329,7 +347,10 @@ impl Drop for Proc {
 /// in the background so the child never blocks on, or dies from, a full or
 /// closed pipe.
 pub fn wait_ready(child: &mut Child) -> Result<u32> {
-    let stdout = child.stdout.take().ok_or_else(|| anyhow!("child stdout is not piped"))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow!("child stdout is not piped"))?;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut r = BufReader::new(stdout);
@@ -369,14 +390,19 @@ fn complete_lines(path: &Path) -> Vec<String> {
     let mut s = String::new();
     match File::open(path) {
         Ok(mut f) => {
-            f.read_to_string(&mut s).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+            f.read_to_string(&mut s)
+                .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
         Err(e) => panic!("opening {}: {e}", path.display()),
     }
     // A line still being written (no newline yet) is not returned.
     let end = s.rfind('\n').map_or(0, |i| i + 1);
-    s[..end].lines().filter(|l| !l.trim().is_empty()).map(str::to_owned).collect()
+    s[..end]
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// Parses a fixture log (missing file = empty). Only complete lines are
@@ -393,19 +419,32 @@ pub fn read_log(path: impl AsRef<Path>) -> Vec<LogLine> {
             let Some((index, before, after)) = parsed else {
                 panic!("{}: malformed log line {l:?}", path.display());
             };
-            LogLine { kind: f[0].to_owned(), index, before, after }
+            LogLine {
+                kind: f[0].to_owned(),
+                index,
+                before,
+                after,
+            }
         })
         .collect()
 }
 
 /// The lines of `kind` in a log.
 pub fn log_lines_of(path: impl AsRef<Path>, kind: &str) -> Vec<LogLine> {
-    read_log(path).into_iter().filter(|l| l.kind == kind).collect()
+    read_log(path)
+        .into_iter()
+        .filter(|l| l.kind == kind)
+        .collect()
 }
 
 /// Polls the log until it has at least `n` lines of `kind`; returns all lines
 /// of that kind, or `None` on timeout.
-pub fn try_wait_for_log_lines(path: impl AsRef<Path>, kind: &str, n: usize, timeout: Duration) -> Option<Vec<LogLine>> {
+pub fn try_wait_for_log_lines(
+    path: impl AsRef<Path>,
+    kind: &str,
+    n: usize,
+    timeout: Duration,
+) -> Option<Vec<LogLine>> {
     let path = path.as_ref();
     let deadline = Instant::now() + timeout;
     loop {
@@ -421,7 +460,12 @@ pub fn try_wait_for_log_lines(path: impl AsRef<Path>, kind: &str, n: usize, time
 }
 
 /// Like [`try_wait_for_log_lines`] but panics on timeout, showing the log.
-pub fn wait_for_log_lines(path: impl AsRef<Path>, kind: &str, n: usize, timeout: Duration) -> Vec<LogLine> {
+pub fn wait_for_log_lines(
+    path: impl AsRef<Path>,
+    kind: &str,
+    n: usize,
+    timeout: Duration,
+) -> Vec<LogLine> {
     let path = path.as_ref();
     try_wait_for_log_lines(path, kind, n, timeout).unwrap_or_else(|| {
         let have = complete_lines(path);
@@ -454,12 +498,25 @@ pub fn read_acl_log(path: impl AsRef<Path>) -> Vec<AclLogLine> {
         .map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
             let parsed = (f.len() == 5)
-                .then(|| Some((f[1].parse().ok()?, f[2].parse().ok()?, f[3].parse().ok()?, f[4].parse().ok()?)))
+                .then(|| {
+                    Some((
+                        f[1].parse().ok()?,
+                        f[2].parse().ok()?,
+                        f[3].parse().ok()?,
+                        f[4].parse().ok()?,
+                    ))
+                })
                 .flatten();
             let Some((tid, enter, exit, waited)) = parsed else {
                 panic!("{}: malformed ACL log line {l:?}", path.display());
             };
-            AclLogLine { api: f[0].to_owned(), tid, enter, exit, waited }
+            AclLogLine {
+                api: f[0].to_owned(),
+                tid,
+                enter,
+                exit,
+                waited,
+            }
         })
         .collect()
 }

@@ -51,7 +51,12 @@ pub fn run() -> Result<()> {
     let pid: u32 = line
         .strip_prefix("ready ")
         .and_then(|p| p.trim().parse().ok())
-        .with_context(|| format!("the trainer printed `{}` instead of `ready <pid>`", line.trim()))?;
+        .with_context(|| {
+            format!(
+                "the trainer printed `{}` instead of `ready <pid>`",
+                line.trim()
+            )
+        })?;
     println!("[demo] trainer running as pid {pid} (one step every ~50 ms)");
 
     let mut cmd = Command::new(&dynprof);
@@ -60,7 +65,9 @@ pub fn run() -> Result<()> {
         .args(["--marker", "libfixture_backward:backward,role=aux"])
         .args(["--duration", "5"]);
     println!("[demo] {}", util::display(&cmd));
-    let status = cmd.status().with_context(|| format!("starting {}", dynprof.display()))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("starting {}", dynprof.display()))?;
     drop(trainer);
     if !status.success() {
         bail!("dynprof attach failed ({status})");

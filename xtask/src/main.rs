@@ -17,7 +17,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "dynprof developer tasks", bin_name = "cargo xtask")]
+#[command(
+    name = "cargo xtask",
+    about = "dynprof developer tasks",
+    bin_name = "cargo xtask"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -48,7 +48,10 @@ fn nightly() -> Result<()> {
         "`rustup` not found on PATH: install rustup (https://rustup.rs) and put ~/.cargo/bin on PATH",
     )?;
     if !list.status.success() {
-        bail!("`rustup toolchain list` failed: {}", String::from_utf8_lossy(&list.stderr).trim());
+        bail!(
+            "`rustup toolchain list` failed: {}",
+            String::from_utf8_lossy(&list.stderr).trim()
+        );
     }
     let have = String::from_utf8_lossy(&list.stdout)
         .lines()
@@ -57,7 +60,10 @@ fn nightly() -> Result<()> {
         say(what, "ok (already installed)");
         return Ok(());
     }
-    say(what, "missing, installing (rustup toolchain install nightly --profile minimal)");
+    say(
+        what,
+        "missing, installing (rustup toolchain install nightly --profile minimal)",
+    );
     util::run(rustup().args(["toolchain", "install", "nightly", "--profile", "minimal"])).context(
         "could not install the nightly toolchain; check network access to static.rust-lang.org, \
          or install it by hand: rustup toolchain install nightly --profile minimal",
@@ -68,14 +74,16 @@ fn nightly() -> Result<()> {
 
 fn rust_src() -> Result<()> {
     let what = "rust-src for nightly";
-    let installed = stdout_of(rustup().args(["component", "list", "--toolchain", "nightly", "--installed"]))?;
+    let installed =
+        stdout_of(rustup().args(["component", "list", "--toolchain", "nightly", "--installed"]))?;
     if installed.lines().any(|l| l.trim().starts_with("rust-src")) {
         say(what, "ok (already installed)");
         return Ok(());
     }
     say(what, "missing, installing");
-    util::run(rustup().args(["component", "add", "rust-src", "--toolchain", "nightly"]))
-        .context("could not add rust-src; try: rustup component add rust-src --toolchain nightly")?;
+    util::run(rustup().args(["component", "add", "rust-src", "--toolchain", "nightly"])).context(
+        "could not add rust-src; try: rustup component add rust-src --toolchain nightly",
+    )?;
     say(what, "ok (installed)");
     Ok(())
 }
@@ -110,7 +118,9 @@ fn stamp_path() -> PathBuf {
 
 fn which(prog: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|d| d.join(prog)).find(|p| p.is_file())
+    std::env::split_paths(&path)
+        .map(|d| d.join(prog))
+        .find(|p| p.is_file())
 }
 
 /// The LLVM major that the installed bpf-linker uses: from the libLLVM it is
@@ -122,7 +132,9 @@ fn installed_bpf_linker_llvm(bin: &Path) -> Option<u32> {
         for line in text.lines().filter(|l| !l.contains("not found")) {
             let name = line.split_whitespace().next().unwrap_or("");
             // libLLVM.so.22.1-rust-1.97.0-nightly, libLLVM-22-rust-...so, libLLVM-22.so
-            let rest = name.strip_prefix("libLLVM.so.").or_else(|| name.strip_prefix("libLLVM-"));
+            let rest = name
+                .strip_prefix("libLLVM.so.")
+                .or_else(|| name.strip_prefix("libLLVM-"));
             if let Some(rest) = rest {
                 let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
                 if let Ok(m) = digits.parse() {
@@ -131,7 +143,11 @@ fn installed_bpf_linker_llvm(bin: &Path) -> Option<u32> {
             }
         }
     }
-    std::fs::read_to_string(stamp_path()).ok()?.trim().parse().ok()
+    std::fs::read_to_string(stamp_path())
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 fn bpf_linker() -> Result<()> {
@@ -145,16 +161,31 @@ fn bpf_linker() -> Result<()> {
             Some(m) if m == major => {
                 // Make the check cheap and explicit next time.
                 let _ = std::fs::write(stamp_path(), format!("{major}\n"));
-                say(what, &format!("ok (already installed, LLVM {major} = nightly's LLVM)"));
+                say(
+                    what,
+                    &format!("ok (already installed, LLVM {major} = nightly's LLVM)"),
+                );
                 return Ok(());
             }
-            Some(m) => say(what, &format!("built for LLVM {m}, nightly has LLVM {llvm_version}: rebuilding")),
-            None => say(what, &format!("installed, LLVM unknown: rebuilding for LLVM {major}")),
+            Some(m) => say(
+                what,
+                &format!("built for LLVM {m}, nightly has LLVM {llvm_version}: rebuilding"),
+            ),
+            None => say(
+                what,
+                &format!("installed, LLVM unknown: rebuilding for LLVM {major}"),
+            ),
         }
     } else if version_out.is_some() {
-        say(what, "installed but does not run (its libLLVM is probably gone): rebuilding");
+        say(
+            what,
+            "installed but does not run (its libLLVM is probably gone): rebuilding",
+        );
     } else {
-        say(what, &format!("missing: building against the nightly's LLVM {llvm_version}"));
+        say(
+            what,
+            &format!("missing: building against the nightly's LLVM {llvm_version}"),
+        );
     }
 
     let sysroot = stdout_of(Command::new("rustc").args(["+nightly", "--print", "sysroot"]))?;
@@ -171,15 +202,25 @@ fn bpf_linker() -> Result<()> {
                 tl.display()
             )
         })?;
-    let libname = lib.strip_prefix("lib").and_then(|n| n.strip_suffix(".so")).unwrap_or(&lib);
+    let libname = lib
+        .strip_prefix("lib")
+        .and_then(|n| n.strip_suffix(".so"))
+        .unwrap_or(&lib);
     let tl_s = tl.display().to_string();
     let rustflags = format!("-L {tl_s} -l dylib={libname} -C link-arg=-Wl,-rpath,{tl_s}");
     let features = format!("llvm-{major},no-llvm-linking");
     let mut cmd = util::cargo();
-    cmd.args(["install", "--force", "bpf-linker", "--no-default-features", "--features", &features])
-        .env("RUSTFLAGS", &rustflags)
-        .env_remove("CARGO_TARGET_DIR")
-        .env_remove("RUSTUP_TOOLCHAIN");
+    cmd.args([
+        "install",
+        "--force",
+        "bpf-linker",
+        "--no-default-features",
+        "--features",
+        &features,
+    ])
+    .env("RUSTFLAGS", &rustflags)
+    .env_remove("CARGO_TARGET_DIR")
+    .env_remove("RUSTUP_TOOLCHAIN");
     println!("[setup] RUSTFLAGS=\"{rustflags}\" {}", util::display(&cmd));
     util::run(&mut cmd).with_context(|| {
         format!(
@@ -203,7 +244,8 @@ fn bpf_linker() -> Result<()> {
 fn dpkg_installed(pkg: &str) -> Result<bool> {
     let out = try_output(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))?
         .context("dpkg-query not found")?;
-    Ok(out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "install ok installed")
+    Ok(out.status.success()
+        && String::from_utf8_lossy(&out.stdout).trim() == "install ok installed")
 }
 
 fn debian_packages() -> Result<()> {
@@ -235,13 +277,19 @@ fn debian_packages() -> Result<()> {
         );
     }
     println!("[setup] apt-get update");
-    util::run(Command::new("apt-get").args(["update", "-q"]).env("DEBIAN_FRONTEND", "noninteractive"))
-        .context("`apt-get update` failed; check access to the Debian mirrors")?;
+    util::run(
+        Command::new("apt-get")
+            .args(["update", "-q"])
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+    .context("`apt-get update` failed; check access to the Debian mirrors")?;
     println!("[setup] apt-get install -y {}", missing.join(" "));
-    util::run(Command::new("apt-get")
-        .args(["install", "-y", "-q", "--no-install-recommends"])
-        .args(&missing)
-        .env("DEBIAN_FRONTEND", "noninteractive"))
+    util::run(
+        Command::new("apt-get")
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
     .with_context(|| format!("`apt-get install {}` failed", missing.join(" ")))?;
     for pkg in &missing {
         if !dpkg_installed(pkg)? {
@@ -278,7 +326,10 @@ fn tracefs() {
         say(what, "ok (already mounted)");
         return;
     }
-    match Command::new("mount").args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"]).output() {
+    match Command::new("mount")
+        .args(["-t", "tracefs", "nodev", "/sys/kernel/tracing"])
+        .output()
+    {
         Ok(o) if o.status.success() => say(what, "ok (mounted)"),
         Ok(o) => say(
             what,
@@ -288,6 +339,9 @@ fn tracefs() {
                 String::from_utf8_lossy(&o.stderr).trim()
             ),
         ),
-        Err(e) => say(what, &format!("WARNING: not mounted, could not run mount: {e}")),
+        Err(e) => say(
+            what,
+            &format!("WARNING: not mounted, could not run mount: {e}"),
+        ),
     }
 }

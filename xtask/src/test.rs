@@ -67,7 +67,10 @@ pub fn run(extra: &[String]) -> Result<()> {
     println!();
     println!("[test] ---- summary ----");
     if !seen.skipped.is_empty() {
-        println!("[test] {} test(s) SKIPPED for lack of privileges:", seen.skipped.len());
+        println!(
+            "[test] {} test(s) SKIPPED for lack of privileges:",
+            seen.skipped.len()
+        );
         for s in &seen.skipped {
             println!("[test]   {s}");
         }

@@ -20,7 +20,11 @@ pub fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(d) if !d.is_empty() => {
             let d = PathBuf::from(d);
-            if d.is_absolute() { d } else { workspace_root().join(d) }
+            if d.is_absolute() {
+                d
+            } else {
+                workspace_root().join(d)
+            }
         }
         _ => workspace_root().join("target"),
     }
@@ -44,7 +48,9 @@ pub fn display(cmd: &Command) -> String {
 /// Runs a command with inherited stdio; fails unless it exits 0.
 pub fn run(cmd: &mut Command) -> Result<()> {
     let shown = display(cmd);
-    let status = cmd.status().with_context(|| format!("could not start `{shown}`"))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start `{shown}`"))?;
     if !status.success() {
         bail!("`{shown}` failed ({status})");
     }
@@ -64,7 +70,9 @@ pub fn try_output(cmd: &mut Command) -> Result<Option<Output>> {
 /// Runs a command, captures stdout, and fails (showing stderr) unless it exits 0.
 pub fn stdout_of(cmd: &mut Command) -> Result<String> {
     let shown = display(cmd);
-    let out = cmd.output().with_context(|| format!("could not start `{shown}`"))?;
+    let out = cmd
+        .output()
+        .with_context(|| format!("could not start `{shown}`"))?;
     if !out.status.success() {
         bail!(
             "`{shown}` failed ({}): {}",
