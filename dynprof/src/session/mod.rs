@@ -127,8 +127,12 @@ impl Session {
     ) -> Result<SessionSummary> {
         let started = Instant::now();
         let ring: RingBuf<MapData> = self.kernel.take_events()?;
-        let mut ring = AsyncFd::new(ring).context("registering the ring buffer with tokio")?;
-        let exit_fd = AsyncFd::new(pidfd(self.target.host_pid.0)?)?;
+        // SAFETY: both fds are owned by the values moved into the AsyncFd and
+        // stay open exactly as long as it is registered.
+        let mut ring = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
+            .map_err(|e| anyhow::anyhow!("registering the ring buffer with tokio: {e}"))?;
+        let exit_fd = unsafe { AsyncFd::register_with_interest(pidfd(self.target.host_pid.0)?, tokio::io::Interest::READABLE) }
+            .map_err(|e| anyhow::anyhow!("watching the target's pidfd: {e}"))?;
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
