@@ -26,6 +26,14 @@ enum Command {
     /// Example: dynprof report out/PROF_20261202120000123_4242_1
     ///          dynprof report before/PROF_* after/PROF_* --json
     Report(dynprof::output::report::ReportArgs),
+    /// List the AI jobs on this host (containers included): processes that
+    /// load CANN, PyTorch or CUDA, with host and container PIDs, container,
+    /// rank, runtimes and the step markers `attach` would use. Launchers
+    /// (torchrun, mpirun, ...) are marked: profile their workers instead.
+    ///
+    /// Example: sudo dynprof ps
+    ///          sudo dynprof ps --json
+    Ps(dynprof::commands::ps::PsArgs),
 }
 
 fn main() {
@@ -44,5 +52,6 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Attach(a) => rt.block_on(attach::run(a)),
         Command::Report(r) => dynprof::output::report::run(&r),
+        Command::Ps(p) => dynprof::commands::ps::run(&p),
     }
 }

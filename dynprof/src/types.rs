@@ -44,3 +44,71 @@ impl fmt::Display for WindowId {
         self.0.fmt(f)
     }
 }
+
+/// Which container engine a cgroup path names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ContainerRuntime {
+    Docker,
+    Containerd,
+    CriO,
+    Podman,
+    /// A Kubernetes pod container under the cgroupfs driver, whose path does
+    /// not name the engine (`/kubepods/<qos>/pod<uid>/<id>`).
+    Cri,
+    /// A 64-hex container id under an unrecognised parent.
+    Unknown,
+}
+
+impl ContainerRuntime {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContainerRuntime::Docker => "docker",
+            ContainerRuntime::Containerd => "containerd",
+            ContainerRuntime::CriO => "cri-o",
+            ContainerRuntime::Podman => "podman",
+            ContainerRuntime::Cri => "cri",
+            ContainerRuntime::Unknown => "unknown",
+        }
+    }
+}
+
+impl fmt::Display for ContainerRuntime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A container as its cgroup path names it: the full (64 hex, lowercase) id,
+/// the engine, and the Kubernetes pod UID when the path has one.
+/// Serializes (and displays) as the bare full id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ContainerId {
+    pub id: String,
+    pub runtime: ContainerRuntime,
+    pub pod_uid: Option<String>,
+}
+
+impl ContainerId {
+    /// The first 12 hex digits, as `docker ps` shows it.
+    pub fn short(&self) -> &str {
+        &self.id[..self.id.len().min(12)]
+    }
+
+    /// Does `prefix` (case-insensitive) start this id?
+    pub fn matches_prefix(&self, prefix: &str) -> bool {
+        self.id.len() >= prefix.len() && self.id[..prefix.len()].eq_ignore_ascii_case(prefix)
+    }
+}
+
+impl fmt::Display for ContainerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.id)
+    }
+}
+
+impl Serialize for ContainerId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.id)
+    }
+}

@@ -92,6 +92,9 @@ pub fn attached_json(target: &Target, probes: &[ResolvedProbe]) -> serde_json::V
         "ns_pids": target.ns_pids,
         "ns_pid": target.inner_pid(),
         "container": target.container,
+        "container_runtime": target.container_runtime(),
+        "pid_ns": target.pid_ns.map(|i| format!("pid:[{i}]")),
+        "rank": target.rank,
         "comm": target.comm,
         "markers": probes.iter().map(|p| json!({
             "label": p.label,
@@ -113,6 +116,7 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
         v["host_pid"] = json!(target.host_pid);
         v["ns_pids"] = json!(target.ns_pids);
         v["container"] = json!(target.container);
+        v["container_runtime"] = json!(target.container_runtime());
         println!("{v}");
         return;
     }

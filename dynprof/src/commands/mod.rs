@@ -1,3 +1,4 @@
 //! The subcommands' implementations; `main.rs` only parses.
 pub mod attach;
 pub mod printer;
+pub mod ps;

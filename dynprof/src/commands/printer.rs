@@ -31,6 +31,7 @@ impl Observer for StepPrinter {
                 "ns_pids": t.ns_pids,
                 "ns_pid": t.inner_pid(),
                 "container": t.container,
+                "container_runtime": t.container_runtime(),
                 "tid": s.hdr.tid,
                 "marker": label,
                 "window": s.gate != 0,

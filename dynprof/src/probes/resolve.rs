@@ -135,13 +135,9 @@ fn candidates<'a>(target: &Target, maps: &'a [Mapping], obj: &ObjectRef) -> Vec<
 /// The host path through which dynprof reads and attaches to a mapped file:
 /// the target's root normally; map_files when the file was deleted/replaced
 /// or is otherwise not reachable by name.
+/// A replaced or deleted file is reported once (see `target::mount`).
 pub fn host_path_for(target: &Target, m: &Mapping) -> PathBuf {
-    let by_root = target.host_path(&m.path);
-    if !m.deleted && by_root.exists() {
-        by_root
-    } else {
-        PathBuf::from(format!("/proc/{}/map_files/{:x}-{:x}", target.host_pid, m.start, m.end))
-    }
+    crate::target::mount::locate_and_warn(target, m).path
 }
 
 pub fn resolve_spec(target: &Target, maps: &[Mapping], spec: &MarkerSpec, first_index: u32) -> Result<Vec<ResolvedProbe>, Miss> {

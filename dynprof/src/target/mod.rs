@@ -1,5 +1,17 @@
 //! The target process as /proc shows it: host PID, PID-namespace chain,
-//! mappings, environment and mount root.
+//! container, mappings, environment and mount root.
+//!
+//! - [`pidns`]: `--pid N --in-pidns REF` → host PID ([`resolve_pid`]).
+//! - [`container`]: container ids from `/proc/PID/cgroup`.
+//! - [`mount`]: opening mapped files across mount namespaces.
+//! - [`ps`]: finding AI jobs (`dynprof ps`).
+pub mod container;
+pub mod mount;
+pub mod pidns;
+pub mod ps;
+
+pub use pidns::resolve_pid;
+
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -8,7 +20,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use serde::Serialize;
 
-use crate::types::{HostPid, NsPid};
+use crate::types::{ContainerId, HostPid, NsPid};
 
 /// One line of /proc/PID/maps that maps a file.
 #[derive(Clone, Debug)]
@@ -33,10 +45,20 @@ pub struct Target {
     pub ns_pids: Vec<NsPid>,
     pub comm: String,
     pub cmdline: Vec<String>,
-    /// Container id when the cgroup path names one.
+    /// The full container id (`container_id`'s string form), when the cgroup
+    /// path names one.
     pub container: Option<String>,
+    /// The container with its engine and Kubernetes pod UID.
+    #[serde(skip)]
+    pub container_id: Option<ContainerId>,
+    /// The inode of the target's own PID namespace (`pid:[INODE]`).
+    pub pid_ns: Option<u64>,
     /// RANK from the target's environment, when readable.
     pub rank: Option<u32>,
+    /// LOCAL_RANK from the target's environment, when readable.
+    pub local_rank: Option<u32>,
+    /// WORLD_SIZE from the target's environment, when readable.
+    pub world_size: Option<u32>,
 }
 
 impl Target {
@@ -61,13 +83,27 @@ impl Target {
                     .collect()
             })
             .unwrap_or_default();
-        let rank = read_environ(pid)
-            .ok()
-            .and_then(|env| env_value(&env, "RANK").and_then(|v| v.parse().ok()));
-        let container = fs::read_to_string(proc_dir.join("cgroup"))
-            .ok()
-            .and_then(|c| container_id_from_cgroup(&c));
-        Ok(Self { host_pid: pid, ns_pids, comm, cmdline, container, rank })
+        let ranks = read_environ(pid).map(|env| RankEnv::from_env(&env)).unwrap_or_default();
+        let container_id = container::container_of(pid);
+        let container = container_id.as_ref().map(|c| c.id.clone());
+        let pid_ns = pidns::pidns_inode(pid).ok();
+        Ok(Self {
+            host_pid: pid,
+            ns_pids,
+            comm,
+            cmdline,
+            container,
+            container_id,
+            pid_ns,
+            rank: ranks.rank,
+            local_rank: ranks.local_rank,
+            world_size: ranks.world_size,
+        })
+    }
+
+    /// The container's engine (`docker`, `containerd`, `cri-o`, `podman`, `cri`), if any.
+    pub fn container_runtime(&self) -> Option<&'static str> {
+        self.container_id.as_ref().map(|c| c.runtime.as_str())
     }
 
     /// The innermost namespace PID (what `ps` inside the container shows).
@@ -101,14 +137,6 @@ impl Target {
 
     pub fn environ(&self) -> Result<Vec<(String, String)>> {
         read_environ(self.host_pid)
-    }
-}
-
-/// Turns `--pid N [--in-pidns REF]` into a host PID.
-pub fn resolve_pid(pid: u32, in_pidns: Option<&str>) -> Result<HostPid> {
-    match in_pidns {
-        None => Ok(HostPid(pid)),
-        Some(r) => bail!("--in-pidns {r}: not implemented yet"),
     }
 }
 
@@ -170,32 +198,43 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
         .collect()
 }
 
-/// Best-effort container id from /proc/PID/cgroup (docker, containerd/CRI,
-/// cri-o, podman): the last 64-hex-digit run in the path.
-pub fn container_id_from_cgroup(cgroup: &str) -> Option<String> {
-    for line in cgroup.lines() {
-        let path = line.splitn(3, ':').nth(2).unwrap_or("");
-        let bytes = path.as_bytes();
-        let mut i = 0;
-        let mut found = None;
-        while i < bytes.len() {
-            if bytes[i].is_ascii_hexdigit() {
-                let s = i;
-                while i < bytes.len() && bytes[i].is_ascii_hexdigit() {
-                    i += 1;
-                }
-                if i - s == 64 {
-                    found = Some(path[s..i].to_string());
-                }
-            } else {
-                i += 1;
-            }
-        }
-        if found.is_some() {
-            return found;
+/// Rank variables of a distributed job, from its environment: torchrun /
+/// DeepSpeed / accelerate (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`), Ascend
+/// (`RANK_ID`, `RANK_SIZE`), Open MPI and PMI.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RankEnv {
+    pub rank: Option<u32>,
+    pub local_rank: Option<u32>,
+    pub world_size: Option<u32>,
+}
+
+impl RankEnv {
+    pub fn from_env(env: &[(String, String)]) -> Self {
+        let first = |keys: &[&str]| keys.iter().find_map(|k| env_value(env, k)?.trim().parse().ok());
+        Self {
+            rank: first(&["RANK", "RANK_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]),
+            local_rank: first(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]),
+            world_size: first(&["WORLD_SIZE", "RANK_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]),
         }
     }
-    None
+}
+
+/// Every process (thread-group leader) in /proc, ascending.
+pub fn all_pids() -> Vec<HostPid> {
+    let mut v: Vec<HostPid> = fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok().map(HostPid))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The `PPid:` of /proc/PID/status.
+pub fn parse_ppid(status: &str) -> Option<HostPid> {
+    let line = status.lines().find(|l| l.starts_with("PPid:"))?;
+    line["PPid:".len()..].trim().parse().ok().map(HostPid)
 }
 
 /// Does this path exist in the target's mount namespace?
