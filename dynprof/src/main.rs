@@ -21,6 +21,11 @@ enum Command {
     /// Example: sudo dynprof attach --pid 4242
     ///          sudo dynprof attach --pid 4242 --marker exe:train_step --steps 100 --json
     Attach(AttachArgs),
+    /// Start a program and attach to it at once (markers in libraries it
+    /// loads later are attached when they appear).
+    ///
+    /// Example: sudo dynprof launch --start-step 10 --active 5 -o out -- python train.py
+    Launch(dynprof::commands::launch::LaunchArgs),
     /// Summarize one PROF_* window directory, or compare several side by side.
     ///
     /// Example: dynprof report out/PROF_20261202120000123_4242_1
@@ -51,6 +56,7 @@ fn run(cli: Cli) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     match cli.command {
         Command::Attach(a) => rt.block_on(attach::run(a)),
+        Command::Launch(a) => rt.block_on(dynprof::commands::launch::run(a)),
         Command::Report(r) => dynprof::output::report::run(&r),
         Command::Ps(p) => dynprof::commands::ps::run(&p),
     }

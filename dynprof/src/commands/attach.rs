@@ -1,15 +1,14 @@
 //! `dynprof attach`: resolve markers, load, attach, run the session.
 use std::time::Duration;
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Result, bail};
 use clap::Args;
 use serde_json::json;
 
-use super::printer::StepPrinter;
 use crate::{
     bpf::Kernel,
     probes::{self, MarkerArg, ResolvedProbe},
-    session::{EndReason, Limits, Observer, Session, SessionSummary},
+    session::{EndReason, Session, SessionSummary},
     target::Target,
 };
 
@@ -137,23 +136,30 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
     }
 }
 
+/// The built-in collectors the window scheduler may arm (`--collect`
+/// chooses among them; config files choose through `activities`).
+pub fn collectors(_w: &crate::window::args::WindowArgs) -> Result<Vec<Box<dyn crate::collect::Collector>>> {
+    Ok(Vec::new())
+}
+
 pub async fn run(args: AttachArgs) -> Result<()> {
     let markers = parse_markers(&args.markers)?;
     let target = Target::open(crate::target::resolve_pid(args.pid, args.in_pidns.as_deref())?)?;
-    let mut session = prepare(target, &markers, args.ring_buffer_kb)?;
-    if args.json {
-        println!("{}", attached_json(&session.target, &session.probes));
-    } else {
-        for p in &session.probes {
-            eprintln!(
-                "dynprof: attached {} marker `{}` at {}+{:#x} ({})",
-                p.role, p.label, p.object, p.file_offset, p.symbol
-            );
-        }
-    }
-    let mut observers: Vec<Box<dyn Observer>> = vec![Box::new(StepPrinter { json: args.json })];
-    let limits = Limits { steps: args.steps, duration: args.duration.map(Duration::from_secs_f64) };
-    let summary = session.run(&mut observers, limits, None).await.context("event loop")?;
-    print_summary(args.json, &session.target, &summary);
-    Ok(())
+    let lock = crate::window::lock::acquire(target.host_pid, "attach")?;
+    let wait = match args.window.wait_for_marker {
+        Some(s) if s > 0.0 => super::launch::MarkerWait::For(Duration::from_secs_f64(s)),
+        _ => super::launch::MarkerWait::No,
+    };
+    let d = super::launch::Drive {
+        window: &args.window,
+        markers,
+        json: args.json,
+        steps: args.steps,
+        duration: args.duration,
+        ring_buffer_kb: args.ring_buffer_kb,
+        mode_name: "attach",
+        collectors: collectors(&args.window)?,
+        hooks: Vec::new(),
+    };
+    super::launch::drive(d, target, None, lock, wait).await.map(|_| ())
 }

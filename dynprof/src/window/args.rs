@@ -1,5 +1,140 @@
 //! Plan and trigger flags shared by `attach` and `launch`.
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::{Result, bail};
 use clap::Args;
 
+use super::Plan;
+use crate::trigger::{PlanRequest, Source};
+
+/// Collectors `--collect` accepts.
+pub const COLLECTORS: &[&str] = &["api", "cpu", "offcpu"];
+
 #[derive(Args, Debug, Clone, Default)]
-pub struct WindowArgs {}
+#[command(next_help_heading = "Windows and triggers")]
+pub struct WindowArgs {
+    /// First step of the window (warmup included): a step number counted
+    /// from attach (hit k of the step marker begins step k), or -1 for the
+    /// next boundary. Recorded steps: S+W .. S+W+A-1.
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    pub start_step: Option<i64>,
+
+    /// Steps inside the window that are not recorded.
+    #[arg(long, value_name = "W")]
+    pub warmup: Option<u64>,
+
+    /// Steps recorded per window.
+    #[arg(long, value_name = "A")]
+    pub active: Option<u64>,
+
+    /// Windows after the first one (0 = once).
+    #[arg(long, value_name = "R")]
+    pub repeat: Option<u64>,
+
+    /// Steps between the end of one window and the start of the next.
+    #[arg(long, value_name = "G")]
+    pub gap: Option<u64>,
+
+    /// Where PROF_<time>_<pid>_<n>/ window directories are written.
+    #[arg(long, short = 'o', value_name = "DIR", default_value = ".")]
+    pub output: PathBuf,
+
+    /// Interactive console (`dynprof>` prompt: start, stop, capture, status,
+    /// quit, help). Default when no plan flags are given and stdin is a TTY.
+    #[arg(long)]
+    pub interactive: bool,
+
+    /// Console: detach after this many seconds without a command or a
+    /// window (0 disables it).
+    #[arg(long, value_name = "SECS", default_value_t = 1800)]
+    pub idle_timeout: u64,
+
+    /// torch_npu dynamic_profile trigger: write DIR/profiler_config.json and
+    /// start a window each time it is saved (see docs/windows.md).
+    #[arg(long, value_name = "DIR")]
+    pub config_dir: Option<PathBuf>,
+
+    /// Collectors armed around windows: any of api,cpu,offcpu (default: all).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub collect: Option<Vec<String>>,
+
+    /// Wait up to SECS for the step marker's library to be loaded when it is
+    /// not mapped yet (a job still starting up). `launch` waits as long as
+    /// the program runs.
+    #[arg(long, value_name = "SECS")]
+    pub wait_for_marker: Option<f64>,
+}
+
+/// Which trigger drives the session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// No windows: follow steps only (the attach issue's behaviour).
+    None,
+    Flags,
+    Console { plain: bool },
+    ConfigFile(PathBuf),
+}
+
+impl WindowArgs {
+    pub fn has_plan_flags(&self) -> bool {
+        self.start_step.is_some() || self.warmup.is_some() || self.active.is_some() || self.repeat.is_some() || self.gap.is_some()
+    }
+
+    /// Picks the trigger. `other_limits`: --steps/--duration/--json given,
+    /// which keep the plain step-following mode on a TTY.
+    pub fn mode(&self, stdin_tty: bool, other_limits: bool) -> Result<Mode> {
+        let n = [self.has_plan_flags(), self.interactive, self.config_dir.is_some()].iter().filter(|b| **b).count();
+        if n > 1 {
+            bail!("choose one trigger: plan flags (--start-step …), --interactive or --config-dir");
+        }
+        Ok(if let Some(d) = &self.config_dir {
+            Mode::ConfigFile(d.clone())
+        } else if self.has_plan_flags() {
+            Mode::Flags
+        } else if self.interactive {
+            Mode::Console { plain: !stdin_tty }
+        } else if stdin_tty && !other_limits {
+            Mode::Console { plain: false }
+        } else {
+            Mode::None
+        })
+    }
+
+    /// The flags plan.
+    pub fn plan(&self) -> Result<Plan> {
+        let start = self.start_step.unwrap_or(-1);
+        if start == 0 {
+            bail!("--start-step 0 means no collection; use -1 (next boundary) or a step number >= 1");
+        }
+        let plan = Plan {
+            start_step: start,
+            warmup: self.warmup.unwrap_or(0),
+            active: self.active.unwrap_or(1),
+            repeat: self.repeat.unwrap_or(0),
+            gap: self.gap.unwrap_or(0),
+        };
+        plan.validate()?;
+        Ok(plan)
+    }
+
+    pub fn collectors(&self) -> Result<Option<Vec<String>>> {
+        if let Some(c) = &self.collect {
+            for n in c {
+                if !COLLECTORS.contains(&n.as_str()) {
+                    bail!("--collect: unknown collector `{n}` (known: {})", COLLECTORS.join(","));
+                }
+            }
+        }
+        Ok(self.collect.clone())
+    }
+
+    pub fn flags_request(&self) -> Result<PlanRequest> {
+        let mut r = PlanRequest::new(self.plan()?, Source::Flags);
+        r.collect = self.collectors()?;
+        Ok(r)
+    }
+
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        (self.idle_timeout > 0).then(|| Duration::from_secs(self.idle_timeout))
+    }
+}

@@ -1,3 +1,193 @@
 //! Window plans and the scheduler that opens and closes windows at exact
-//! step boundaries. (Being built; see issue 4.)
+//! step boundaries.
+//!
+//! A [`Plan`] is what a trigger asks for (flags, console, config file). It is
+//! turned into a kernel [`PlanConfig`] in hit indices: the step program
+//! evaluates it at every step hit and sets the gate itself, so no user-space
+//! round trip decides where a window begins or ends. User space learns of
+//! every boundary from the `StepEvent`s (whose `gate` is the kernel's
+//! decision at that hit), arms collectors ahead of time and finalizes each
+//! window into a `PROF_*` directory ([`profdir`]).
 pub mod args;
+pub mod lock;
+pub mod profdir;
+pub mod scheduler;
+
+use anyhow::{Result, bail};
+use dynprof_common::PlanConfig;
+use serde::Serialize;
+
+use crate::bpf::Kernel;
+
+pub use scheduler::{Scheduler, SchedulerOptions, WindowRecord};
+
+/// `active` value of an open-ended window (console `start` … `stop`).
+pub const UNTIL_STOP: u64 = u64::MAX;
+
+/// What a trigger asks for, in steps as dynprof numbers them (hit k of the
+/// step marker after attach begins step k).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    /// First step inside the window (warmup included). -1: the next
+    /// boundary; 0: no collection.
+    pub start_step: i64,
+    /// Steps inside the window but not recorded.
+    pub warmup: u64,
+    /// Steps recorded; [`UNTIL_STOP`] for an open-ended window.
+    pub active: u64,
+    /// Extra windows after the first one; 0 = once.
+    pub repeat: u64,
+    /// Steps between the end of one window and the start of the next.
+    pub gap: u64,
+}
+
+impl Default for Plan {
+    fn default() -> Self {
+        Self { start_step: -1, warmup: 0, active: 1, repeat: 0, gap: 0 }
+    }
+}
+
+impl Plan {
+    pub fn open_ended(&self) -> bool {
+        self.active == UNTIL_STOP
+    }
+
+    /// Rejects plans that can never record anything.
+    pub fn validate(&self) -> Result<()> {
+        if self.start_step < -1 {
+            bail!("start step must be -1 (next boundary), 0 (none) or a step number >= 1 (got {})", self.start_step);
+        }
+        if self.active == 0 {
+            bail!("active must be at least 1 step");
+        }
+        Ok(())
+    }
+
+    /// Steps inside the gate per window.
+    pub fn span(&self) -> u64 {
+        if self.open_ended() { u64::MAX / 4 } else { self.warmup.saturating_add(self.active) }
+    }
+
+    /// Steps from one window's start to the next one's.
+    pub fn period(&self) -> u64 {
+        self.span().saturating_add(self.gap).max(1)
+    }
+
+    /// The kernel plan when the first window starts at hit `start`.
+    pub fn kernel_config(&self, start: u64) -> PlanConfig {
+        let end = if self.open_ended() {
+            u64::MAX
+        } else {
+            start.saturating_add(self.period().saturating_mul(self.repeat.saturating_add(1)))
+        };
+        PlanConfig { armed: 1, _pad: 0, start, end, span: self.span(), period: self.period() }
+    }
+
+    /// Human description, e.g. `start 5, warmup 1, active 3, repeat 0`.
+    pub fn describe(&self) -> String {
+        let start = match self.start_step {
+            -1 => "next boundary".to_string(),
+            s => format!("step {s}"),
+        };
+        let active = if self.open_ended() { "until stop".to_string() } else { self.active.to_string() };
+        let mut s = format!("start {start}, warmup {}, active {active}", self.warmup);
+        if self.repeat > 0 {
+            s.push_str(&format!(", repeat {} (gap {})", self.repeat, self.gap));
+        }
+        s
+    }
+}
+
+/// The first hit a plan may start at, given the current hit count `c`:
+/// `start_step` itself if it is still ahead, the next boundary otherwise.
+pub fn first_start(plan: &Plan, c: u64) -> u64 {
+    match plan.start_step {
+        s if s > 0 && (s as u64) > c => s as u64,
+        _ => c + 1,
+    }
+}
+
+/// Writes `plan` into the kernel so that its first window starts at the
+/// next boundary, or at `start_step` if that is still ahead. Race-free: the
+/// counter is read, the plan written, the counter re-read; if a hit slipped
+/// in between, the plan is rewritten for the new next boundary (a hit that
+/// saw the earlier write opened the gate one step early; the scheduler
+/// ignores gate openings before `PlanConfig.start`).
+pub fn program(kernel: &mut Kernel, plan: &Plan) -> Result<PlanConfig> {
+    let mut c = kernel.state()?.step_hits;
+    for _ in 0..16 {
+        let cfg = plan.kernel_config(first_start(plan, c));
+        kernel.set_plan(cfg)?;
+        let c2 = kernel.state()?.step_hits;
+        if c2 < cfg.start {
+            return Ok(cfg);
+        }
+        c = c2;
+    }
+    bail!("the step counter moves too fast to program a window (more than 16 steps during one map update)")
+}
+
+/// Closes an open-ended window at the next boundary: returns the last step
+/// inside it. Same read/write/re-read protocol as [`program`]; moving the end
+/// later is always safe because a closed gate stays closed.
+pub fn program_stop(kernel: &mut Kernel, mut cfg: PlanConfig) -> Result<(PlanConfig, u64)> {
+    let mut c = kernel.state()?.step_hits;
+    for _ in 0..16 {
+        cfg.end = (c + 1).max(cfg.start + 1);
+        kernel.set_plan(cfg)?;
+        let c2 = kernel.state()?.step_hits;
+        if c2 < cfg.end {
+            return Ok((cfg, cfg.end - 1));
+        }
+        c = c2;
+    }
+    bail!("the step counter moves too fast to close the window")
+}
+
+/// Disarms the kernel plan: the gate closes at the next hit.
+pub fn disarm(kernel: &mut Kernel) -> Result<()> {
+    kernel.set_plan(PlanConfig { armed: 0, _pad: 0, start: 0, end: 0, span: 0, period: 1 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gate(p: &PlanConfig, k: u64) -> bool {
+        p.armed != 0 && k >= p.start && k < p.end && p.period != 0 && (k - p.start) % p.period < p.span
+    }
+
+    #[test]
+    fn plan_covers_warmup_and_active() {
+        let p = Plan { start_step: 5, warmup: 1, active: 3, repeat: 0, gap: 0 };
+        let cfg = p.kernel_config(5);
+        let open: Vec<u64> = (0..20).filter(|k| gate(&cfg, *k)).collect();
+        assert_eq!(open, vec![5, 6, 7, 8]);
+    }
+
+    #[test]
+    fn repeats_with_gap() {
+        let p = Plan { start_step: 3, warmup: 0, active: 2, repeat: 2, gap: 1 };
+        let cfg = p.kernel_config(3);
+        let open: Vec<u64> = (0..30).filter(|k| gate(&cfg, *k)).collect();
+        assert_eq!(open, vec![3, 4, 6, 7, 9, 10]);
+    }
+
+    #[test]
+    fn open_ended_runs_until_end_is_set() {
+        let p = Plan { start_step: -1, warmup: 0, active: UNTIL_STOP, repeat: 0, gap: 0 };
+        let mut cfg = p.kernel_config(10);
+        assert!(gate(&cfg, 10) && gate(&cfg, 1_000_000));
+        cfg.end = 13;
+        let open: Vec<u64> = (0..30).filter(|k| gate(&cfg, *k)).collect();
+        assert_eq!(open, vec![10, 11, 12]);
+    }
+
+    #[test]
+    fn past_start_moves_to_next_boundary() {
+        let p = Plan { start_step: 5, ..Plan::default() };
+        assert_eq!(first_start(&p, 2), 5);
+        assert_eq!(first_start(&p, 5), 6);
+        assert_eq!(first_start(&Plan::default(), 7), 8);
+    }
+}

@@ -1,0 +1,346 @@
+//! `dynprof launch [options] -- CMD ARGS...`, and the session driver that
+//! `attach` and `launch` share: lock the target, pick the trigger, resolve
+//! (or wait for) the markers, program the plan, attach, run, report.
+//!
+//! Launch starts the program gated: the child reports its PID and waits on
+//! a pipe before `exec`, so the eBPF object (which needs the PID) is loaded
+//! before the program runs a single instruction. Markers whose library is
+//! not mapped yet (PyTorch loads `libtorch_cpu` well after start; a plugin
+//! may be `dlopen`ed late) are attached as soon as the library appears: the
+//! driver re-resolves each time `/proc/PID/maps` changes.
+use std::{
+    io::{IsTerminal as _, Read as _},
+    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    process::{Child, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use clap::Args;
+use tokio::sync::mpsc;
+
+use super::{
+    attach::{self, attached_json, parse_markers, print_summary, ring_bytes},
+    printer::StepPrinter,
+};
+use crate::{
+    bpf::Kernel,
+    collect::{Collector, WindowHook},
+    probes::{self, MarkerArg, ResolvedProbe},
+    session::{Command, Limits, Observer, Session, SessionSummary},
+    target::Target,
+    trigger::{config_file::ConfigFileTrigger, console},
+    types::HostPid,
+    window::{
+        Scheduler, SchedulerOptions,
+        args::{Mode, WindowArgs},
+        lock,
+    },
+};
+
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    #[command(flatten)]
+    pub window: WindowArgs,
+
+    /// Step marker (repeatable); see `dynprof attach --help`. Default: auto.
+    #[arg(long = "marker", short = 'm', value_name = "SPEC")]
+    pub markers: Vec<String>,
+
+    /// Print JSON lines on stdout (attached, step..., window..., summary).
+    #[arg(long)]
+    pub json: bool,
+
+    /// Detach after this many step boundaries.
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
+
+    /// Detach after this many seconds.
+    #[arg(long, value_name = "SECS")]
+    pub duration: Option<f64>,
+
+    /// Ring buffer size in KiB (a power of two, at least 4).
+    #[arg(long, default_value_t = 4096, value_name = "KIB")]
+    pub ring_buffer_kb: u32,
+
+    /// The program and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub cmd: Vec<String>,
+}
+
+/// Everything the driver needs besides the target.
+pub struct Drive<'a> {
+    pub window: &'a WindowArgs,
+    pub markers: Vec<MarkerArg>,
+    pub json: bool,
+    pub steps: Option<u64>,
+    pub duration: Option<f64>,
+    pub ring_buffer_kb: u32,
+    /// `attach` or `launch` (recorded in the lock file).
+    pub mode_name: &'static str,
+    /// Collectors and hooks the scheduler drives around windows.
+    pub collectors: Vec<Box<dyn Collector>>,
+    pub hooks: Vec<Box<dyn WindowHook>>,
+}
+
+/// How long to wait for markers whose library is not mapped yet.
+#[derive(Clone, Copy, Debug)]
+pub enum MarkerWait {
+    No,
+    For(Duration),
+    WhileAlive,
+}
+
+/// True for resolution failures that a library loaded later can cure.
+fn may_appear_later(e: &anyhow::Error) -> bool {
+    let s = format!("{e:#}");
+    s.contains("is not mapped by PID") || s.contains("found no known framework")
+}
+
+/// Resolves the markers, waiting (per `wait`) for libraries not mapped yet:
+/// re-resolves whenever `/proc/PID/maps` changes.
+pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait) -> Result<Vec<ResolvedProbe>> {
+    let started = Instant::now();
+    let mut said = false;
+    let mut last_maps = String::new();
+    loop {
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)).unwrap_or_default();
+        if maps != last_maps {
+            last_maps = maps;
+            match probes::resolve_markers(target, markers) {
+                Ok(v) => {
+                    if said {
+                        eprintln!("dynprof: step marker found after {:.1} s", started.elapsed().as_secs_f64());
+                    }
+                    return Ok(v);
+                }
+                Err(e) => {
+                    let keep_waiting = may_appear_later(&e)
+                        && match wait {
+                            MarkerWait::No => false,
+                            MarkerWait::For(d) => started.elapsed() < d,
+                            MarkerWait::WhileAlive => true,
+                        };
+                    if !keep_waiting {
+                        return Err(e);
+                    }
+                    if !said {
+                        said = true;
+                        let first = format!("{e:#}");
+                        eprintln!(
+                            "dynprof: the step marker is not loaded yet in PID {}; attaching when it appears ({})",
+                            target.host_pid,
+                            first.lines().take(3).collect::<Vec<_>>().join(" ")
+                        );
+                    }
+                }
+            }
+        }
+        if !target.is_alive() {
+            bail!("PID {} exited before its step marker was loaded", target.host_pid);
+        }
+        if let MarkerWait::For(d) = wait {
+            if started.elapsed() >= d {
+                return probes::resolve_markers(target, markers);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Runs one session against `target` with the trigger `d.window` selects.
+/// `kernel` may be preloaded (launch); otherwise it is loaded here.
+pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, lock: lock::TargetLock, wait: MarkerWait) -> Result<SessionSummary> {
+    let stdin_tty = std::io::stdin().is_terminal();
+    let mode = d.window.mode(stdin_tty, d.steps.is_some() || d.duration.is_some() || d.json)?;
+    let config = match &mode {
+        Mode::ConfigFile(dir) => Some(ConfigFileTrigger::setup(dir, &target, &d.window.output)?),
+        _ => None,
+    };
+    let initial = match &mode {
+        Mode::Flags => Some(d.window.flags_request()?),
+        _ => None,
+    };
+    let collect = d.window.collectors()?;
+
+    let resolved = resolve_waiting(&target, &d.markers, wait)?;
+    let mut kernel = match kernel {
+        Some(k) => k,
+        None => Kernel::load(target.host_pid, ring_bytes(d.ring_buffer_kb)?)?,
+    };
+
+    let mut sched = (mode != Mode::None).then(|| {
+        let mut s = Scheduler::new(SchedulerOptions {
+            output: d.window.output.clone(),
+            exit_when_done: mode == Mode::Flags,
+            idle_timeout: match mode {
+                Mode::Console { .. } => d.window.idle_timeout(),
+                _ => None,
+            },
+            json: d.json,
+            collect: collect.clone(),
+        });
+        for c in std::mem::take(&mut d.collectors) {
+            s.add_collector(c);
+        }
+        for h in std::mem::take(&mut d.hooks) {
+            s.add_hook(h);
+        }
+        s
+    });
+    if let (Some(s), Some(c)) = (&mut sched, config) {
+        s.set_config_trigger(c);
+    }
+    // The plan goes in before the markers, so even step 1 is on time.
+    if let Some(s) = &mut sched {
+        s.begin(&mut kernel, &target, initial)?;
+    }
+    for p in &resolved {
+        kernel.attach_marker(p)?;
+    }
+    let mut session = Session::new(kernel, target, resolved);
+    if d.json {
+        println!("{}", attached_json(&session.target, &session.probes));
+    } else {
+        for p in &session.probes {
+            eprintln!("dynprof: attached {} marker `{}` at {}+{:#x} ({})", p.role, p.label, p.object, p.file_offset, p.symbol);
+        }
+    }
+
+    let (tx, rx) = mpsc::unbounded_channel::<Command>();
+    match &mode {
+        Mode::Console { plain } => console::spawn(tx.clone(), *plain)?,
+        Mode::ConfigFile(_) => {
+            if let Some(s) = &sched {
+                s.spawn_config_watcher(tx.clone())?;
+            }
+            eprintln!(
+                "dynprof: watching {}; edit it to start a window",
+                d.window.config_dir.as_ref().map(|p| p.join(crate::trigger::config_file::CONFIG_FILE).display().to_string()).unwrap_or_default()
+            );
+        }
+        _ => {}
+    }
+    let mut observers: Vec<Box<dyn Observer>> = Vec::new();
+    if !matches!(mode, Mode::Console { .. }) {
+        observers.push(Box::new(StepPrinter { json: d.json }));
+    }
+    if let Some(s) = sched {
+        observers.push(Box::new(s));
+    }
+    let limits = Limits { steps: d.steps, duration: d.duration.map(Duration::from_secs_f64) };
+    let summary = session.run(&mut observers, limits, Some(rx)).await.context("event loop")?;
+    drop(tx);
+    print_summary(d.json, &session.target, &summary);
+    drop(lock);
+    Ok(summary)
+}
+
+/// Spawns `cmd` gated before exec: returns its PID while it waits, and a
+/// function that lets it exec and returns the `Child`.
+fn spawn_gated(cmd: &[String], stdin_null: bool) -> Result<(HostPid, impl FnOnce() -> Result<Child>)> {
+    let (mut pid_r, pid_w) = std::io::pipe().context("pipe")?;
+    let (gate_r, mut gate_w) = std::io::pipe().context("pipe")?;
+    let mut c = std::process::Command::new(&cmd[0]);
+    c.args(&cmd[1..]);
+    if stdin_null {
+        c.stdin(Stdio::null());
+    }
+    let (pw, gr, gw) = (pid_w.as_raw_fd(), gate_r.as_raw_fd(), gate_w.as_raw_fd());
+    // SAFETY: only async-signal-safe calls (getpid, write, read, close) run
+    // between fork and exec.
+    unsafe {
+        c.pre_exec(move || {
+            libc::close(gw); // so that our death reads as EOF
+            let b = libc::getpid().to_ne_bytes();
+            libc::write(pw, b.as_ptr().cast(), b.len());
+            libc::close(pw);
+            let mut x = [0u8; 1];
+            libc::read(gr, x.as_mut_ptr().cast(), 1);
+            libc::close(gr);
+            Ok(())
+        });
+    }
+    // `spawn` returns only after exec, so it runs on its own thread while
+    // this one loads the eBPF object for the gated PID. The thread keeps our
+    // ends of the child's pipes until then: if fork fails, dropping them
+    // turns the PID read below into an EOF instead of a hang.
+    let handle = std::thread::spawn(move || {
+        let r = c.spawn();
+        drop((pid_w, gate_r));
+        r
+    });
+    let mut b = [0u8; 4];
+    if pid_r.read_exact(&mut b).is_err() {
+        let e = handle.join().map_err(|_| anyhow!("spawn thread panicked"))?.err();
+        bail!("starting {}: {}", cmd[0], e.map(|e| e.to_string()).unwrap_or_else(|| "no PID reported".into()));
+    }
+    let pid = HostPid(i32::from_ne_bytes(b) as u32);
+    let name = cmd[0].clone();
+    let release = move || -> Result<Child> {
+        use std::io::Write as _;
+        let _ = gate_w.write_all(&[1]);
+        drop(gate_w);
+        let child = handle.join().map_err(|_| anyhow!("spawn thread panicked"))?;
+        child.with_context(|| format!("starting {name}"))
+    };
+    Ok((pid, release))
+}
+
+pub async fn run(args: LaunchArgs) -> Result<()> {
+    let markers = parse_markers(&args.markers)?;
+    let stdin_tty = std::io::stdin().is_terminal();
+    let mode = args.window.mode(stdin_tty, args.steps.is_some() || args.duration.is_some() || args.json)?;
+    // Validate what can fail before the program starts.
+    if let Mode::Flags = mode {
+        args.window.flags_request()?;
+    }
+    if let Mode::ConfigFile(d) = &mode {
+        crate::trigger::config_file::check_dir(d)?;
+    }
+    let ring = ring_bytes(args.ring_buffer_kb)?;
+    let stdin_null = matches!(mode, Mode::Console { .. });
+    let (pid, release) = spawn_gated(&args.cmd, stdin_null)?;
+    let prep = (|| -> Result<(lock::TargetLock, Kernel)> {
+        let l = lock::acquire(pid, "launch")?;
+        let k = Kernel::load(pid, ring)?;
+        Ok((l, k))
+    })();
+    let mut child = release()?;
+    let (lk, kernel) = match prep {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+    };
+    eprintln!("dynprof: launched {} as PID {pid}", args.cmd.join(" "));
+    let target = Target::open(pid)?;
+    let d = Drive {
+        window: &args.window,
+        markers,
+        json: args.json,
+        steps: args.steps,
+        duration: args.duration,
+        ring_buffer_kb: args.ring_buffer_kb,
+        mode_name: "launch",
+        collectors: attach::collectors(&args.window)?,
+        hooks: Vec::new(),
+    };
+    let r = drive(d, target, Some(kernel), lk, MarkerWait::WhileAlive).await;
+    if let Err(e) = &r {
+        eprintln!("dynprof: error: {e:#}");
+    }
+    // dynprof has detached; the program runs on. Wait for it, like `time`.
+    if matches!(child.try_wait(), Ok(None)) {
+        eprintln!("dynprof: detached; waiting for PID {pid} to exit");
+    }
+    let status = child.wait().context("waiting for the launched program")?;
+    r?;
+    if !status.success() {
+        eprintln!("dynprof: PID {pid} exited with {status}");
+        std::process::exit(status.code().unwrap_or(1));
+    }
+    Ok(())
+}

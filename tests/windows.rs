@@ -1,0 +1,197 @@
+//! Window plans against the native trainer: exact steps, boundaries inside
+//! the target's own logged calls, warmup excluded, next-boundary start,
+//! repeats, and a target that exits mid-window.
+mod common;
+#[path = "windows_util.rs"]
+mod windows_util;
+
+use std::process::Command;
+
+use common::*;
+use windows_util::*;
+
+fn trainer(tag: &str, step_ms: &str) -> (Proc, std::path::PathBuf, std::path::PathBuf) {
+    let dir = scratch_dir(tag);
+    let log = dir.join("trainer.log");
+    let p = Proc::spawn_ready(
+        Command::new(&fixtures().trainer)
+            .args(["--steps", "0", "--step-ms", step_ms])
+            .arg("--log")
+            .arg(&log),
+    );
+    wait_for_log_lines(&log, "step", 1, T);
+    (p, log, dir)
+}
+
+/// Maps dynprof's hit numbers to the trainer's logged calls through the
+/// first `--json` step line; returns (calls, offset) with
+/// `call index = hit + offset`.
+fn calls_and_offset(d: &Running, log: &std::path::Path, last_hit: u64) -> (Vec<LogLine>, i64) {
+    let steps = d.json_steps();
+    let (k1, ts1) = steps[0];
+    let calls = log_lines_of(log, "step");
+    let j1 = call_containing(&calls, ts1).unwrap_or_else(|| panic!("hit {k1} at {ts1} is inside no logged call"));
+    let offset = j1 as i64 - k1 as i64;
+    let need = (last_hit as i64 + offset + 1) as usize;
+    let calls = wait_for_log_lines(log, "step", need, T);
+    (calls, offset)
+}
+
+#[test]
+fn windows_plan_records_exactly_the_planned_steps() {
+    require_privileges!();
+    let (mut p, log, dir) = trainer("windows_plan_exact", "20");
+    let out = dir.join("out");
+    let pid = p.pid.to_string();
+    let mut d = spawn(
+        &[
+            "attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "5", "--warmup", "1", "--active", "3",
+            "--output", out.to_str().unwrap(), "--json",
+        ],
+        false,
+    );
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 1, "{dirs:?}\n{}", d.transcript());
+    assert!(tmp_dirs(&out).is_empty());
+    let name = dirs[0].file_name().unwrap().to_str().unwrap().to_string();
+    assert!(name.ends_with(&format!("_{pid}_1")), "{name}");
+    assert_eq!(name.len(), "PROF_".len() + 17 + 1 + pid.len() + 2, "{name}");
+
+    let m = meta(&dirs[0]);
+    assert_eq!(m["complete"], true, "{m}");
+    assert_eq!(m["trigger"], "flags");
+    assert_eq!(m["plan"]["start_step"], 5);
+    assert_eq!(m["plan"]["warmup"], 1);
+    assert_eq!(m["plan"]["active"], 3);
+    assert_eq!(m["first_recorded_step"], 6);
+    assert_eq!(m["last_recorded_step"], 8);
+    assert_eq!(recorded(&m), vec![6, 7, 8], "warmup step 5 must not be recorded");
+    assert_eq!(m["target"]["host_pid"], p.pid);
+    assert!(m["dynprof_version"].is_string());
+    assert!(m["target"]["ns_pids"].is_array());
+
+    // steps.csv: exactly 6..8, contiguous, each duration = end - start.
+    let rows = steps_csv(&dirs[0]);
+    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![6, 7, 8]);
+    for r in &rows {
+        assert_eq!(r.3, r.2 - r.1);
+    }
+    assert_eq!(rows[0].2, rows[1].1);
+    assert_eq!(rows[1].2, rows[2].1);
+    for (k, r) in (6..=8).zip(&rows) {
+        assert_eq!(r.1, boundary(&m, k));
+        assert_eq!(r.2, boundary(&m, k + 1));
+    }
+
+    // Every boundary (5 = warmup, 6..9) is inside the target's own call of
+    // the same step, numbered consistently with the live step stream.
+    let (calls, off) = calls_and_offset(&d, &log, 9);
+    for k in 5..=9u64 {
+        let ts = boundary(&m, k);
+        let j = call_containing(&calls, ts).unwrap_or_else(|| panic!("boundary {k} ({ts}) is inside no logged call"));
+        assert_eq!(j as i64, k as i64 + off, "boundary {k} is in the wrong call");
+    }
+    let warm: Vec<bool> = m["boundaries"].as_array().unwrap().iter().map(|b| b["warmup"].as_bool().unwrap()).collect();
+    assert_eq!(warm[0], true);
+    assert!(warm[1..].iter().all(|w| !w));
+    // The window line in the JSON stream names the directory.
+    let w: Vec<_> = d.stdout_json().into_iter().filter(|v| v["event"] == "window").collect();
+    assert_eq!(w.len(), 1);
+    assert_eq!(w[0]["window"]["dir"], dirs[0].to_str().unwrap());
+    assert!(p.is_running(), "the target must survive");
+}
+
+#[test]
+fn windows_next_boundary_start() {
+    require_privileges!();
+    let (mut p, log, dir) = trainer("windows_next_boundary", "15");
+    let out = dir.join("out");
+    let pid = p.pid.to_string();
+    let mut d = spawn(
+        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "-1", "--active", "2", "-o", out.to_str().unwrap(), "--json"],
+        false,
+    );
+    assert!(d.wait_exit(T).success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 1);
+    let m = meta(&dirs[0]);
+    assert_eq!(m["complete"], true, "{m}");
+    assert_eq!(m["plan"]["start_step"], -1);
+    let first = m["first_step"].as_u64().unwrap();
+    assert!(first >= 1);
+    assert_eq!(recorded(&m), vec![first, first + 1]);
+    let (calls, off) = calls_and_offset(&d, &log, first + 2);
+    for k in first..=first + 2 {
+        let j = call_containing(&calls, boundary(&m, k)).expect("boundary inside a logged call");
+        assert_eq!(j as i64, k as i64 + off);
+    }
+    assert!(p.is_running());
+}
+
+#[test]
+fn windows_repeat_with_gap() {
+    require_privileges!();
+    let (mut p, _log, dir) = trainer("windows_repeat", "10");
+    let out = dir.join("out");
+    let pid = p.pid.to_string();
+    let mut d = spawn(
+        &[
+            "attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "3", "--active", "2", "--repeat", "2", "--gap",
+            "1", "-o", out.to_str().unwrap(),
+        ],
+        false,
+    );
+    assert!(d.wait_exit(T).success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 3, "{}", d.transcript());
+    let want = [vec![3, 4], vec![6, 7], vec![9, 10]];
+    for (i, (dir, w)) in dirs.iter().zip(want).enumerate() {
+        assert_eq!(window_number(dir), i as u32 + 1);
+        let m = meta(dir);
+        assert_eq!(m["complete"], true);
+        assert_eq!(m["plan"]["cycle"], i);
+        assert_eq!(recorded(&m), w);
+        assert_eq!(steps_csv(dir).iter().map(|r| r.0).collect::<Vec<_>>(), w);
+    }
+    assert!(p.is_running());
+}
+
+#[test]
+fn windows_target_exit_mid_window_keeps_incomplete_output() {
+    require_privileges!();
+    let (mut p, log, dir) = trainer("windows_target_exit", "10");
+    let out = dir.join("out");
+    let pid = p.pid.to_string();
+    let mut d = spawn(
+        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "2", "--active", "100000", "-o", out.to_str().unwrap()],
+        false,
+    );
+    // The window is open once its hidden directory exists; let a few more
+    // steps pass, then kill the target.
+    let until = std::time::Instant::now() + T;
+    while tmp_dirs(&out).is_empty() {
+        assert!(std::time::Instant::now() < until, "no window opened:\n{}", d.transcript());
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let n = log_lines_of(&log, "step").len();
+    wait_for_log_lines(&log, "step", n + 4, T);
+    unsafe { libc::kill(p.pid as i32, libc::SIGKILL) };
+    let _ = p.child.wait();
+    assert!(d.wait_exit(T).success(), "{}", d.transcript());
+    assert!(tmp_dirs(&out).is_empty(), "the hidden directory must be renamed");
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 1);
+    let m = meta(&dirs[0]);
+    assert_eq!(m["complete"], false, "{m}");
+    assert_eq!(m["incomplete_reason"], "target exited");
+    let steps = recorded(&m);
+    assert!(steps.len() >= 3, "{m}");
+    assert_eq!(steps[0], 2);
+    assert_eq!(steps_csv(&dirs[0]).len(), steps.len());
+    // `dynprof report` flags it.
+    let r = dynprof_cmd(&["report", dirs[0].to_str().unwrap()]).output().unwrap();
+    let text = String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
+    assert!(text.contains("INCOMPLETE") && text.contains("target exited"), "{text}");
+}
