@@ -61,6 +61,13 @@ impl ElfImage {
             let Ok(name) = sym.name() else { continue };
             // Strip symbol versions such as `foo@@GLIBC_2.2.5`.
             let name = name.split('@').next().unwrap_or(name);
+            // GCC's `foo.cold` (demangled `foo() [clone .cold]`) is the
+            // unlikely-path fragment split off `foo`, not an entry point: a
+            // probe there never marks a call, and counting it as a second
+            // candidate made step markers on such functions "ambiguous".
+            if is_cold_fragment(name) {
+                continue;
+            }
             let matched = if name == spec {
                 Some(demangle(name))
             } else if name.starts_with("_Z") && needles.iter().all(|n| name.contains(n.as_str())) {
@@ -104,6 +111,11 @@ pub fn demangle(name: &str) -> String {
     name.to_string()
 }
 
+/// `foo.cold`, `foo.cold.12`: a function's cold-path fragment.
+fn is_cold_fragment(name: &str) -> bool {
+    name.ends_with(".cold") || name.contains(".cold.")
+}
+
 /// `ns::Class::f(int, char)` → `ns::Class::f`.
 pub fn strip_params(demangled: &str) -> &str {
     let mut depth = 0i32;
@@ -145,6 +157,14 @@ mod tests {
         assert_eq!(strip_params("a::b(int)"), "a::b");
         assert_eq!(strip_params("a::b<c(d)>::e(int)"), "a::b<c(d)>::e");
         assert_eq!(strip_params("plain"), "plain");
+    }
+
+    #[test]
+    fn cold_fragments_are_not_entry_points() {
+        assert!(is_cold_fragment("_ZN5torch8autograd6Engine7executeERKSt6vector.cold"));
+        assert!(is_cold_fragment("foo.cold.3"));
+        assert!(!is_cold_fragment("foo.constprop.0"));
+        assert!(!is_cold_fragment("coldstart"));
     }
 
     #[test]
