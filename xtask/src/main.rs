@@ -4,7 +4,8 @@
 //!   against the nightly's LLVM, Debian packages the tests need, tracefs).
 //! - `test`:  setup, build, then every test in the workspace.
 //! - `demo`:  setup, build, start the sample trainer, attach to it for 5 s.
-//! - `bench`: benchmarks (not implemented yet).
+//! - `bench`: overhead, trigger precision, attach time, throughput and
+//!   footprint, side by side with the alternatives (`bench --quick` < 5 min).
 
 mod bench;
 mod demo;
@@ -42,9 +43,11 @@ enum Cmd {
     },
     /// Run setup, build, start the sample trainer and attach dynprof to it for a few seconds.
     Demo,
-    /// Benchmarks (not implemented yet).
+    /// Benchmarks: prints one table (figures beside their targets) and writes
+    /// bench/results.json. `cargo xtask bench --quick` finishes in < 5 min.
+    /// Options: --quick, --reps N, --only probe,torch,attach,api,trigger, --out FILE.
     Bench {
-        #[arg(last = true)]
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
 }

@@ -1,0 +1,204 @@
+//! 6. The step-marker program's cost per hit ÷ an empty uprobe's.
+//!
+//! bench/hitloop.c calls the noinline `bench_hit(const char*)` N times per
+//! `go N`. The same loop is timed bare, with the empty uprobe
+//! (`dynprof_empty`), with the marker program without a filter, and with
+//! its string filter (`arg=0:cstr,prefix=Optimizer.step#`, which reads the
+//! argument from user memory as the PyTorch preset does), each attached by
+//! `dynprof __probe-cost`, which also drains the ring buffer.
+//! Per-hit cost = (t_probe − t_bare) / N; the ratio is taken per repetition.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+
+use super::{
+    Ctx, Section,
+    fig::{Figure, Goal, Unit},
+    json::Json,
+    procs::Proc,
+    say,
+};
+
+const CONDS: [(&str, &str, &str); 4] = [
+    ("bare", "", ""),
+    ("empty", "empty", "exe:bench_hit"),
+    ("marker", "marker", "exe:bench_hit"),
+    (
+        "marker_filter",
+        "marker",
+        "exe:bench_hit,arg=0:cstr,prefix=Optimizer.step#",
+    ),
+];
+
+pub fn run(ctx: &Ctx) -> Result<Section> {
+    let n: u64 = if ctx.quick() { 300_000 } else { 1_000_000 };
+    let reps = ctx.reps();
+    let mut target = Proc::spawn("hitloop", &mut std::process::Command::new(&ctx.hitloop))?;
+    let t = Duration::from_secs(60);
+    target.wait_prefix(t, "ready")?;
+    // Warm the loop (page faults, frequency).
+    target.send(&format!("go {n}"))?;
+    target.wait_prefix(t, "done")?;
+
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); CONDS.len()];
+    let mut helper_raw = Vec::new();
+    for rep in 0..reps {
+        // Rotate the order so that no condition always runs first.
+        for k in 0..CONDS.len() {
+            let ci = (k + rep) % CONDS.len();
+            let (name, prog, spec) = CONDS[ci];
+            let mut helper = None;
+            if !prog.is_empty() {
+                let mut cmd = ctx.dynprof_cmd();
+                cmd.args([
+                    "__probe-cost",
+                    "--pid",
+                    &target.pid().to_string(),
+                    "--marker",
+                    spec,
+                    "--prog",
+                    prog,
+                ]);
+                let mut h = Proc::spawn(&format!("probe-cost {name}"), &mut cmd)?;
+                h.wait_event(t, "attached")?;
+                helper = Some(h);
+            }
+            target.send(&format!("go {n}"))?;
+            let done = target.wait_prefix(t, "done")?;
+            let ns: f64 = done
+                .text
+                .split_whitespace()
+                .nth(2)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(f64::NAN);
+            times[ci].push(ns);
+            if let Some(mut h) = helper {
+                h.close_stdin();
+                let (_, sum) = h.wait_event(t, "summary")?;
+                h.wait_exit(t)?;
+                let hits = sum.u64("hits").unwrap_or(0);
+                let drops = sum.u64("drops").unwrap_or(0);
+                if prog == "marker" && hits != n {
+                    bail!("{name}: the marker program counted {hits} hits, expected {n}");
+                }
+                helper_raw.push(Json::obj(vec![
+                    ("rep", Json::int(rep as u64)),
+                    ("cond", Json::s(name)),
+                    ("hits", Json::int(hits)),
+                    ("events", Json::int(sum.u64("events").unwrap_or(0))),
+                    ("drops", Json::int(drops)),
+                ]));
+            }
+        }
+        say(format!(
+            "probe rep {}: per-call ns bare {:.1}, empty {:.1}, marker {:.1}, marker+filter {:.1}",
+            rep + 1,
+            times[0][rep] / n as f64,
+            times[1][rep] / n as f64,
+            times[2][rep] / n as f64,
+            times[3][rep] / n as f64
+        ));
+    }
+    target.close_stdin();
+    let _ = target.wait_exit(Duration::from_secs(5));
+
+    let per_hit = |ci: usize| -> Vec<f64> {
+        (0..reps)
+            .map(|r| (times[ci][r] - times[0][r]) / n as f64)
+            .collect()
+    };
+    let empty = per_hit(1);
+    let marker = per_hit(2);
+    let filter = per_hit(3);
+    let ratio = |v: &[f64]| -> Vec<f64> { v.iter().zip(&empty).map(|(a, b)| a / b).collect() };
+    let drops: u64 = helper_raw.iter().filter_map(|j| j.u64("drops")).sum();
+    let drop_note = if drops > 0 {
+        format!("{drops} ring-buffer drops during the marker runs (the drop path skips the write)")
+    } else {
+        String::new()
+    };
+
+    let mut s = Section::new("");
+    s.figures.push(
+        Figure::new(
+            "marker_over_empty",
+            "marker program per hit ÷ empty uprobe",
+            Unit::Ratio,
+            Goal::AtMost(1.25),
+            "≤ 1.25",
+        )
+        .samples(ratio(&marker))
+        .note(drop_note),
+    );
+    s.figures.push(
+        Figure::new(
+            "marker_filter_over_empty",
+            "marker + string filter per hit ÷ empty uprobe",
+            Unit::Ratio,
+            Goal::AtMost(1.25),
+            "≤ 1.25",
+        )
+        .samples(ratio(&filter)),
+    );
+    s.figures.push(
+        Figure::new(
+            "empty_uprobe_ns",
+            "empty uprobe, per hit",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(empty.clone()),
+    );
+    s.figures.push(
+        Figure::new(
+            "marker_ns",
+            "marker program, per hit",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(marker.clone()),
+    );
+    s.figures.push(
+        Figure::new(
+            "marker_filter_ns",
+            "marker + string filter, per hit",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(filter.clone()),
+    );
+    s.raw = Json::obj(vec![
+        ("calls_per_run", Json::int(n)),
+        (
+            "conditions",
+            Json::Arr(
+                CONDS
+                    .iter()
+                    .map(|c| {
+                        Json::obj(vec![
+                            ("name", Json::s(c.0)),
+                            ("prog", Json::s(c.1)),
+                            ("marker", Json::s(c.2)),
+                        ])
+                    })
+                    .collect(),
+            ),
+        ),
+        (
+            "loop_ns",
+            Json::Obj(
+                CONDS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (c.0.to_string(), Json::nums(&times[i])))
+                    .collect(),
+            ),
+        ),
+        ("helpers", Json::Arr(helper_raw)),
+    ]);
+    Ok(s)
+}

@@ -1,0 +1,721 @@
+//! 1. Overhead on a real PyTorch training loop, and 5. dynprof's footprint.
+//!
+//! One bench/torch_bench.py process (Debian python3-torch, the small MLP of
+//! tests/fixtures/torch_train.py) serves every condition, so the import cost
+//! is paid once and the conditions interleave cheaply:
+//!   bare │ idle (dynprof attached, auto markers, no window) │ window (all
+//!   steps, collectors api,cpu,offcpu) │ torch.profiler (CPU) │ the same
+//!   with_stack │ py-spy record.
+//! Each repetition runs bare then every condition; one more bare closes the
+//! last repetition. A condition's ratio is its steps/s over the mean of the
+//! two bare runs that bracket it, so linear drift cancels.
+//! While dynprof is attached: its CPU time (/proc/PID/task/*/schedstat,
+//! ns resolution; utime+stime kept too) and VmHWM, and from the JSON step
+//! lines (`DYNPROF_RECV_NS=1`) the boundary → user-space latency.
+
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use super::{
+    Ctx, Section,
+    fig::{Figure, Goal, Unit},
+    json::Json,
+    procs::{self, Proc},
+    say, stats,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cond {
+    Bare,
+    Idle,
+    Window,
+    Prof,
+    ProfStack,
+    PySpy,
+}
+
+impl Cond {
+    fn key(self) -> &'static str {
+        match self {
+            Cond::Bare => "bare",
+            Cond::Idle => "idle",
+            Cond::Window => "window",
+            Cond::Prof => "torch_profiler",
+            Cond::ProfStack => "torch_profiler_stack",
+            Cond::PySpy => "py_spy",
+        }
+    }
+}
+
+/// What one timed segment produced.
+#[derive(Default, Clone)]
+struct Seg {
+    steps_per_s: f64,
+    /// torch.profiler's own __exit__ (trace building), ns.
+    exit_ns: f64,
+    /// dynprof while attached: CPU % of one core over the segment.
+    dp_cpu_pct: Option<f64>,
+    dp_cpu_pct_ticks: Option<f64>,
+    dp_hwm_kb: Option<u64>,
+    /// CPU % while attached with no steps at all.
+    dp_quiet_cpu_pct: Option<f64>,
+    latencies_ns: Vec<f64>,
+    drops: u64,
+    events: u64,
+    first_step_seen: Option<u64>,
+}
+
+pub struct Torch<'a> {
+    ctx: &'a Ctx,
+    py: Proc,
+    steps: u64,
+    pub bare_sps: f64,
+}
+
+impl<'a> Torch<'a> {
+    pub fn start(ctx: &'a Ctx) -> Result<Torch<'a>> {
+        let mut cmd = Command::new(&ctx.python);
+        cmd.arg(ctx.src.join("torch_bench.py"));
+        let mut py = Proc::spawn("torch_bench.py", &mut cmd)?;
+        py.wait_prefix(Duration::from_secs(180), "ready")
+            .context("starting PyTorch")?;
+        let mut t = Torch {
+            ctx,
+            py,
+            steps: 0,
+            bare_sps: 0.0,
+        };
+        // Calibrate: how many steps make one segment.
+        let (sps, _) = t.run("bare", 100)?;
+        let seg_s = if ctx.quick() { 1.5 } else { 4.0 };
+        t.steps = ((sps * seg_s) as u64).clamp(50, 200_000);
+        t.bare_sps = sps;
+        say(format!(
+            "torch: {sps:.0} steps/s bare; {} steps per segment",
+            t.steps
+        ));
+        Ok(t)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.py.pid()
+    }
+
+    /// `run MODE N` → (steps/s, profiler exit ns).
+    fn run(&mut self, mode: &str, n: u64) -> Result<(f64, f64)> {
+        self.py.send(&format!("run {mode} {n}"))?;
+        let l = self.py.wait_prefix(Duration::from_secs(600), "result")?;
+        let f: Vec<&str> = l.text.split_whitespace().collect();
+        let elapsed: f64 = f
+            .get(3)
+            .and_then(|v| v.parse().ok())
+            .context("bad result line")?;
+        let exit: f64 = f.get(6).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+        Ok((n as f64 / (elapsed / 1e9), exit))
+    }
+
+    fn segment(&mut self, c: Cond) -> Result<Seg> {
+        let n = self.steps;
+        match c {
+            Cond::Bare => Ok(Seg {
+                steps_per_s: self.run("bare", n)?.0,
+                ..Default::default()
+            }),
+            Cond::Prof | Cond::ProfStack => {
+                let (sps, exit) = self.run(
+                    if c == Cond::Prof {
+                        "prof"
+                    } else {
+                        "prof_stack"
+                    },
+                    n,
+                )?;
+                Ok(Seg {
+                    steps_per_s: sps,
+                    exit_ns: exit,
+                    ..Default::default()
+                })
+            }
+            Cond::PySpy => {
+                let bin = self.ctx.pyspy.clone().map_err(anyhow::Error::msg)?;
+                let out = self.ctx.work.join("py-spy.svg");
+                let mut cmd = Command::new(bin);
+                cmd.args([
+                    "record",
+                    "--pid",
+                    &self.pid().to_string(),
+                    "--rate",
+                    "100",
+                    "--output",
+                ])
+                .arg(&out);
+                let mut spy = Proc::spawn("py-spy", &mut cmd)?;
+                spy.wait_for(Duration::from_secs(30), |l| {
+                    l.text.contains("Sampling process")
+                })?;
+                let (sps, _) = self.run("bare", n)?;
+                let _ = spy.stop(Duration::from_secs(60));
+                Ok(Seg {
+                    steps_per_s: sps,
+                    ..Default::default()
+                })
+            }
+            Cond::Idle | Cond::Window => {
+                let mut cmd = self.ctx.dynprof_cmd();
+                cmd.env("DYNPROF_RECV_NS", "1").args([
+                    "attach",
+                    "--pid",
+                    &self.pid().to_string(),
+                    "--json",
+                ]);
+                if c == Cond::Window {
+                    let out = self.ctx.work.join("torch-window");
+                    let _ = std::fs::remove_dir_all(&out);
+                    cmd.args(window_args(self.ctx, n + 10))
+                        .arg("--output")
+                        .arg(&out);
+                }
+                let mut dp = Proc::spawn("dynprof attach", &mut cmd)?;
+                dp.wait_event(Duration::from_secs(60), "attached")?;
+                let dpid = dp.pid();
+                let mut seg = Seg::default();
+                // Attached, no steps at all: what waiting costs.
+                let quiet = if self.ctx.quick() { 0.5 } else { 1.0 };
+                let (c0, w0) = (procs::cpu_ns(dpid), Instant::now());
+                std::thread::sleep(Duration::from_secs_f64(quiet));
+                let (c1, w1) = (procs::cpu_ns(dpid), Instant::now());
+                if let (Some(a), Some(b)) = (c0, c1) {
+                    seg.dp_quiet_cpu_pct =
+                        Some((b - a) as f64 / (w1 - w0).as_nanos() as f64 * 100.0);
+                }
+                let (c0, t0, w0) = (
+                    procs::cpu_ns(dpid),
+                    procs::stat_cpu_ticks(dpid),
+                    Instant::now(),
+                );
+                let (sps, _) = self.run("bare", n)?;
+                // Let the last events reach dynprof before sampling its CPU.
+                std::thread::sleep(Duration::from_millis(20));
+                let (c1, t1, w1) = (
+                    procs::cpu_ns(dpid),
+                    procs::stat_cpu_ticks(dpid),
+                    Instant::now(),
+                );
+                let wall = (w1 - w0).as_nanos() as f64;
+                if let (Some(a), Some(b)) = (c0, c1) {
+                    seg.dp_cpu_pct = Some((b - a) as f64 / wall * 100.0);
+                }
+                if let (Some(a), Some(b)) = (t0, t1) {
+                    seg.dp_cpu_pct_ticks = Some((b - a) as f64 * 1e7 / wall * 100.0);
+                }
+                seg.dp_hwm_kb = procs::status_kb(dpid, "VmHWM");
+                let _ = dp.stop(Duration::from_secs(60));
+                seg.steps_per_s = sps;
+                for (_, j) in dp.events("step") {
+                    if let (Some(ts), Some(rx)) = (j.u64("ts_ns"), j.u64("recv_ns")) {
+                        seg.latencies_ns.push(rx.saturating_sub(ts) as f64);
+                    }
+                    seg.events += 1;
+                    if seg.first_step_seen.is_none() {
+                        seg.first_step_seen = j.u64("step");
+                    }
+                }
+                if let Some((_, sum)) = dp.events("summary").pop() {
+                    if let Some(Json::Obj(kv)) = sum.get("drops") {
+                        seg.drops = kv.iter().filter_map(|(_, v)| v.as_u64()).sum();
+                    }
+                } else {
+                    bail!("dynprof attach printed no summary{}", stderr_tail(&dp));
+                }
+                Ok(seg)
+            }
+        }
+    }
+
+    pub fn quit(mut self) {
+        let _ = self.py.send("quit");
+        let _ = self.py.wait_exit(Duration::from_secs(10));
+    }
+}
+
+fn stderr_tail(p: &Proc) -> String {
+    let t: Vec<&str> = p
+        .seen
+        .iter()
+        .filter(|l| l.stream == procs::Stream::Err)
+        .map(|l| l.text.as_str())
+        .collect();
+    if t.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", t[t.len().saturating_sub(4)..].join(" | "))
+    }
+}
+
+/// Plan flags for a window over the next `steps` steps with all collectors.
+pub fn window_args(ctx: &Ctx, steps: u64) -> Vec<String> {
+    let _ = ctx;
+    vec![
+        "--start-step".into(),
+        "-1".into(),
+        "--active".into(),
+        steps.to_string(),
+        "--collect".into(),
+        "api,cpu,offcpu".into(),
+    ]
+}
+
+pub fn run(ctx: &Ctx) -> Result<Section> {
+    let mut conds = vec![Cond::Bare, Cond::Idle];
+    let window_ready = ctx.has_flag("--collect") && ctx.has_flag("--start-step");
+    if window_ready {
+        conds.push(Cond::Window);
+    }
+    conds.extend([Cond::Prof, Cond::ProfStack]);
+    if ctx.pyspy.is_ok() {
+        conds.push(Cond::PySpy);
+    }
+    let mut t = Torch::start(ctx)?;
+    let reps = ctx.reps();
+    let mut segs: Vec<Vec<Seg>> = vec![Vec::new(); conds.len()];
+    let mut errors: Vec<(Cond, String)> = Vec::new();
+    let mut dead: Vec<Cond> = Vec::new();
+    for rep in 0..reps {
+        for (i, &c) in conds.iter().enumerate() {
+            if dead.contains(&c) {
+                continue;
+            }
+            match t.segment(c) {
+                Ok(s) => segs[i].push(s),
+                Err(e) => {
+                    say(format!("torch {}: {e:#}", c.key()));
+                    errors.push((c, format!("{e:#}")));
+                    dead.push(c);
+                }
+            }
+        }
+        let line: Vec<String> = conds
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                segs[i]
+                    .get(rep)
+                    .map(|s| format!("{} {:.0}", c.key(), s.steps_per_s))
+            })
+            .collect();
+        say(format!(
+            "torch rep {}: steps/s {}",
+            rep + 1,
+            line.join(", ")
+        ));
+    }
+    // The closing bare run.
+    let closing = t.segment(Cond::Bare)?;
+    let steps = t.steps;
+    t.quit();
+
+    let bare: Vec<f64> = segs[0]
+        .iter()
+        .map(|s| s.steps_per_s)
+        .chain(std::iter::once(closing.steps_per_s))
+        .collect();
+    let ratio = |i: usize| -> Vec<f64> {
+        segs[i]
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r + 1 < bare.len())
+            .map(|(r, s)| s.steps_per_s / ((bare[r] + bare[r + 1]) / 2.0))
+            .collect()
+    };
+    let idx = |c: Cond| conds.iter().position(|&x| x == c);
+    let err_of = |c: Cond| errors.iter().find(|(x, _)| *x == c).map(|(_, e)| e.clone());
+
+    let mut s = Section::new("");
+    let bare_med = stats::median(&bare).unwrap_or(0.0);
+    ctx.torch_sps.set(bare_med);
+    s.figures.push(
+        Figure::new(
+            "torch_bare_steps_per_s",
+            "bare loop, steps/s (baseline)",
+            Unit::PerSec,
+            Goal::Info,
+            "",
+        )
+        .samples(bare.clone())
+        .note(format!(
+            "step time {:.2} ms at the median; {} steps per segment",
+            1e3 / bare_med.max(1e-9),
+            steps
+        )),
+    );
+
+    // (b) idle
+    let idle_i = idx(Cond::Idle).expect("idle");
+    let idle_ratio = ratio(idle_i);
+    let idle_segs = &segs[idle_i];
+    let mut f = Figure::new(
+        "idle_over_bare",
+        "(b) dynprof attached idle ÷ bare",
+        Unit::Ratio,
+        Goal::AtLeast(0.999),
+        "≥ 0.999",
+    )
+    .samples(idle_ratio.clone());
+    if let Some(e) = err_of(Cond::Idle) {
+        f = f.missing(e);
+    } else if let Some(m) = stats::median(&idle_ratio) {
+        if m < 0.999 {
+            let step_us = 1e6 / bare_med.max(1e-9);
+            let added_us = step_us * (1.0 / m - 1.0);
+            f = f.note(format!(
+                "cost while idle is per step, not per second: ~{added_us:.1} µs added to each {step_us:.0} µs step \
+                 (every step hits the step marker, the `Optimizer.step#` ConstantString::create uprobe with its string filter, \
+                 also hit by zero_grad's record_function, and the backward aux marker; each hit is a uprobe trap). \
+                 At this cost 0.999 holds for steps ≥ {added_us:.0} ms (1000 × the added µs)"
+            ));
+        }
+    }
+    s.figures.push(f);
+
+    // (c) window
+    match idx(Cond::Window) {
+        Some(w) if err_of(Cond::Window).is_none() => {
+            let wr = ratio(w);
+            s.figures.push(
+                Figure::new(
+                    "window_over_bare",
+                    "(c) window over all steps, api+cpu+offcpu ÷ bare",
+                    Unit::Ratio,
+                    Goal::AtLeast(0.97),
+                    "≥ 0.97",
+                )
+                .samples(wr.clone()),
+            );
+            if let Some(pi) = idx(Cond::Prof) {
+                let pr = ratio(pi);
+                let rel: Vec<f64> = wr
+                    .iter()
+                    .zip(&pr)
+                    .map(|(w, p)| (1.0 - w) / (1.0 - p))
+                    .collect();
+                s.figures.push(
+                    Figure::new(
+                        "window_slowdown_over_profiler",
+                        "(c) window slowdown ÷ torch.profiler slowdown",
+                        Unit::Ratio,
+                        Goal::AtMost(1.0 / 3.0),
+                        "≤ 0.333",
+                    )
+                    .samples(rel)
+                    .note("slowdown = 1 − ratio to bare, per repetition; torch.profiler without stacks"),
+                );
+            }
+        }
+        Some(_) => s.figures.push(
+            Figure::new(
+                "window_over_bare",
+                "(c) window over all steps, api+cpu+offcpu ÷ bare",
+                Unit::Ratio,
+                Goal::AtLeast(0.97),
+                "≥ 0.97",
+            )
+            .missing(err_of(Cond::Window).unwrap_or_default()),
+        ),
+        None => {
+            s.figures.push(
+                Figure::new(
+                    "window_over_bare",
+                    "(c) window over all steps, api+cpu+offcpu ÷ bare",
+                    Unit::Ratio,
+                    Goal::AtLeast(0.97),
+                    "≥ 0.97",
+                )
+                .missing(
+                    "this dynprof has no windows/collectors yet (`attach --start-step/--collect`)",
+                ),
+            );
+            s.figures.push(
+                Figure::new(
+                    "window_slowdown_over_profiler",
+                    "(c) window slowdown ÷ torch.profiler slowdown",
+                    Unit::Ratio,
+                    Goal::AtMost(1.0 / 3.0),
+                    "≤ 0.333",
+                )
+                .missing("needs (c)"),
+            );
+        }
+    }
+    for (c, key, name) in [
+        (
+            Cond::Prof,
+            "torch_profiler_over_bare",
+            "(d) torch.profiler (CPU) ÷ bare",
+        ),
+        (
+            Cond::ProfStack,
+            "torch_profiler_stack_over_bare",
+            "(d) torch.profiler (CPU, with_stack) ÷ bare",
+        ),
+    ] {
+        let i = idx(c).expect("always run");
+        let exit_ms: Vec<f64> = segs[i].iter().map(|s| s.exit_ns / 1e6).collect();
+        let mut f = Figure::new(key, name, Unit::Ratio, Goal::Info, "").samples(ratio(i));
+        if let Some(e) = err_of(c) {
+            f = f.missing(e);
+        } else {
+            f = f.note(format!(
+                "steps only; the profiler's exit (building its trace) took a further {:.0} ms per segment (median)",
+                stats::median(&exit_ms).unwrap_or(0.0)
+            ));
+        }
+        s.figures.push(f);
+    }
+    match idx(Cond::PySpy) {
+        Some(i) => {
+            let mut f = Figure::new(
+                "py_spy_over_bare",
+                "(e) py-spy record (100 Hz) ÷ bare",
+                Unit::Ratio,
+                Goal::Info,
+                "",
+            )
+            .samples(ratio(i));
+            if let Some(e) = err_of(Cond::PySpy) {
+                f = f.missing(e);
+            }
+            s.figures.push(f);
+        }
+        None => {
+            let why = ctx.pyspy.as_ref().err().cloned().unwrap_or_default();
+            s.figures.push(
+                Figure::new(
+                    "py_spy_over_bare",
+                    "(e) py-spy record ÷ bare",
+                    Unit::Ratio,
+                    Goal::Info,
+                    "",
+                )
+                .missing(format!("py-spy not available here: {why}")),
+            );
+        }
+    }
+
+    // 5. footprint while idle (and 3. boundary → user space latency, from the idle runs)
+    let cpu: Vec<f64> = idle_segs.iter().filter_map(|s| s.dp_cpu_pct).collect();
+    let quiet: Vec<f64> = idle_segs
+        .iter()
+        .filter_map(|s| s.dp_quiet_cpu_pct)
+        .collect();
+    let hwm: Vec<f64> = idle_segs
+        .iter()
+        .filter_map(|s| s.dp_hwm_kb.map(|k| k as f64 / 1024.0))
+        .collect();
+    let mut fc = Figure::new("idle_cpu_pct", "5. dynprof CPU attached idle, target stepping", Unit::PctCore, Goal::AtMost(0.5), "≤ 0.5% of a core")
+        .samples(cpu.clone())
+        .note(format!("while the target runs ~{:.0} steps/s; every step is one ring-buffer event and one JSON line", bare_med));
+    if cpu.is_empty() {
+        fc = fc.missing(err_of(Cond::Idle).unwrap_or("no samples".into()));
+    }
+    s.figures.push(fc);
+    s.figures.push(
+        Figure::new(
+            "quiet_cpu_pct",
+            "5. dynprof CPU attached idle, no steps",
+            Unit::PctCore,
+            Goal::AtMost(0.5),
+            "≤ 0.5% of a core",
+        )
+        .samples(quiet),
+    );
+    s.figures.push(
+        Figure::new(
+            "idle_peak_rss_mib",
+            "5. dynprof peak RSS (VmHWM), attached idle",
+            Unit::MiB,
+            Goal::AtMost(50.0),
+            "≤ 50 MB",
+        )
+        .samples(hwm),
+    );
+    if let Some(w) = idx(Cond::Window).filter(|_| err_of(Cond::Window).is_none()) {
+        let cpu: Vec<f64> = segs[w].iter().filter_map(|s| s.dp_cpu_pct).collect();
+        let hwm: Vec<f64> = segs[w]
+            .iter()
+            .filter_map(|s| s.dp_hwm_kb.map(|k| k as f64 / 1024.0))
+            .collect();
+        s.figures.push(
+            Figure::new(
+                "window_cpu_pct",
+                "5. dynprof CPU while collecting (api,cpu,offcpu)",
+                Unit::PctCore,
+                Goal::Info,
+                "",
+            )
+            .samples(cpu),
+        );
+        s.figures.push(
+            Figure::new(
+                "window_peak_rss_mib",
+                "5. dynprof peak RSS while collecting",
+                Unit::MiB,
+                Goal::AtMost(50.0),
+                "≤ 50 MB",
+            )
+            .samples(hwm),
+        );
+    } else {
+        s.figures.push(
+            Figure::new(
+                "window_peak_rss_mib",
+                "5. dynprof peak RSS while collecting",
+                Unit::MiB,
+                Goal::AtMost(50.0),
+                "≤ 50 MB",
+            )
+            .missing("needs (c)"),
+        );
+    }
+
+    let lat: Vec<f64> = idle_segs
+        .iter()
+        .flat_map(|s| s.latencies_ns.iter().copied())
+        .collect();
+    let drops: u64 = idle_segs.iter().map(|s| s.drops).sum();
+    if lat.is_empty() {
+        s.figures.push(
+            Figure::new(
+                "boundary_to_user_p99_ms",
+                "3. boundary → user space p99 (PyTorch, idle)",
+                Unit::Ms,
+                Goal::AtMost(1.0),
+                "≤ 1 ms",
+            )
+            .missing("no step lines carried recv_ns (needs DYNPROF_RECV_NS support in dynprof)"),
+        );
+    } else {
+        let ms: Vec<f64> = lat.iter().map(|x| x / 1e6).collect();
+        let p = |q: f64| stats::percentile(&ms, q).unwrap_or(f64::NAN);
+        s.figures.push(
+            Figure::new(
+                "boundary_to_user_p50_ms",
+                "3. boundary → user space p50 (PyTorch, idle)",
+                Unit::Ms,
+                Goal::Info,
+                "",
+            )
+            .value(p(50.0)),
+        );
+        s.figures.push(
+            Figure::new("boundary_to_user_p99_ms", "3. boundary → user space p99 (PyTorch, idle)", Unit::Ms, Goal::AtMost(1.0), "≤ 1 ms")
+                .value(p(99.0))
+                .note(format!("{} step events over {} runs; ts_ns from bpf_ktime_get_ns at the hit, recv_ns from CLOCK_MONOTONIC when the printer got it", ms.len(), idle_segs.len())),
+        );
+        s.figures.push(
+            Figure::new(
+                "boundary_to_user_max_ms",
+                "3. boundary → user space max (PyTorch, idle)",
+                Unit::Ms,
+                Goal::Info,
+                "",
+            )
+            .value(p(100.0)),
+        );
+    }
+
+    s.raw = Json::obj(vec![
+        ("steps_per_segment", Json::int(steps)),
+        ("bare_steps_per_s", Json::nums(&bare)),
+        (
+            "conditions",
+            Json::Obj(
+                conds
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        (
+                            c.key().to_string(),
+                            Json::obj(vec![
+                                (
+                                    "steps_per_s",
+                                    Json::nums(
+                                        &segs[i].iter().map(|s| s.steps_per_s).collect::<Vec<_>>(),
+                                    ),
+                                ),
+                                ("ratio_to_bracketing_bare", Json::nums(&ratio(i))),
+                                (
+                                    "profiler_exit_ms",
+                                    Json::nums(
+                                        &segs[i]
+                                            .iter()
+                                            .map(|s| s.exit_ns / 1e6)
+                                            .collect::<Vec<_>>(),
+                                    ),
+                                ),
+                                (
+                                    "dynprof_cpu_pct",
+                                    Json::nums(
+                                        &segs[i]
+                                            .iter()
+                                            .filter_map(|s| s.dp_cpu_pct)
+                                            .collect::<Vec<_>>(),
+                                    ),
+                                ),
+                                (
+                                    "dynprof_cpu_pct_utime_stime",
+                                    Json::nums(
+                                        &segs[i]
+                                            .iter()
+                                            .filter_map(|s| s.dp_cpu_pct_ticks)
+                                            .collect::<Vec<_>>(),
+                                    ),
+                                ),
+                                (
+                                    "dynprof_quiet_cpu_pct",
+                                    Json::nums(
+                                        &segs[i]
+                                            .iter()
+                                            .filter_map(|s| s.dp_quiet_cpu_pct)
+                                            .collect::<Vec<_>>(),
+                                    ),
+                                ),
+                                (
+                                    "dynprof_vmhwm_kb",
+                                    Json::nums(
+                                        &segs[i]
+                                            .iter()
+                                            .filter_map(|s| s.dp_hwm_kb.map(|k| k as f64))
+                                            .collect::<Vec<_>>(),
+                                    ),
+                                ),
+                                (
+                                    "dynprof_step_events",
+                                    Json::nums(
+                                        &segs[i]
+                                            .iter()
+                                            .map(|s| s.events as f64)
+                                            .collect::<Vec<_>>(),
+                                    ),
+                                ),
+                                (
+                                    "dynprof_drops",
+                                    Json::nums(
+                                        &segs[i].iter().map(|s| s.drops as f64).collect::<Vec<_>>(),
+                                    ),
+                                ),
+                                ("error", err_of(*c).map(Json::s).unwrap_or(Json::Null)),
+                            ]),
+                        )
+                    })
+                    .collect(),
+            ),
+        ),
+        ("boundary_to_user_ns", Json::nums(&lat)),
+        ("idle_drops", Json::int(drops)),
+    ]);
+    Ok(s)
+}
