@@ -222,7 +222,9 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
         _ => {}
     }
     let mut observers: Vec<Box<dyn Observer>> = Vec::new();
-    if !matches!(mode, Mode::Console { .. }) {
+    // Live steps, except where they would drown the console or a
+    // long-running config-file session (unless asked for with --json).
+    if matches!(mode, Mode::None | Mode::Flags) || (d.json && !matches!(mode, Mode::Console { .. })) {
         observers.push(Box::new(StepPrinter { json: d.json }));
     }
     if let Some(s) = sched {

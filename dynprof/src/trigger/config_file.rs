@@ -326,13 +326,15 @@ impl ConfigFileTrigger {
             crate::output::write_atomic(&path, text.as_bytes())?;
             t.info(&format!("wrote the template {}", path.display()));
         }
-        t.info(&format!(
-            "dynprof {} watching {} for target PID {} (rank {})",
+        let hello = format!(
+            "dynprof {} (PID {}) watching {} for target PID {} (rank {rank})",
             env!("CARGO_PKG_VERSION"),
+            std::process::id(),
             path.display(),
             target.host_pid,
-            rank
-        ));
+        );
+        t.info(&hello);
+        t.monitor.write("INFO", &hello);
         Ok(t)
     }
 
