@@ -97,9 +97,39 @@ fn may_appear_later(e: &anyhow::Error) -> bool {
     s.contains("is not mapped by PID") || s.contains("found no known framework")
 }
 
+/// Holds a launched target stopped (SIGSTOP) while its late-loaded marker
+/// library is being attached; SIGCONT on drop.
+pub struct Frozen(HostPid);
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the launched program.
+        unsafe { libc::kill(self.0.0 as i32, libc::SIGCONT) };
+    }
+}
+
+fn freeze(pid: HostPid) -> Frozen {
+    // SAFETY: kill(2) on the launched program.
+    unsafe { libc::kill(pid.0 as i32, libc::SIGSTOP) };
+    let f = Frozen(pid);
+    // Wait (briefly) until it is really stopped.
+    for _ in 0..200 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit(')').next().unwrap_or("").trim_start().chars().next();
+        if matches!(state, Some('T') | Some('t') | Some('Z') | Some('X') | None) {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    f
+}
+
 /// Resolves the markers, waiting (per `wait`) for libraries not mapped yet:
-/// re-resolves whenever `/proc/PID/maps` changes.
-pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait) -> Result<Vec<ResolvedProbe>> {
+/// re-resolves whenever `/proc/PID/maps` changes. With `freeze` (launch
+/// mode: our own child), a re-resolution after a maps change runs with the
+/// program stopped, and the returned guard keeps it stopped until the
+/// caller has attached the probes, so no step slips by in between.
+pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait, freeze_target: bool) -> Result<(Vec<ResolvedProbe>, Option<Frozen>)> {
     let started = Instant::now();
     let mut said = false;
     let mut last_maps = String::new();
@@ -107,14 +137,16 @@ pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait)
         let maps = std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)).unwrap_or_default();
         if maps != last_maps {
             last_maps = maps;
+            let frozen = freeze_target.then(|| freeze(target.host_pid));
             match probes::resolve_markers(target, markers) {
                 Ok(v) => {
                     if said {
                         eprintln!("dynprof: step marker found after {:.1} s", started.elapsed().as_secs_f64());
                     }
-                    return Ok(v);
+                    return Ok((v, frozen));
                 }
                 Err(e) => {
+                    drop(frozen);
                     let keep_waiting = may_appear_later(&e)
                         && match wait {
                             MarkerWait::No => false,
@@ -141,10 +173,10 @@ pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait)
         }
         if let MarkerWait::For(d) = wait {
             if started.elapsed() >= d {
-                return probes::resolve_markers(target, markers);
+                return Ok((probes::resolve_markers(target, markers)?, None));
             }
         }
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 
@@ -163,7 +195,7 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
     };
     let collect = d.window.collectors()?;
 
-    let resolved = resolve_waiting(&target, &d.markers, wait)?;
+    let (resolved, frozen) = resolve_waiting(&target, &d.markers, wait, d.mode_name == "launch")?;
     let mut kernel = match kernel {
         Some(k) => k,
         None => Kernel::load(target.host_pid, ring_bytes(d.ring_buffer_kb)?)?,
@@ -198,6 +230,7 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
     for p in &resolved {
         kernel.attach_marker(p)?;
     }
+    drop(frozen);
     let mut session = Session::new(kernel, target, resolved);
     if d.json {
         println!("{}", attached_json(&session.target, &session.probes));
