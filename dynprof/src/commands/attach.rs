@@ -145,6 +145,9 @@ pub fn collectors(_w: &crate::window::args::WindowArgs) -> Result<Vec<Box<dyn cr
 pub async fn run(args: AttachArgs) -> Result<()> {
     let markers = parse_markers(&args.markers)?;
     let target = Target::open(crate::target::resolve_pid(args.pid, args.in_pidns.as_deref())?)?;
+    // Before anything reads the target's maps or takes the lock: without
+    // privileges those fail with a bare EACCES that names no capability.
+    crate::bpf::preflight()?;
     let lock = crate::window::lock::acquire(target.host_pid, "attach")?;
     let wait = match args.window.wait_for_marker {
         Some(s) if s > 0.0 => super::launch::MarkerWait::For(Duration::from_secs_f64(s)),

@@ -79,7 +79,9 @@ pub fn auto_markers(maps: &[Mapping]) -> Result<Vec<Vec<MarkerSpec>>> {
         );
     }
     bail!(
-        "--marker auto found no known framework in the target's mappings; looked for: {}",
+        "--marker auto found no known framework in the target's mappings; looked for: {} \
+         (hint: name the step function yourself: `--marker exe:SYMBOL` or `--marker LIBRARY:SYMBOL` \
+         for native code, `--marker python:FUNC` for Python)",
         looked.join("; ")
     )
 }
