@@ -125,16 +125,18 @@ fn invalid_in_pidns_refs() {
     }
 }
 
-/// Runs a trainer in its own PID namespace inside the cgroup `cg`.
+/// Runs a trainer in its own PID namespace inside the cgroup `cg`, as a
+/// container runtime does: only the processes inside the namespace (here
+/// the trainer, PID 1 there) are in the container's cgroup.
 fn trainer_in_cgroup(cg: &Cgroup, log: &std::path::Path) -> Proc {
     let fx = fixtures();
     let script = format!(
-        "echo $$ > {} && exec unshare --pid --fork --kill-child --mount-proc {} --log {} --step-ms 20",
+        "echo $$ > {} && exec {} --log {} --step-ms 20",
         sh_quote(&cg.dir.join("cgroup.procs").to_string_lossy()),
         sh_quote(&fx.trainer.to_string_lossy()),
         sh_quote(&log.to_string_lossy()),
     );
-    Proc::spawn_ready(Command::new("sh").args(["-c", &script]))
+    Proc::spawn_ready(Command::new("unshare").args(PIDNS).args(["sh", "-c", &script]))
 }
 
 #[test]

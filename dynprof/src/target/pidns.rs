@@ -203,7 +203,14 @@ pub fn find_in_ns(ns: &PidNs, ns_pid: Option<NsPid>) -> (Vec<Seen>, Vec<Seen>) {
             continue;
         }
         let up = chain.len() - 1 - ns.level;
-        let anc = File::open(format!("/proc/{p}/ns/pid")).ok().and_then(|f| ancestor_inode(f, up));
+        let anc = if ns.level == 0 {
+            // Every process /proc shows is in (or below) dynprof's own namespace.
+            Some(ns.inode)
+        } else if up == 0 {
+            pidns_inode(p).ok()
+        } else {
+            File::open(format!("/proc/{p}/ns/pid")).ok().and_then(|f| ancestor_inode(f, up))
+        };
         let seen = Seen { host_pid: p, ns_pids: chain, comm: comm(p) };
         match anc {
             Some(i) if i == ns.inode => sure.push(seen),
