@@ -195,3 +195,71 @@ fn windows_target_exit_mid_window_keeps_incomplete_output() {
     let text = String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
     assert!(text.contains("INCOMPLETE") && text.contains("target exited"), "{text}");
 }
+
+#[test]
+fn windows_interrupted_mid_window_keeps_incomplete_output() {
+    require_privileges!();
+    let (mut p, log, dir) = trainer("windows_interrupted", "10");
+    let out = dir.join("out");
+    let pid = p.pid.to_string();
+    let mut d = spawn(
+        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "-1", "--active", "100000", "-o", out.to_str().unwrap()],
+        false,
+    );
+    let until = std::time::Instant::now() + T;
+    while tmp_dirs(&out).is_empty() {
+        assert!(std::time::Instant::now() < until, "no window opened:\n{}", d.transcript());
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let n = log_lines_of(&log, "step").len();
+    wait_for_log_lines(&log, "step", n + 3, T);
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGINT) };
+    assert!(d.wait_exit(T).success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 1);
+    assert!(tmp_dirs(&out).is_empty());
+    let m = meta(&dirs[0]);
+    assert_eq!(m["complete"], false);
+    assert_eq!(m["incomplete_reason"], "interrupted");
+    assert!(!recorded(&m).is_empty());
+    assert!(p.is_running(), "an interrupted dynprof leaves the target running");
+}
+
+/// Real PyTorch, launch mode: `libtorch_cpu` is loaded by `import torch`,
+/// long after the interpreter starts, so the auto marker is attached late;
+/// the window then covers exactly the script's own optimizer steps 4..5,
+/// with two backward passes each as the aux column.
+#[test]
+fn windows_launch_pytorch_auto_marker() {
+    require_privileges!();
+    let fx = fixtures();
+    let dir = scratch_dir("windows_launch_pytorch");
+    let log = dir.join("torch.log");
+    let out = dir.join("out");
+    let mut d = spawn(
+        &[
+            "launch", "--start-step", "3", "--warmup", "1", "--active", "2", "-o", out.to_str().unwrap(), "--json", "--", PYTHON3,
+            fx.torch_train_py.to_str().unwrap(), "--steps", "10", "--accum", "2", "--log", log.to_str().unwrap(),
+        ],
+        false,
+    );
+    assert!(d.wait_exit(std::time::Duration::from_secs(300)).success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 1, "{}", d.transcript());
+    let m = meta(&dirs[0]);
+    assert_eq!(m["complete"], true, "{m}");
+    assert_eq!(recorded(&m), vec![4, 5]);
+    let calls = log_lines_of(&log, "step");
+    assert_eq!(calls.len(), 10);
+    // Attached before training began: dynprof's step k is the script's step k.
+    for k in 3..=6u64 {
+        let j = call_containing(&calls, boundary(&m, k)).unwrap_or_else(|| panic!("boundary {k} inside no optimizer.step"));
+        assert_eq!(calls[j].index, k);
+    }
+    let csv = std::fs::read_to_string(dirs[0].join("steps.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = header.iter().position(|h| h.contains("backward")).unwrap_or_else(|| panic!("no backward column: {csv}"));
+    for row in csv.lines().skip(1) {
+        assert_eq!(row.split(',').nth(col), Some("2"), "{csv}");
+    }
+}
