@@ -31,6 +31,9 @@ enum Command {
     /// Example: dynprof report out/PROF_20261202120000123_4242_1
     ///          dynprof report before/PROF_* after/PROF_* --json
     Report(dynprof::output::report::ReportArgs),
+    /// Bench helper (`cargo xtask bench`): one program on one marker, drained silently.
+    #[command(name = "__probe-cost", hide = true)]
+    ProbeCost(dynprof::commands::probe_cost::ProbeCostArgs),
     /// List the AI jobs on this host (containers included): processes that
     /// load CANN, PyTorch or CUDA, with host and container PIDs, container,
     /// rank, runtimes and the step markers `attach` would use. Launchers
@@ -58,6 +61,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Attach(a) => rt.block_on(attach::run(a)),
         Command::Launch(a) => rt.block_on(dynprof::commands::launch::run(a)),
         Command::Report(r) => dynprof::output::report::run(&r),
+        Command::ProbeCost(p) => dynprof::commands::probe_cost::run(&p),
         Command::Ps(p) => dynprof::commands::ps::run(&p),
     }
 }

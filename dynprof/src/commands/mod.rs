@@ -2,4 +2,5 @@
 pub mod attach;
 pub mod launch;
 pub mod printer;
+pub mod probe_cost;
 pub mod ps;

@@ -16,6 +16,8 @@ pub struct StepPrinter {
 impl Observer for StepPrinter {
     fn on_event(&mut self, ev: &Decoded, completed: Option<&CompletedStep>, ctx: &mut Ctx) -> Result<()> {
         let Decoded::Step(s) = ev else { return Ok(()) };
+        // Opt-in for `cargo xtask bench` (boundary → user-space latency).
+        let recv_ns = recv_ns_enabled().then(monotonic_ns);
         let probe = ctx.probes.iter().find(|p| p.index == s.marker);
         if probe.map(|p| p.role) == Some(Role::Aux) {
             return Ok(());
@@ -23,7 +25,7 @@ impl Observer for StepPrinter {
         let label = probe.map(|p| p.label.as_str()).unwrap_or("?");
         if self.json {
             let t = ctx.target;
-            let line = json!({
+            let mut line = json!({
                 "event": "step",
                 "step": s.step,
                 "ts_ns": s.hdr.ts_ns,
@@ -36,6 +38,9 @@ impl Observer for StepPrinter {
                 "marker": label,
                 "window": s.gate != 0,
             });
+            if let Some(r) = recv_ns {
+                line["recv_ns"] = json!(r);
+            }
             let mut out = std::io::stdout().lock();
             writeln!(out, "{line}")?;
             out.flush()?;
@@ -54,4 +59,18 @@ impl Observer for StepPrinter {
         }
         Ok(())
     }
+}
+
+/// `DYNPROF_RECV_NS=1` adds `recv_ns` (CLOCK_MONOTONIC when user space got
+/// the event; the clock of the kernel's `ts_ns`) to JSON step lines.
+fn recv_ns_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("DYNPROF_RECV_NS").is_some_and(|v| v == "1"))
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

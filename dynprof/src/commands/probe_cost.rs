@@ -1,0 +1,137 @@
+//! `dynprof __probe-cost` (hidden): a helper for `cargo xtask bench`.
+//!
+//! Attaches ONE program to one resolved marker of a target: either the real
+//! step-marker program (`--prog marker`, with the marker's filter config) or
+//! the empty uprobe (`--prog empty`), the baseline the marker's per-hit cost
+//! is divided by. It drains the ring buffer (counting, not printing) until
+//! its stdin closes, then prints one JSON line with hits, events and drops.
+//! The bench times a loop in the target bare / with each program attached.
+use std::{
+    io::Read as _,
+    num::NonZeroU32,
+    os::fd::AsRawFd,
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use aya::{
+    EbpfLoader,
+    maps::{Array, PerCpuArray, RingBuf},
+    programs::{
+        UProbe,
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+    },
+};
+use clap::Args;
+use dynprof_common::{MarkerConfig, drop_slot};
+use serde_json::json;
+
+use crate::{
+    bpf::{EMPTY_PROG, MARKER_PROG, preflight},
+    probes::{self},
+    target::Target,
+    types::HostPid,
+};
+
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dynprof"));
+
+#[derive(Args, Debug, Clone)]
+pub struct ProbeCostArgs {
+    #[arg(long)]
+    pub pid: u32,
+    /// One marker SPEC (same grammar as `attach --marker`).
+    #[arg(long)]
+    pub marker: String,
+    /// `marker` (the step-marker program) or `empty` (the empty uprobe).
+    #[arg(long, default_value = "marker")]
+    pub prog: String,
+    #[arg(long, default_value_t = 4096)]
+    pub ring_buffer_kb: u32,
+}
+
+pub fn run(a: &ProbeCostArgs) -> Result<()> {
+    preflight()?;
+    let t0 = Instant::now();
+    let target = Target::open(HostPid(a.pid))?;
+    let spec = probes::spec::parse(&a.marker)?;
+    let resolved = probes::resolve_markers(&target, &[spec])?;
+    let p = resolved.first().ok_or_else(|| anyhow!("marker did not resolve"))?;
+    let t_resolved = t0.elapsed();
+    let prog_name = match a.prog.as_str() {
+        "marker" => MARKER_PROG,
+        "empty" => EMPTY_PROG,
+        other => bail!("--prog must be marker or empty, not {other}"),
+    };
+    let tgid = a.pid;
+    let mut ebpf = EbpfLoader::new()
+        .override_global("TARGET_TGID", &tgid, true)
+        .map_max_entries("EVENTS", a.ring_buffer_kb * 1024)
+        .load(OBJECT)
+        .map_err(|e| anyhow!("loading the eBPF object: {e:#}"))?;
+    {
+        let mut markers: Array<_, MarkerConfig> = Array::try_from(ebpf.map_mut("MARKERS").expect("MARKERS"))?;
+        markers.set(0, p.config, 0)?;
+    }
+    let prog: &mut UProbe = ebpf.program_mut(prog_name).ok_or_else(|| anyhow!("{prog_name} missing"))?.try_into()?;
+    prog.load().with_context(|| format!("verifying {prog_name}"))?;
+    let t_loaded = t0.elapsed();
+    let pid = NonZeroU32::new(a.pid).expect("non-zero pid");
+    let _link = prog.attach(
+        UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(p.file_offset), cookie: Some(0) },
+        &p.attach_path,
+        UProbeScope::OneProcess(pid),
+    )?;
+    let t_attached = t0.elapsed();
+    println!(
+        "{}",
+        json!({
+            "event": "attached", "prog": prog_name, "symbol": p.symbol, "file_offset": p.file_offset,
+            "resolve_ms": t_resolved.as_secs_f64() * 1e3,
+            "load_ms": (t_loaded - t_resolved).as_secs_f64() * 1e3,
+            "attach_ms": (t_attached - t_loaded).as_secs_f64() * 1e3,
+        })
+    );
+    let mut ring = RingBuf::try_from(ebpf.take_map("EVENTS").expect("EVENTS"))?;
+    let mut events: u64 = 0;
+    let stdin = std::io::stdin();
+    let mut fds = [
+        libc::pollfd { fd: ring.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: stdin.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+    ];
+    'outer: loop {
+        while let Some(item) = ring.next() {
+            let _ = item.len();
+            events += 1;
+        }
+        fds[0].revents = 0;
+        fds[1].revents = 0;
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e).context("poll");
+        }
+        if fds[1].revents != 0 {
+            let mut buf = [0u8; 64];
+            match stdin.lock().read(&mut buf) {
+                Ok(0) | Err(_) => break 'outer,
+                Ok(_) => {}
+            }
+        }
+    }
+    while let Some(_item) = ring.next() {
+        events += 1;
+    }
+    let hits: u64 = {
+        let a: PerCpuArray<_, u64> = PerCpuArray::try_from(ebpf.map("HITS").expect("HITS"))?;
+        a.get(&0, 0)?.iter().sum()
+    };
+    let drops: u64 = {
+        let a: PerCpuArray<_, u64> = PerCpuArray::try_from(ebpf.map("DROPS").expect("DROPS"))?;
+        a.get(&drop_slot::STEP, 0)?.iter().sum()
+    };
+    println!("{}", json!({"event": "summary", "prog": prog_name, "hits": hits, "events": events, "drops": drops}));
+    Ok(())
+}
