@@ -78,7 +78,7 @@ pub fn ring_bytes(kb: u32) -> Result<u32> {
 pub fn prepare(target: Target, markers: &[MarkerArg], ring_kb: u32) -> Result<Session> {
     let resolved = probes::resolve_markers(&target, markers)?;
     let mut kernel = Kernel::load(target.host_pid, ring_bytes(ring_kb)?)?;
-    for p in &resolved {
+    for p in probes::attach_order(&resolved) {
         kernel.attach_marker(p)?;
     }
     Ok(Session::new(kernel, target, resolved))

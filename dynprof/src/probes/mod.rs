@@ -3,5 +3,5 @@ pub mod presets;
 pub mod resolve;
 pub mod spec;
 
-pub use resolve::{ResolvedProbe, resolve_markers};
+pub use resolve::{ResolvedProbe, attach_order, resolve_markers};
 pub use spec::{MarkerArg, MarkerSpec, Role};

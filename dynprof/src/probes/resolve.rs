@@ -110,6 +110,16 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
     Ok(out)
 }
 
+/// The order in which to attach resolved probes: aux markers first, then
+/// step markers. Step 1 begins at the first step hit after attach; were an
+/// aux marker attached later, a step boundary could slip in between and
+/// step 1 would miss its first aux hits (seen as 10 backward passes over 11
+/// steps with the DataLoader, where attaching Engine::execute is slow).
+pub fn attach_order(probes: &[ResolvedProbe]) -> impl Iterator<Item = &ResolvedProbe> {
+    let aux = probes.iter().filter(|p| p.role == Role::Aux);
+    aux.chain(probes.iter().filter(|p| p.role != Role::Aux))
+}
+
 /// Objects the spec may refer to: (path in target, a mapping of it).
 fn candidates<'a>(target: &Target, maps: &'a [Mapping], obj: &ObjectRef) -> Vec<&'a Mapping> {
     let mut seen: Vec<&str> = Vec::new();
