@@ -13,6 +13,12 @@ pub const MAX_APIS: u32 = 512;
 /// Longest string-argument prefix the kernel compares.
 pub const PREFIX_LEN: usize = 64;
 
+/// A stack id the kernel could not store, as `bpf_get_stackid` reports it:
+/// `-EFAULT`, there was no stack (the kernel stack of a sample taken in user
+/// mode). Not a loss. Any other negative id is a lost stack (`-EEXIST`: its
+/// hash bucket holds another stack), counted in the `*_STACK` drop slots.
+pub const STACK_EMPTY: i32 = -14;
+
 /// Event kinds; the first field of every event.
 pub mod kind {
     pub const STEP: u32 = 1;
@@ -193,7 +199,8 @@ pub struct ApiEvent {
 #[derive(Clone, Copy, Debug)]
 pub struct SampleEvent {
     pub hdr: EventHeader,
-    /// `STACKS` ids; negative when the stack could not be stored.
+    /// `STACKS` ids; negative when there is none: [`STACK_EMPTY`] (no
+    /// stack to take, not a loss) or another `-errno` (a lost stack).
     pub user_stack: i32,
     pub kernel_stack: i32,
     pub cpu: u32,
@@ -234,4 +241,5 @@ mod pod {
     unsafe impl aya::Pod for MarkerConfig {}
     unsafe impl aya::Pod for PlanConfig {}
     unsafe impl aya::Pod for KernelState {}
+    unsafe impl aya::Pod for OffCpuStart {}
 }

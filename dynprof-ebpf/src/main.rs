@@ -26,7 +26,7 @@ use aya_ebpf::{
 };
 use dynprof_common::{
     ApiEvent, ApiKey, EventHeader, KernelState, MAX_APIS, MAX_MARKERS, MarkerConfig,
-    OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, SampleEvent, StepEvent, arg_mode,
+    OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY, SampleEvent, StepEvent, arg_mode,
     drop_slot, kind, reg, role,
 };
 
@@ -274,13 +274,19 @@ pub fn dynprof_cpu(ctx: PerfEventContext) -> u32 {
     0
 }
 
+/// A `STACKS` id, or the helper's negative errno. `-EFAULT` means there was
+/// no stack to take (the kernel stack of a sample taken in user mode): not
+/// a loss, so not counted. Anything else (`-EEXIST`: the hash bucket holds
+/// another stack; `-ENOMEM`) loses the stack and is counted in `slot`.
 #[inline(always)]
 fn stack_id<C: StackIdContext>(ctx: &C, flags: u64, slot: u32) -> i32 {
     match ctx.get_stackid(&STACKS, flags) {
         Ok(id) => id as i32,
-        Err(_) => {
-            count_drop(slot);
-            -1
+        Err(e) => {
+            if e != STACK_EMPTY {
+                count_drop(slot);
+            }
+            e
         }
     }
 }

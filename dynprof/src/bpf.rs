@@ -12,7 +12,7 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, MapData, PerCpuArray, RingBuf, StackTraceMap},
+    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf, StackTraceMap},
     programs::{
         PerfEvent, TracePoint, UProbe,
         perf_event::{PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent},
@@ -20,7 +20,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
-use dynprof_common::{KernelState, MAX_MARKERS, MarkerConfig, PlanConfig, drop_slot};
+use dynprof_common::{KernelState, MAX_MARKERS, MarkerConfig, OffCpuStart, PlanConfig, drop_slot};
 
 use crate::{output::model::Drops, probes::ResolvedProbe, types::HostPid};
 
@@ -215,6 +215,37 @@ impl Kernel {
     pub fn take_stacks(&mut self) -> Result<StackTraceMap<MapData>> {
         let map = self.ebpf.take_map("STACKS").ok_or_else(|| anyhow!("STACKS already taken"))?;
         Ok(StackTraceMap::try_from(map)?)
+    }
+
+    /// The instruction pointers of one `STACKS` entry, leaf first (what
+    /// `Symbolizer::user_stack`/`kernel_stack` take). The map stays in the
+    /// `Kernel`, so every collector can read it.
+    pub fn stack(&self, id: u32) -> Result<Vec<u64>> {
+        let map = self.ebpf.map("STACKS").ok_or_else(|| anyhow!("STACKS was taken"))?;
+        let st: StackTraceMap<&MapData> = StackTraceMap::try_from(map)?;
+        Ok(st.get(&id, 0)?.frames().iter().map(|f| f.ip).collect())
+    }
+
+    /// Empties `STACKS`; returns how many entries were removed. Only safe
+    /// when no event that refers to a stack id is still unread.
+    pub fn clear_stacks(&mut self) -> Result<usize> {
+        let map = self.ebpf.map_mut("STACKS").ok_or_else(|| anyhow!("STACKS was taken"))?;
+        let mut st: StackTraceMap<&mut MapData> = StackTraceMap::try_from(map)?;
+        let ids: Vec<u32> = st.stack_ids().filter_map(|r| r.ok()).collect();
+        let mut n = 0;
+        for id in ids {
+            if st.remove(&id).is_ok() {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Target threads that are off-CPU right now, as the off-CPU program
+    /// recorded them at switch-out (host tid, record).
+    pub fn offcpu_pending(&self) -> Result<Vec<(u32, OffCpuStart)>> {
+        let m: BpfHashMap<_, u32, OffCpuStart> = BpfHashMap::try_from(self.ebpf.map("OFFCPU_START").expect("OFFCPU_START"))?;
+        Ok(m.iter().filter_map(|r| r.ok()).collect())
     }
 
     pub fn state(&self) -> Result<KernelState> {

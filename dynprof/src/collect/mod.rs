@@ -8,9 +8,16 @@
 //! - [`WindowHook`]: things driven at the boundaries themselves (msprof,
 //!   torch_npu dynamic_profile, user hooks). They get the boundary as soon as
 //!   user space learns of it and report metadata for `meta.json`.
+pub mod api;
+pub mod apis;
+pub mod builtin;
+pub mod cpu;
+pub mod offcpu;
+pub mod stacks;
 pub mod symbolize;
 
 use anyhow::Result;
+pub use builtin::{CollectArgs, CollectorOptions, build_collectors, parse_collect};
 use serde::Serialize;
 
 use crate::{

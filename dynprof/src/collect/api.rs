@@ -1,0 +1,162 @@
+//! The `api` collector: entry and return probes on device-runtime APIs
+//! (CANN ACL, CUDA runtime and driver, user-added symbols).
+//!
+//! The kernel times each call itself (`dynprof_api_enter` stores the entry
+//! time per (thread, API) while the window gate is open, the return probe
+//! emits one [`ApiEvent`] with the exact duration), so user space only
+//! labels calls and keeps those that began in the window's recorded steps.
+//! Calls stay on the thread that made them (CANN's task-queue thread
+//! included); `output` attributes them to steps by their start time.
+use anyhow::Result;
+use dynprof_common::ApiEvent;
+
+use super::{
+    Collector,
+    apis::{self, ApiSet, ApiSpec, ApiTable},
+    stacks::ThreadNames,
+    builtin::take_window,
+};
+use crate::{
+    bpf::Kernel,
+    output::model::{ApiCall, WindowData},
+    session::Decoded,
+    target::Target,
+};
+
+pub struct ApiCollector {
+    sets: Vec<ApiSet>,
+    user: Vec<ApiSpec>,
+    table: ApiTable,
+    events: Vec<ApiEvent>,
+    names: ThreadNames,
+    attached: usize,
+    warned_empty: bool,
+}
+
+impl ApiCollector {
+    pub fn new(sets: Vec<ApiSet>, user: Vec<ApiSpec>) -> Self {
+        Self { sets, user, table: ApiTable::default(), events: Vec::new(), names: ThreadNames::default(), attached: 0, warned_empty: false }
+    }
+
+    /// Probes attached by the last `arm`.
+    pub fn attached(&self) -> usize {
+        self.attached
+    }
+}
+
+impl Collector for ApiCollector {
+    fn name(&self) -> &'static str {
+        "api"
+    }
+
+    fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
+        self.names.set_pid(target.host_pid.0);
+        // Resolved at every arm: a library dlopen'ed since the last window
+        // (a CUDA or CANN plugin) is picked up.
+        let res = apis::resolve(target, &self.sets, &self.user, &mut self.table)?;
+        for m in &res.misses {
+            log::warn!("api: {m}");
+        }
+        let mut attached = 0;
+        for a in &res.apis {
+            match kernel.attach_api(a.index, &a.attach_path, a.file_offset) {
+                Ok(()) => attached += 1,
+                Err(e) => log::warn!("api: attaching {} in {} (offset {:#x}): {e:#}", a.symbol, a.object, a.file_offset),
+            }
+        }
+        self.attached = attached;
+        if attached == 0 && !self.warned_empty {
+            self.warned_empty = true;
+            log::warn!(
+                "api: no runtime API to trace in PID {} (no CANN/CUDA library mapped{}); api_summary.csv will be empty",
+                target.host_pid,
+                if res.searched.is_empty() { String::new() } else { format!("; searched {}", res.searched.join(", ")) }
+            );
+        } else {
+            log::debug!("api: {attached} APIs probed in {}", res.searched.join(", "));
+        }
+        Ok(())
+    }
+
+    fn disarm(&mut self, kernel: &mut Kernel) {
+        kernel.detach_apis();
+        self.attached = 0;
+    }
+
+    fn on_event(&mut self, ev: &Decoded) {
+        if let Decoded::Api(a) = ev {
+            self.names.saw(a.hdr.tid);
+            self.events.push(*a);
+        }
+    }
+
+    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, _kernel: &mut Kernel) -> Result<()> {
+        let evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
+        let mut calls: Vec<ApiCall> = evs
+            .iter()
+            .map(|e| {
+                let (name, wait) = self.table.name(e.api).unwrap_or(("?", false));
+                ApiCall {
+                    tid: e.hdr.tid,
+                    api: name.to_string(),
+                    start_ts_ns: e.hdr.ts_ns,
+                    dur_ns: e.dur_ns,
+                    ret: e.ret,
+                    device_wait: wait,
+                }
+            })
+            .collect();
+        calls = drop_wrapped(calls);
+        self.names.fill(&mut data.thread_names, calls.iter().map(|c| c.tid));
+        data.api_calls.extend(calls);
+        data.api_calls.sort_by_key(|c| (c.start_ts_ns, c.tid));
+        Ok(())
+    }
+}
+
+/// One library's API may be a thin wrapper around the same API of another
+/// (a CANN shim forwarding to the runtime library): both are probed, so the
+/// inner call is dropped when a call of the same name on the same thread
+/// contains it.
+pub fn drop_wrapped(mut calls: Vec<ApiCall>) -> Vec<ApiCall> {
+    // Outer first: by thread, name, start, then longest first.
+    calls.sort_by(|a, b| {
+        (a.tid, &a.api, a.start_ts_ns, std::cmp::Reverse(a.dur_ns)).cmp(&(b.tid, &b.api, b.start_ts_ns, std::cmp::Reverse(b.dur_ns)))
+    });
+    let mut out: Vec<ApiCall> = Vec::with_capacity(calls.len());
+    for c in calls {
+        if let Some(p) = out.last()
+            && p.tid == c.tid
+            && p.api == c.api
+            && c.start_ts_ns >= p.start_ts_ns
+            && c.start_ts_ns + c.dur_ns <= p.start_ts_ns + p.dur_ns
+        {
+            continue;
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(tid: u32, api: &str, s: u64, d: u64) -> ApiCall {
+        ApiCall { tid, api: api.into(), start_ts_ns: s, dur_ns: d, ret: 0, device_wait: false }
+    }
+
+    #[test]
+    fn wrapped_calls_are_dropped_but_sequential_ones_kept() {
+        let v = drop_wrapped(vec![
+            call(1, "aclrtLaunchKernel", 100, 50),
+            call(1, "aclrtLaunchKernel", 110, 30), // inner, forwarded
+            call(1, "aclrtLaunchKernel", 200, 10),
+            call(2, "aclrtLaunchKernel", 110, 30), // other thread
+            call(1, "aclrtMemcpy", 120, 5),         // other API, nested
+        ]);
+        let mut got: Vec<(u32, &str, u64)> = v.iter().map(|c| (c.tid, c.api.as_str(), c.start_ts_ns)).collect();
+        got.sort();
+        assert_eq!(got, vec![(1, "aclrtLaunchKernel", 100), (1, "aclrtLaunchKernel", 200), (1, "aclrtMemcpy", 120), (2, "aclrtLaunchKernel", 110)]);
+    }
+}

@@ -1,0 +1,90 @@
+//! The `cpu` collector: perf-event sampling of the target's threads.
+//!
+//! One software `cpu-clock` event per CPU at `hz` (default 99: off any
+//! round multiple of the kernel's tick, so sampling does not lock step with
+//! periodic work), system-wide; the program keeps only the target's samples,
+//! and only while the window gate is open. User and kernel stacks come from
+//! the `STACKS` map and are symbolized in `drain_into` (blazesym, through
+//! `/proc/PID`, so that containers work).
+use anyhow::Result;
+use dynprof_common::SampleEvent;
+
+use super::{
+    Collector,
+    stacks::{self, SharedStacks, ThreadNames},
+    builtin::take_window,
+};
+use crate::{
+    bpf::Kernel,
+    output::model::{CpuSample, WindowData},
+    session::Decoded,
+    target::Target,
+};
+
+pub const DEFAULT_HZ: u64 = 99;
+
+pub struct CpuCollector {
+    hz: u64,
+    store: SharedStacks,
+    events: Vec<SampleEvent>,
+    armed: bool,
+    names: ThreadNames,
+}
+
+impl CpuCollector {
+    pub fn new(hz: u64, store: SharedStacks) -> Self {
+        Self { hz, store, events: Vec::new(), armed: false, names: ThreadNames::default() }
+    }
+
+    fn update_hold(&mut self) {
+        if !self.armed && self.events.is_empty() {
+            self.store.borrow_mut().release(stacks::CPU);
+        }
+    }
+}
+
+impl Collector for CpuCollector {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
+        self.names.set_pid(target.host_pid.0);
+        self.store.borrow_mut().acquire(stacks::CPU, kernel, target.host_pid.0);
+        if let Err(e) = kernel.attach_cpu_sampler(self.hz) {
+            kernel.detach_cpu_sampler();
+            self.update_hold();
+            return Err(e);
+        }
+        self.armed = true;
+        Ok(())
+    }
+
+    fn disarm(&mut self, kernel: &mut Kernel) {
+        kernel.detach_cpu_sampler();
+        self.armed = false;
+        self.update_hold();
+    }
+
+    fn on_event(&mut self, ev: &Decoded) {
+        if let Decoded::Sample(s) = ev {
+            self.names.saw(s.hdr.tid);
+            self.events.push(*s);
+        }
+    }
+
+    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()> {
+        let evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
+        {
+            let mut store = self.store.borrow_mut();
+            for e in &evs {
+                let stack = store.stack(kernel, e.user_stack, e.kernel_stack);
+                data.samples.push(CpuSample { tid: e.hdr.tid, ts_ns: e.hdr.ts_ns, stack });
+            }
+        }
+        data.samples.sort_by_key(|s| (s.ts_ns, s.tid));
+        self.names.fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
+        self.update_hold();
+        Ok(())
+    }
+}

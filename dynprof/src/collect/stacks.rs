@@ -1,0 +1,150 @@
+//! Stack ids → symbolized stacks, shared by the `cpu` and `offcpu`
+//! collectors.
+//!
+//! The kernel's `STACKS` map is global: both stack collectors store into
+//! it and an identical stack gets the same id in both. Ids are read (and
+//! symbolized) in `drain_into`; the map is emptied only when a stack
+//! collector is armed while no stack collector holds unread ids, i.e. before
+//! a new window's gate opens, so a long job never fills it up. Without that
+//! a full map would drop new stacks (counted, never silent, but avoidable).
+use std::{cell::RefCell, collections::HashMap, rc::Rc};
+
+use dynprof_common::STACK_EMPTY;
+
+use super::symbolize::Symbolizer;
+use crate::{bpf::Kernel, output::model::Stack};
+
+/// Which stack collector holds ids (bit mask).
+pub const CPU: u8 = 1;
+pub const OFFCPU: u8 = 2;
+
+pub type SharedStacks = Rc<RefCell<StackStore>>;
+
+#[derive(Default)]
+pub struct StackStore {
+    pid: Option<u32>,
+    sym: Option<Symbolizer>,
+    user: HashMap<i32, Stack>,
+    kernel: HashMap<i32, Stack>,
+    holders: u8,
+    /// Ids whose lookup failed although the kernel returned them (removed
+    /// under us); reported as lost frames.
+    pub lookup_failures: u64,
+}
+
+impl StackStore {
+    pub fn shared() -> SharedStacks {
+        Rc::new(RefCell::new(StackStore::default()))
+    }
+
+    /// A stack collector is being armed for the target `pid`.
+    pub fn acquire(&mut self, who: u8, kernel: &mut Kernel, pid: u32) {
+        if self.holders == 0 {
+            match kernel.clear_stacks() {
+                Ok(n) if n > 0 => log::debug!("stacks: cleared {n} stack-map entries before arming"),
+                Ok(_) => {}
+                Err(e) => log::warn!("stacks: could not clear the stack map: {e:#}"),
+            }
+            self.user.clear();
+            self.kernel.clear();
+        }
+        if self.pid != Some(pid) {
+            self.pid = Some(pid);
+            self.sym = match Symbolizer::new(pid) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    log::warn!("stacks: no symbolizer for PID {pid}: {e:#}");
+                    None
+                }
+            };
+        }
+        self.holders |= who;
+    }
+
+    /// The collector `who` holds no unread stack ids any more.
+    pub fn release(&mut self, who: u8) {
+        self.holders &= !who;
+    }
+
+    /// The stack of one event: user frames root first, then the kernel
+    /// frames (suffixed `_[k]`) root first, as flame graphs draw them.
+    pub fn stack(&mut self, kernel: &Kernel, user_id: i32, kernel_id: i32) -> Stack {
+        let mut out = self.part(kernel, user_id, false);
+        out.extend(self.part(kernel, kernel_id, true));
+        if out.is_empty() {
+            out.push("[unknown]".to_string());
+        }
+        out
+    }
+
+    fn part(&mut self, kernel: &Kernel, id: i32, is_kernel: bool) -> Stack {
+        if id == STACK_EMPTY {
+            return Vec::new();
+        }
+        if id < 0 {
+            // Counted by the kernel in the *_STACK drop slot.
+            return vec![if is_kernel { "[lost kernel stack]_[k]" } else { "[lost user stack]" }.to_string()];
+        }
+        let cache = if is_kernel { &self.kernel } else { &self.user };
+        if let Some(s) = cache.get(&id) {
+            return s.clone();
+        }
+        let frames = match kernel.stack(id as u32) {
+            Ok(ips) => match &mut self.sym {
+                Some(sym) if is_kernel => sym.kernel_stack(&ips),
+                Some(sym) => sym.user_stack(&ips),
+                None => {
+                    let n = ips.iter().position(|&ip| ip == 0).unwrap_or(ips.len());
+                    ips[..n].iter().rev().map(|ip| format!("{ip:#x}")).collect()
+                }
+            },
+            Err(e) => {
+                log::debug!("stacks: id {id}: {e:#}");
+                self.lookup_failures += 1;
+                vec![if is_kernel { "[lost kernel stack]_[k]" } else { "[lost user stack]" }.to_string()]
+            }
+        };
+        let cache = if is_kernel { &mut self.kernel } else { &mut self.user };
+        cache.insert(id, frames.clone());
+        frames
+    }
+}
+
+/// Host tid → thread name, read from /proc the first time a tid is seen
+/// (short-lived threads are gone by the time a window is written).
+#[derive(Default)]
+pub struct ThreadNames {
+    pid: u32,
+    names: HashMap<u32, String>,
+}
+
+impl ThreadNames {
+    pub fn set_pid(&mut self, pid: u32) {
+        if self.pid != pid {
+            self.pid = pid;
+            self.names.clear();
+        }
+    }
+
+    pub fn saw(&mut self, tid: u32) {
+        if self.pid == 0 || self.names.contains_key(&tid) {
+            return;
+        }
+        let name = std::fs::read_to_string(format!("/proc/{}/task/{tid}/comm", self.pid))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        self.names.insert(tid, name);
+    }
+
+    /// Adds the names of `tids` that `names` lacks.
+    pub fn fill(&self, names: &mut Vec<(u32, String)>, tids: impl IntoIterator<Item = u32>) {
+        for tid in tids {
+            if names.iter().any(|(t, _)| *t == tid) {
+                continue;
+            }
+            if let Some(n) = self.names.get(&tid).filter(|n| !n.is_empty()) {
+                names.push((tid, n.clone()));
+            }
+        }
+    }
+}
