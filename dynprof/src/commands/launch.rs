@@ -195,11 +195,15 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
     };
     let collect = d.window.collectors()?;
 
+    let t_resolve = Instant::now();
     let (resolved, frozen) = resolve_waiting(&target, &d.markers, wait, d.mode_name == "launch")?;
+    let resolve_ms = t_resolve.elapsed().as_secs_f64() * 1e3;
+    let t_load = Instant::now();
     let mut kernel = match kernel {
         Some(k) => k,
         None => Kernel::load(target.host_pid, ring_bytes(d.ring_buffer_kb)?)?,
     };
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
 
     let mut sched = (mode != Mode::None).then(|| {
         let mut s = Scheduler::new(SchedulerOptions {
@@ -227,13 +231,20 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
     if let Some(s) = &mut sched {
         s.begin(&mut kernel, &target, initial)?;
     }
+    let t_attach = Instant::now();
     for p in probes::attach_order(&resolved) {
         kernel.attach_marker(p)?;
     }
+    let attach_ms = t_attach.elapsed().as_secs_f64() * 1e3;
     drop(frozen);
     let mut session = Session::new(kernel, target, resolved);
     if d.json {
-        println!("{}", attached_json(&session.target, &session.probes));
+        let mut line = attached_json(&session.target, &session.probes);
+        // Opt-in for `cargo xtask bench` (attach time, split by phase).
+        if std::env::var_os("DYNPROF_ATTACH_TIMINGS").is_some_and(|v| v == "1") {
+            line["timings_ms"] = serde_json::json!({"resolve_ms": resolve_ms, "load_ms": load_ms, "attach_ms": attach_ms});
+        }
+        println!("{line}");
     } else {
         for p in &session.probes {
             eprintln!("dynprof: attached {} marker `{}` at {}+{:#x} ({})", p.role, p.label, p.object, p.file_offset, p.symbol);
