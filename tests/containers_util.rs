@@ -23,7 +23,10 @@ pub fn children(pid: u32) -> Vec<u32> {
 }
 
 pub fn comm(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_string()
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .unwrap_or_default()
+        .trim()
+        .to_string()
 }
 
 /// The chain of first children below `pid` (pid itself first), down to a leaf.
@@ -40,10 +43,12 @@ pub fn descendants(pid: u32) -> Vec<u32> {
 /// The first process named `name` in the first-child chain below `pid`.
 pub fn find_below(pid: u32, name: &str) -> u32 {
     let chain = descendants(pid);
-    *chain
-        .iter()
-        .find(|p| comm(**p) == name)
-        .unwrap_or_else(|| panic!("no `{name}` below {pid}: {:?}", chain.iter().map(|p| (p, comm(*p))).collect::<Vec<_>>()))
+    *chain.iter().find(|p| comm(**p) == name).unwrap_or_else(|| {
+        panic!(
+            "no `{name}` below {pid}: {:?}",
+            chain.iter().map(|p| (p, comm(*p))).collect::<Vec<_>>()
+        )
+    })
 }
 
 pub fn nspid(pid: u32) -> Vec<u32> {
@@ -57,7 +62,10 @@ pub fn nspid(pid: u32) -> Vec<u32> {
 }
 
 pub fn pidns_of(pid: u32) -> String {
-    std::fs::read_link(format!("/proc/{pid}/ns/pid")).unwrap().to_string_lossy().into_owned()
+    std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+        .unwrap()
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// `unshare` arguments for one new PID namespace with its own /proc; the
@@ -86,18 +94,33 @@ impl NsTrainer {
         for _ in 1..levels {
             cmd.arg("unshare").args(PIDNS);
         }
-        let mut inner = format!("{} --log {} --step-ms 20", sh_quote(&fx.trainer.to_string_lossy()), sh_quote(&log.to_string_lossy()));
+        let mut inner = format!(
+            "{} --log {} --step-ms 20",
+            sh_quote(&fx.trainer.to_string_lossy()),
+            sh_quote(&log.to_string_lossy())
+        );
         for e in extra {
             inner.push(' ');
             inner.push_str(&sh_quote(e));
         }
         cmd.args(["sh", "-c", &format!("{inner} & wait")]);
         let proc = Proc::spawn_ready(&mut cmd);
-        assert_eq!(proc.pid, 2, "the trainer is PID 2 in its namespace (after sh)");
+        assert_eq!(
+            proc.pid, 2,
+            "the trainer is PID 2 in its namespace (after sh)"
+        );
         let chain = descendants(proc.host_pid());
-        assert_eq!(chain.len(), levels + 2, "unshare x{levels}, sh, trainer: {chain:?}");
+        assert_eq!(
+            chain.len(),
+            levels + 2,
+            "unshare x{levels}, sh, trainer: {chain:?}"
+        );
         assert_eq!(comm(*chain.last().unwrap()), "trainer");
-        NsTrainer { proc, chain, log: log.to_path_buf() }
+        NsTrainer {
+            proc,
+            chain,
+            log: log.to_path_buf(),
+        }
     }
 
     pub fn trainer(&self) -> u32 {
@@ -123,10 +146,16 @@ impl Run {
         self.events.iter().filter(|e| e["event"] == kind).collect()
     }
     pub fn attached(&self) -> &Value {
-        self.of("attached").first().copied().unwrap_or_else(|| panic!("no `attached` line: {self:#?}"))
+        self.of("attached")
+            .first()
+            .copied()
+            .unwrap_or_else(|| panic!("no `attached` line: {self:#?}"))
     }
     pub fn step_ts(&self) -> Vec<u64> {
-        self.of("step").iter().map(|e| e["ts_ns"].as_u64().unwrap()).collect()
+        self.of("step")
+            .iter()
+            .map(|e| e["ts_ns"].as_u64().unwrap())
+            .collect()
     }
 }
 
@@ -136,10 +165,21 @@ pub fn dynprof(args: &[&str]) -> Run {
     if args.first() == Some(&"attach") && !args.contains(&"--duration") {
         all.extend(["--duration", "60"]);
     }
-    let out = Command::new(dynprof_bin()).args(&all).output().expect("running dynprof");
+    let out = Command::new(dynprof_bin())
+        .args(&all)
+        .output()
+        .expect("running dynprof");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let events = stdout.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-    Run { ok: out.status.success(), stdout, stderr: String::from_utf8_lossy(&out.stderr).into_owned(), events }
+    let events = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    Run {
+        ok: out.status.success(),
+        stdout,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        events,
+    }
 }
 
 /// `dynprof attach --pid PID --json --steps N ARGS...`, which must succeed.
@@ -185,7 +225,10 @@ pub struct Cgroup {
 impl Drop for Cgroup {
     fn drop(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::fs::remove_dir(&self.dir).is_err() && Instant::now() < deadline && self.dir.exists() {
+        while std::fs::remove_dir(&self.dir).is_err()
+            && Instant::now() < deadline
+            && self.dir.exists()
+        {
             std::thread::sleep(Duration::from_millis(20));
         }
         if let Some(p) = &self.parent {
@@ -198,7 +241,12 @@ impl Drop for Cgroup {
 /// writable cgroup hierarchy (v2 at /sys/fs/cgroup, else a v1 or hybrid one).
 /// None when no hierarchy is writable.
 pub fn make_cgroup(tag: &str, leaf: &str) -> Option<Cgroup> {
-    let roots = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/pids", "/sys/fs/cgroup/systemd"];
+    let roots = [
+        "/sys/fs/cgroup",
+        "/sys/fs/cgroup/unified",
+        "/sys/fs/cgroup/pids",
+        "/sys/fs/cgroup/systemd",
+    ];
     for r in roots {
         let r = Path::new(r);
         if !r.join("cgroup.procs").exists() {
@@ -210,7 +258,10 @@ pub fn make_cgroup(tag: &str, leaf: &str) -> Option<Cgroup> {
         }
         let dir = parent.join(leaf);
         if std::fs::create_dir(&dir).is_ok() {
-            return Some(Cgroup { dir, parent: Some(parent) });
+            return Some(Cgroup {
+                dir,
+                parent: Some(parent),
+            });
         }
         let _ = std::fs::remove_dir(&parent);
     }

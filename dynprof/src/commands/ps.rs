@@ -30,11 +30,20 @@ pub fn rank_cell(p: &ProcInfo) -> String {
     if p.rank.is_none() && p.local_rank.is_none() && p.world_size.is_none() {
         return "-".into();
     }
-    format!("{}/{}/{}", opt(p.rank), opt(p.local_rank), opt(p.world_size))
+    format!(
+        "{}/{}/{}",
+        opt(p.rank),
+        opt(p.local_rank),
+        opt(p.world_size)
+    )
 }
 
 pub fn ns_pids_cell(p: &ProcInfo) -> String {
-    p.ns_pids.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(">")
+    p.ns_pids
+        .iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(">")
 }
 
 pub fn container_cell(p: &ProcInfo) -> String {
@@ -59,22 +68,32 @@ pub fn markers_cell(p: &ProcInfo) -> String {
 }
 
 fn truncate(s: &str, n: usize) -> String {
-    if s.chars().count() <= n { s.to_string() } else { format!("{}…", s.chars().take(n - 1).collect::<String>()) }
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(n - 1).collect::<String>())
+    }
 }
 
 pub fn table(procs: &[ProcInfo]) -> Table {
     let mut t = Table::new();
-    t.load_preset(NOTHING).set_content_arrangement(ContentArrangement::Disabled).set_header(vec![
-        "HOST PID",
-        "NS PIDS",
-        "CONTAINER",
-        "RANK/LOCAL/WORLD",
-        "RUNTIMES",
-        "MARKERS",
-        "COMMAND",
-    ]);
+    t.load_preset(NOTHING)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(vec![
+            "HOST PID",
+            "NS PIDS",
+            "CONTAINER",
+            "RANK/LOCAL/WORLD",
+            "RUNTIMES",
+            "MARKERS",
+            "COMMAND",
+        ]);
     for p in procs {
-        let runtimes = if p.runtimes.is_empty() { "-".to_string() } else { p.runtimes.join(",") };
+        let runtimes = if p.runtimes.is_empty() {
+            "-".to_string()
+        } else {
+            p.runtimes.join(",")
+        };
         t.add_row(vec![
             p.host_pid.to_string(),
             ns_pids_cell(p),
@@ -100,11 +119,18 @@ pub fn run(args: &PsArgs) -> Result<()> {
             "dynprof: no process loads a device runtime or framework (CANN, PyTorch, CUDA); \
              `dynprof ps --all` lists every process{}",
             // SAFETY: geteuid has no preconditions.
-            if unsafe { libc::geteuid() } != 0 { "; run as root to see other users' processes" } else { "" }
+            if unsafe { libc::geteuid() } != 0 {
+                "; run as root to see other users' processes"
+            } else {
+                ""
+            }
         );
     } else {
         writeln!(out, "{}", table(&procs))?;
-        if procs.iter().any(|p| p.container.is_some() || p.ns_pids.len() > 1) {
+        if procs
+            .iter()
+            .any(|p| p.container.is_some() || p.ns_pids.len() > 1)
+        {
             eprintln!(
                 "dynprof: attach from the host with `dynprof attach --pid HOST_PID`, or \
                  `--pid NS_PID --in-pidns CONTAINER_ID`"

@@ -72,7 +72,11 @@ pub fn parse_cgroup_path(path: &str) -> Option<ContainerId> {
             if let Some(id) = c.strip_prefix(prefix)
                 && is_full_id(id)
             {
-                return Some(ContainerId { id: id.to_ascii_lowercase(), runtime: *runtime, pod_uid });
+                return Some(ContainerId {
+                    id: id.to_ascii_lowercase(),
+                    runtime: *runtime,
+                    pod_uid,
+                });
             }
         }
         if is_full_id(c) {
@@ -81,14 +85,24 @@ pub fn parse_cgroup_path(path: &str) -> Option<ContainerId> {
                 ContainerRuntime::Cri
             } else if parents.last() == Some(&"docker") {
                 ContainerRuntime::Docker
-            } else if parents.iter().any(|p| *p == "libpod_parent" || p.starts_with("libpod")) {
+            } else if parents
+                .iter()
+                .any(|p| *p == "libpod_parent" || p.starts_with("libpod"))
+            {
                 ContainerRuntime::Podman
-            } else if matches!(parents.last(), Some(&"k8s.io") | Some(&"default") | Some(&"moby")) {
+            } else if matches!(
+                parents.last(),
+                Some(&"k8s.io") | Some(&"default") | Some(&"moby")
+            ) {
                 ContainerRuntime::Containerd
             } else {
                 ContainerRuntime::Unknown
             };
-            return Some(ContainerId { id: c.to_ascii_lowercase(), runtime, pod_uid });
+            return Some(ContainerId {
+                id: c.to_ascii_lowercase(),
+                runtime,
+                pod_uid,
+            });
         }
     }
     None
@@ -110,7 +124,9 @@ fn pod_uid_of(comp: &str) -> Option<String> {
 
 /// The container of a host PID, from its cgroup file.
 pub fn container_of(pid: HostPid) -> Option<ContainerId> {
-    fs::read_to_string(format!("/proc/{pid}/cgroup")).ok().and_then(|c| parse_cgroup_file(&c))
+    fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .ok()
+        .and_then(|c| parse_cgroup_file(&c))
 }
 
 /// Is `s` shaped like a container id or an id prefix `--in-pidns` accepts?
@@ -176,7 +192,10 @@ mod tests {
         let cases = [
             (format!("0::/system.slice/docker-{ID}.scope"), Docker),
             (format!("12:memory:/docker/{ID}"), Docker),
-            (format!("0::/machine.slice/libpod-{ID}.scope/container"), Podman),
+            (
+                format!("0::/machine.slice/libpod-{ID}.scope/container"),
+                Podman,
+            ),
             (format!("0::/libpod_parent/libpod-{ID}"), Podman),
             (format!("0::/system.slice/nerdctl-{ID}.scope"), Containerd),
             (format!("0::/k8s.io/{ID}"), Containerd),
@@ -192,15 +211,31 @@ mod tests {
         let line = format!(
             "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/cri-containerd-{ID}.scope"
         );
-        assert_eq!(p(&line), Some((ID.to_string(), ContainerRuntime::Containerd, Some(UID.to_string()))));
+        assert_eq!(
+            p(&line),
+            Some((
+                ID.to_string(),
+                ContainerRuntime::Containerd,
+                Some(UID.to_string())
+            ))
+        );
         let line = format!("0::/kubepods/burstable/pod{UID}/{ID}");
-        assert_eq!(p(&line), Some((ID.to_string(), ContainerRuntime::Cri, Some(UID.to_string()))));
+        assert_eq!(
+            p(&line),
+            Some((ID.to_string(), ContainerRuntime::Cri, Some(UID.to_string())))
+        );
     }
 
     #[test]
     fn monitors_host_and_garbage() {
-        assert_eq!(p(&format!("0::/machine.slice/libpod-conmon-{ID}.scope")), None);
-        assert_eq!(p(&format!("0::/kubepods.slice/crio-conmon-{ID}.scope")), None);
+        assert_eq!(
+            p(&format!("0::/machine.slice/libpod-conmon-{ID}.scope")),
+            None
+        );
+        assert_eq!(
+            p(&format!("0::/kubepods.slice/crio-conmon-{ID}.scope")),
+            None
+        );
         assert_eq!(p("0::/"), None);
         assert_eq!(p("0::/user.slice/user-1000.slice/session-2.scope"), None);
         assert_eq!(p(&format!("0::/docker/{}", &ID[..63])), None);
@@ -210,7 +245,10 @@ mod tests {
     #[test]
     fn docker_in_docker_gives_innermost() {
         let inner = "a".repeat(64);
-        assert_eq!(p(&format!("0::/docker/{ID}/docker/{inner}")).unwrap().0, inner);
+        assert_eq!(
+            p(&format!("0::/docker/{ID}/docker/{inner}")).unwrap().0,
+            inner
+        );
     }
 
     #[test]

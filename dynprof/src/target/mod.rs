@@ -74,7 +74,10 @@ impl Target {
         let status = fs::read_to_string(proc_dir.join("status"))
             .with_context(|| format!("reading /proc/{pid}/status"))?;
         let ns_pids = parse_nspid(&status).unwrap_or_else(|| vec![NsPid(pid.0)]);
-        let comm = fs::read_to_string(proc_dir.join("comm")).unwrap_or_default().trim().to_string();
+        let comm = fs::read_to_string(proc_dir.join("comm"))
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         let cmdline = fs::read(proc_dir.join("cmdline"))
             .map(|b| {
                 b.split(|c| *c == 0)
@@ -83,7 +86,9 @@ impl Target {
                     .collect()
             })
             .unwrap_or_default();
-        let ranks = read_environ(pid).map(|env| RankEnv::from_env(&env)).unwrap_or_default();
+        let ranks = read_environ(pid)
+            .map(|env| RankEnv::from_env(&env))
+            .unwrap_or_default();
         let container_id = container::container_of(pid);
         let container = container_id.as_ref().map(|c| c.id.clone());
         let pid_ns = pidns::pidns_inode(pid).ok();
@@ -124,7 +129,12 @@ impl Target {
     pub fn is_alive(&self) -> bool {
         // A zombie still has /proc/PID; it has no mappings left to profile.
         match fs::read_to_string(format!("/proc/{}/stat", self.host_pid)) {
-            Ok(stat) => !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'),
+            Ok(stat) => !stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z'),
             Err(_) => false,
         }
     }
@@ -210,11 +220,23 @@ pub struct RankEnv {
 
 impl RankEnv {
     pub fn from_env(env: &[(String, String)]) -> Self {
-        let first = |keys: &[&str]| keys.iter().find_map(|k| env_value(env, k)?.trim().parse().ok());
+        let first = |keys: &[&str]| {
+            keys.iter()
+                .find_map(|k| env_value(env, k)?.trim().parse().ok())
+        };
         Self {
             rank: first(&["RANK", "RANK_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]),
-            local_rank: first(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]),
-            world_size: first(&["WORLD_SIZE", "RANK_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]),
+            local_rank: first(&[
+                "LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "MPI_LOCALRANKID",
+            ]),
+            world_size: first(&[
+                "WORLD_SIZE",
+                "RANK_SIZE",
+                "OMPI_COMM_WORLD_SIZE",
+                "PMI_SIZE",
+            ]),
         }
     }
 }

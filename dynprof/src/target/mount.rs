@@ -39,7 +39,10 @@ pub enum FileState {
     /// Unlinked after it was mapped (maps says "(deleted)"), nothing at the path now.
     Deleted,
     /// Another file is at the path now.
-    Replaced { mapped_build_id: Option<String>, on_disk_build_id: Option<String> },
+    Replaced {
+        mapped_build_id: Option<String>,
+        on_disk_build_id: Option<String>,
+    },
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -51,7 +54,10 @@ pub struct MappedFile {
 }
 
 fn map_files_path(target: &Target, m: &Mapping) -> PathBuf {
-    PathBuf::from(format!("/proc/{}/map_files/{:x}-{:x}", target.host_pid, m.start, m.end))
+    PathBuf::from(format!(
+        "/proc/{}/map_files/{:x}-{:x}",
+        target.host_pid, m.start, m.end
+    ))
 }
 
 fn build_id_of(p: &std::path::Path) -> Option<String> {
@@ -66,18 +72,39 @@ pub fn locate(target: &Target, m: &Mapping) -> MappedFile {
     let map_meta = fs::metadata(&by_map).ok();
     let Some(map_meta) = map_meta else {
         // map_files needs CAP_SYS_ADMIN (or CAP_CHECKPOINT_RESTORE); fall back to the name.
-        return MappedFile { path: by_root, via: Via::Root, state: if m.deleted { FileState::Deleted } else { FileState::Intact } };
+        return MappedFile {
+            path: by_root,
+            via: Via::Root,
+            state: if m.deleted {
+                FileState::Deleted
+            } else {
+                FileState::Intact
+            },
+        };
     };
-    let same = root_meta.as_ref().is_some_and(|r| r.dev() == map_meta.dev() && r.ino() == map_meta.ino());
+    let same = root_meta
+        .as_ref()
+        .is_some_and(|r| r.dev() == map_meta.dev() && r.ino() == map_meta.ino());
     if same && !m.deleted {
-        return MappedFile { path: by_root, via: Via::Root, state: FileState::Intact };
+        return MappedFile {
+            path: by_root,
+            via: Via::Root,
+            state: FileState::Intact,
+        };
     }
     let state = if root_meta.is_some() {
-        FileState::Replaced { mapped_build_id: build_id_of(&by_map), on_disk_build_id: build_id_of(&by_root) }
+        FileState::Replaced {
+            mapped_build_id: build_id_of(&by_map),
+            on_disk_build_id: build_id_of(&by_root),
+        }
     } else {
         FileState::Deleted
     };
-    MappedFile { path: by_map, via: Via::MapFiles, state }
+    MappedFile {
+        path: by_map,
+        via: Via::MapFiles,
+        state,
+    }
 }
 
 /// [`locate`], warning once per (PID, path) when the file is not intact.
@@ -86,7 +113,11 @@ pub fn locate_and_warn(target: &Target, m: &Mapping) -> MappedFile {
     static WARNED: OnceLock<Mutex<HashSet<(u32, String)>>> = OnceLock::new();
     if f.state != FileState::Intact {
         let key = (target.host_pid.0, m.path.clone());
-        let first = WARNED.get_or_init(Default::default).lock().map(|mut w| w.insert(key)).unwrap_or(true);
+        let first = WARNED
+            .get_or_init(Default::default)
+            .lock()
+            .map(|mut w| w.insert(key))
+            .unwrap_or(true);
         if first {
             log::warn!("{}", describe(target, m, &f));
         }
@@ -108,9 +139,15 @@ pub fn describe(target: &Target, m: &Mapping, f: &MappedFile) -> String {
     match &f.state {
         FileState::Intact => format!("{} is intact", m.path),
         FileState::Deleted => {
-            format!("{} was deleted after PID {pid} mapped it (maps says \"(deleted)\"); {how}", m.path)
+            format!(
+                "{} was deleted after PID {pid} mapped it (maps says \"(deleted)\"); {how}",
+                m.path
+            )
         }
-        FileState::Replaced { mapped_build_id, on_disk_build_id } => {
+        FileState::Replaced {
+            mapped_build_id,
+            on_disk_build_id,
+        } => {
             let ids = match (mapped_build_id, on_disk_build_id) {
                 (Some(a), Some(b)) if a != b => format!(" (build id mapped {a}, on disk now {b})"),
                 (Some(a), Some(_)) => format!(" (same build id {a}, but a different file)"),

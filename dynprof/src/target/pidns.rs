@@ -51,10 +51,17 @@ impl PidNsRef {
             if let Some(ino) = rest.strip_suffix(']').and_then(|n| n.parse().ok()) {
                 return Ok(PidNsRef::Inode(ino));
             }
-            bail!("invalid --in-pidns `{s}`: expected pid:[INODE] with a decimal inode, e.g. pid:[4026532179]");
+            bail!(
+                "invalid --in-pidns `{s}`: expected pid:[INODE] with a decimal inode, e.g. pid:[4026532179]"
+            );
         }
-        if !s.is_empty() && s.len() < container::MIN_PREFIX_LEN && s.bytes().all(|b| b.is_ascii_digit()) {
-            let pid: u32 = s.parse().with_context(|| format!("invalid --in-pidns `{s}`"))?;
+        if !s.is_empty()
+            && s.len() < container::MIN_PREFIX_LEN
+            && s.bytes().all(|b| b.is_ascii_digit())
+        {
+            let pid: u32 = s
+                .parse()
+                .with_context(|| format!("invalid --in-pidns `{s}`"))?;
             return Ok(PidNsRef::HostPid(HostPid(pid)));
         }
         if container::looks_like_id_prefix(s) {
@@ -91,8 +98,10 @@ pub fn parse_ns_link(link: &str) -> Option<u64> {
 
 /// The inode of a process's PID namespace (readlink /proc/PID/ns/pid).
 pub fn pidns_inode(pid: HostPid) -> Result<u64> {
-    let link = fs::read_link(format!("/proc/{pid}/ns/pid")).with_context(|| format!("reading /proc/{pid}/ns/pid"))?;
-    parse_ns_link(&link.to_string_lossy()).with_context(|| format!("/proc/{pid}/ns/pid links to {}", link.display()))
+    let link = fs::read_link(format!("/proc/{pid}/ns/pid"))
+        .with_context(|| format!("reading /proc/{pid}/ns/pid"))?;
+    parse_ns_link(&link.to_string_lossy())
+        .with_context(|| format!("/proc/{pid}/ns/pid links to {}", link.display()))
 }
 
 fn fd_inode(f: &File) -> Result<u64> {
@@ -133,17 +142,25 @@ fn open_ns_file(path: &Path) -> Result<File> {
     // SAFETY: NS_GET_NSTYPE (_IO(0xb7, 0x3)) takes no argument.
     let ty = unsafe { libc::ioctl(f.as_raw_fd(), 0xb703 as _) };
     if ty < 0 {
-        bail!("{} is not a namespace file (want /proc/PID/ns/pid)", path.display());
+        bail!(
+            "{} is not a namespace file (want /proc/PID/ns/pid)",
+            path.display()
+        );
     }
     if ty != libc::CLONE_NEWPID {
-        bail!("{} is a namespace, but not a PID namespace (want /proc/PID/ns/pid)", path.display());
+        bail!(
+            "{} is a namespace, but not a PID namespace (want /proc/PID/ns/pid)",
+            path.display()
+        );
     }
     Ok(f)
 }
 
 /// Status fields dynprof reads for every process.
 pub(crate) fn read_nspid(pid: HostPid) -> Option<Vec<NsPid>> {
-    fs::read_to_string(format!("/proc/{pid}/status")).ok().and_then(|s| super::parse_nspid(&s))
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| super::parse_nspid(&s))
 }
 
 /// Resolves REF to a namespace.
@@ -154,15 +171,23 @@ pub fn find_pidns(r: &PidNsRef) -> Result<PidNs> {
             if !Path::new(&format!("/proc/{p}")).exists() {
                 bail!("--in-pidns {p}: no process with host PID {p}");
             }
-            (open_ns_file(&path).with_context(|| format!("--in-pidns {p}"))?, None)
+            (
+                open_ns_file(&path).with_context(|| format!("--in-pidns {p}"))?,
+                None,
+            )
         }
         PidNsRef::Path(path) => (open_ns_file(path)?, None),
         PidNsRef::Inode(ino) => {
-            let holder = all_pids().into_iter().find(|p| pidns_inode(*p).ok() == Some(*ino));
+            let holder = all_pids()
+                .into_iter()
+                .find(|p| pidns_inode(*p).ok() == Some(*ino));
             let Some(holder) = holder else {
                 bail!("--in-pidns pid:[{ino}]: no running process is in that PID namespace");
             };
-            (open_ns_file(Path::new(&format!("/proc/{holder}/ns/pid")))?, None)
+            (
+                open_ns_file(Path::new(&format!("/proc/{holder}/ns/pid")))?,
+                None,
+            )
         }
         PidNsRef::Container(prefix) => {
             let (cid, pids) = container::find_container(prefix)?;
@@ -173,10 +198,17 @@ pub fn find_pidns(r: &PidNsRef) -> Result<PidNs> {
                 .min()
                 .map(|(_, p)| p)
                 .with_context(|| format!("container {}: its processes have exited", cid.short()))?;
-            (open_ns_file(Path::new(&format!("/proc/{best}/ns/pid")))?, Some(cid))
+            (
+                open_ns_file(Path::new(&format!("/proc/{best}/ns/pid")))?,
+                Some(cid),
+            )
         }
     };
-    Ok(PidNs { inode: fd_inode(&file)?, level: ns_level(&file), container })
+    Ok(PidNs {
+        inode: fd_inode(&file)?,
+        level: ns_level(&file),
+        container,
+    })
 }
 
 /// One process seen in a namespace.
@@ -188,7 +220,10 @@ pub struct Seen {
 }
 
 fn comm(pid: HostPid) -> String {
-    fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_string()
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .unwrap_or_default()
+        .trim()
+        .to_string()
 }
 
 /// Every process whose NSpid chain has `ns_pid` at `ns.level` and whose
@@ -209,9 +244,15 @@ pub fn find_in_ns(ns: &PidNs, ns_pid: Option<NsPid>) -> (Vec<Seen>, Vec<Seen>) {
         } else if up == 0 {
             pidns_inode(p).ok()
         } else {
-            File::open(format!("/proc/{p}/ns/pid")).ok().and_then(|f| ancestor_inode(f, up))
+            File::open(format!("/proc/{p}/ns/pid"))
+                .ok()
+                .and_then(|f| ancestor_inode(f, up))
         };
-        let seen = Seen { host_pid: p, ns_pids: chain, comm: comm(p) };
+        let seen = Seen {
+            host_pid: p,
+            ns_pids: chain,
+            comm: comm(p),
+        };
         match anc {
             Some(i) if i == ns.inode => sure.push(seen),
             Some(_) => {}
@@ -228,7 +269,13 @@ fn describe(list: &[Seen], level: usize) -> String {
         .take(MAX)
         .map(|p| {
             let chain: Vec<String> = p.ns_pids.iter().map(|n| n.to_string()).collect();
-            format!("PID {} there = host PID {} ({}; NSpid {})", p.ns_pids[level], p.host_pid, p.comm, chain.join(" "))
+            format!(
+                "PID {} there = host PID {} ({}; NSpid {})",
+                p.ns_pids[level],
+                p.host_pid,
+                p.comm,
+                chain.join(" ")
+            )
         })
         .collect();
     if list.len() > MAX {
@@ -240,7 +287,9 @@ fn describe(list: &[Seen], level: usize) -> String {
 /// Turns `--pid N [--in-pidns REF]` into a host PID. Without REF, N is a
 /// host PID.
 pub fn resolve_pid(pid: u32, in_pidns: Option<&str>) -> Result<HostPid> {
-    let Some(r) = in_pidns else { return Ok(HostPid(pid)) };
+    let Some(r) = in_pidns else {
+        return Ok(HostPid(pid));
+    };
     let ns = find_pidns(&PidNsRef::parse(r)?)?;
     resolve_in(NsPid(pid), &ns).with_context(|| format!("--pid {pid} --in-pidns {r}"))
 }
@@ -253,7 +302,12 @@ pub fn resolve_in(pid: NsPid, ns: &PidNs) -> Result<HostPid> {
         ([], []) => {
             let (members, _) = find_in_ns(ns, None);
             let what = match &ns.container {
-                Some(c) => format!("container {} ({}), namespace {}", c.short(), c.runtime, ns.name()),
+                Some(c) => format!(
+                    "container {} ({}), namespace {}",
+                    c.short(),
+                    c.runtime,
+                    ns.name()
+                ),
                 None => format!("PID namespace {}", ns.name()),
             };
             if members.is_empty() {
@@ -294,9 +348,18 @@ mod tests {
 
     #[test]
     fn parse_refs() {
-        assert_eq!(PidNsRef::parse("4242").unwrap(), PidNsRef::HostPid(HostPid(4242)));
-        assert_eq!(PidNsRef::parse("pid:[4026532179]").unwrap(), PidNsRef::Inode(4026532179));
-        assert_eq!(PidNsRef::parse("/proc/1/ns/pid").unwrap(), PidNsRef::Path("/proc/1/ns/pid".into()));
+        assert_eq!(
+            PidNsRef::parse("4242").unwrap(),
+            PidNsRef::HostPid(HostPid(4242))
+        );
+        assert_eq!(
+            PidNsRef::parse("pid:[4026532179]").unwrap(),
+            PidNsRef::Inode(4026532179)
+        );
+        assert_eq!(
+            PidNsRef::parse("/proc/1/ns/pid").unwrap(),
+            PidNsRef::Path("/proc/1/ns/pid".into())
+        );
         assert_eq!(
             PidNsRef::parse("3F4E5A6B7C8D").unwrap(),
             PidNsRef::Container("3f4e5a6b7c8d".into())
@@ -305,9 +368,20 @@ mod tests {
             PidNsRef::parse("123456789012").unwrap(),
             PidNsRef::Container("123456789012".into())
         );
-        for bad in ["", "abc", "pid:[x]", "net:[4026531840]", "3f4e5a6b7c8", "zz4e5a6b7c8d9", "-1"] {
+        for bad in [
+            "",
+            "abc",
+            "pid:[x]",
+            "net:[4026531840]",
+            "3f4e5a6b7c8",
+            "zz4e5a6b7c8d9",
+            "-1",
+        ] {
             let e = PidNsRef::parse(bad).unwrap_err().to_string();
-            assert!(e.contains("invalid --in-pidns") || e.contains("not a container id"), "{bad}: {e}");
+            assert!(
+                e.contains("invalid --in-pidns") || e.contains("not a container id"),
+                "{bad}: {e}"
+            );
         }
     }
 
@@ -323,9 +397,13 @@ mod tests {
 
     #[test]
     fn not_a_pid_namespace() {
-        let e = find_pidns(&PidNsRef::Path("/proc/self/ns/net".into())).unwrap_err().to_string();
+        let e = find_pidns(&PidNsRef::Path("/proc/self/ns/net".into()))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a PID namespace"), "{e}");
-        let e = find_pidns(&PidNsRef::Path("/etc/hostname".into())).unwrap_err().to_string();
+        let e = find_pidns(&PidNsRef::Path("/etc/hostname".into()))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a namespace file"), "{e}");
     }
 }

@@ -6,7 +6,9 @@ use std::{collections::HashMap, fs};
 
 use serde::Serialize;
 
-use super::{RankEnv, all_pids, container, parse_maps, parse_nspid, parse_ppid, pidns, read_environ};
+use super::{
+    RankEnv, all_pids, container, parse_maps, parse_nspid, parse_ppid, pidns, read_environ,
+};
 use crate::{
     probes::presets,
     types::{ContainerId, HostPid, NsPid},
@@ -53,7 +55,11 @@ impl ProcInfo {
 
     /// The command line joined by spaces (comm when it is empty: kernel threads).
     pub fn command(&self) -> String {
-        if self.cmdline.is_empty() { format!("[{}]", self.comm) } else { self.cmdline.join(" ") }
+        if self.cmdline.is_empty() {
+            format!("[{}]", self.comm)
+        } else {
+            self.cmdline.join(" ")
+        }
     }
 }
 
@@ -138,7 +144,10 @@ pub fn auto_marker_summary(rt: &presets::Runtimes, maps: &[super::Mapping]) -> S
 pub fn inspect(pid: HostPid) -> Option<ProcInfo> {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let ns_pids = parse_nspid(&status).unwrap_or_else(|| vec![NsPid(pid.0)]);
-    let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_string();
+    let comm = fs::read_to_string(format!("/proc/{pid}/comm"))
+        .unwrap_or_default()
+        .trim()
+        .to_string();
     let cmdline: Vec<String> = fs::read(format!("/proc/{pid}/cmdline"))
         .map(|b| {
             b.split(|c| *c == 0)
@@ -147,7 +156,9 @@ pub fn inspect(pid: HostPid) -> Option<ProcInfo> {
                 .collect()
         })
         .unwrap_or_default();
-    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).map(|t| parse_maps(&t)).unwrap_or_default();
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map(|t| parse_maps(&t))
+        .unwrap_or_default();
     let rt = presets::detect(&maps);
     let ai = rt.torch || rt.torch_npu || rt.cann || rt.cuda;
     let env = read_environ(pid).ok();
@@ -167,7 +178,11 @@ pub fn inspect(pid: HostPid) -> Option<ProcInfo> {
         world_size: ranks.world_size,
         environ_readable: env.is_some(),
         runtimes: rt.names(),
-        markers: if ai || rt.python { auto_marker_summary(&rt, &maps) } else { "-".into() },
+        markers: if ai || rt.python {
+            auto_marker_summary(&rt, &maps)
+        } else {
+            "-".into()
+        },
         ai,
         launcher: launcher_kind(&cmdline),
         workers: Vec::new(),
@@ -180,8 +195,16 @@ pub fn inspect(pid: HostPid) -> Option<ProcInfo> {
 /// launchers above them; with `all`, every process. Sorted by host PID.
 pub fn scan(all: bool) -> Vec<ProcInfo> {
     let me = HostPid(std::process::id());
-    let mut procs: Vec<ProcInfo> = all_pids().into_iter().filter(|p| *p != me).filter_map(inspect).collect();
-    let index: HashMap<HostPid, usize> = procs.iter().enumerate().map(|(i, p)| (p.host_pid, i)).collect();
+    let mut procs: Vec<ProcInfo> = all_pids()
+        .into_iter()
+        .filter(|p| *p != me)
+        .filter_map(inspect)
+        .collect();
+    let index: HashMap<HostPid, usize> = procs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.host_pid, i))
+        .collect();
     // Give each launcher the AI processes below it (through any wrappers:
     // unshare, sh, the container runtime's init).
     let mut workers: Vec<(usize, HostPid)> = Vec::new();
@@ -222,18 +245,33 @@ mod tests {
     fn launchers() {
         let cases = [
             ("torchrun --nproc-per-node 8 train.py", Some("torchrun")),
-            ("/usr/bin/python3 /usr/local/bin/torchrun --nnodes 2 train.py", Some("torchrun")),
-            ("python -u -m torch.distributed.run --nproc_per_node=8 train.py", Some("torchrun")),
-            ("python3.11 -m torch.distributed.launch train.py", Some("torch.distributed.launch")),
+            (
+                "/usr/bin/python3 /usr/local/bin/torchrun --nnodes 2 train.py",
+                Some("torchrun"),
+            ),
+            (
+                "python -u -m torch.distributed.run --nproc_per_node=8 train.py",
+                Some("torchrun"),
+            ),
+            (
+                "python3.11 -m torch.distributed.launch train.py",
+                Some("torch.distributed.launch"),
+            ),
             ("mpirun -np 8 python train.py", Some("mpirun")),
             ("/opt/hpcx/ompi/bin/mpiexec -n 2 ./a.out", Some("mpirun")),
-            ("/usr/bin/python3 /usr/local/bin/deepspeed train.py", Some("deepspeed")),
+            (
+                "/usr/bin/python3 /usr/local/bin/deepspeed train.py",
+                Some("deepspeed"),
+            ),
             ("accelerate launch train.py", Some("accelerate launch")),
             ("/usr/bin/python3 /usr/local/bin/accelerate env", None),
             ("msrun --worker_num=8 train.py", Some("msrun")),
             ("python train.py --launcher torchrun", None),
             ("python -c import torch", None),
-            ("/usr/bin/python3 -X importtime -m torchrun", Some("torchrun")),
+            (
+                "/usr/bin/python3 -X importtime -m torchrun",
+                Some("torchrun"),
+            ),
             ("./trainer --steps 10", None),
         ];
         for (cmd, want) in cases {
