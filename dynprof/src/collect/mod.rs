@@ -8,6 +8,8 @@
 //! - [`WindowHook`]: things driven at the boundaries themselves (msprof,
 //!   torch_npu dynamic_profile, user hooks). They get the boundary as soon as
 //!   user space learns of it and report metadata for `meta.json`.
+pub mod hooks;
+pub mod msprof;
 pub mod api;
 pub mod apis;
 pub mod builtin;
@@ -15,6 +17,8 @@ pub mod cpu;
 pub mod offcpu;
 pub mod stacks;
 pub mod symbolize;
+pub mod torch_npu_dp;
+pub mod vendor_args;
 
 use anyhow::Result;
 pub use builtin::{CollectArgs, CollectorOptions, build_collectors, parse_collect};

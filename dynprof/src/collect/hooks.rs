@@ -1,0 +1,233 @@
+//! `--on-window-start CMD` / `--on-window-end CMD`: user commands run (via
+//! `sh -c`) at the window boundaries, e.g. `perf record`, `nsys start`, or a
+//! script that snapshots state.
+//!
+//! - The start hook runs on its own thread; the event loop is not held up.
+//!   The end hook waits for the start hook, then runs.
+//! - Each runs in its own process group; after `--hook-timeout` the group gets
+//!   SIGTERM, and SIGKILL 2 s later.
+//! - Output goes to `<window dir>/hooks/<name>.log`; exit codes and timings
+//!   (CLOCK_MONOTONIC ns) go to meta.json.
+use std::{
+    os::unix::process::{CommandExt as _, ExitStatusExt as _},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::mpsc,
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use anyhow::Result;
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::{WindowHook, WindowInfo, msprof::monotonic_ns};
+use crate::target::Target;
+
+/// SIGTERM-to-SIGKILL grace after a hook's timeout.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+
+/// One hook execution, as recorded in meta.json.
+#[derive(Clone, Debug, Serialize)]
+pub struct HookRun {
+    pub hook: String,
+    pub command: String,
+    /// Boundary timestamp the hook belongs to (0 when unknown).
+    pub boundary_ts_ns: u64,
+    pub spawned_ns: u64,
+    /// spawned_ns - boundary_ts_ns.
+    pub spawn_latency_ns: Option<u64>,
+    pub exited_ns: u64,
+    pub duration_ns: u64,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub error: Option<String>,
+    pub log: PathBuf,
+}
+
+/// The final name of a window directory still being written
+/// (`.PROF_x_tmp` → `PROF_x`).
+pub fn final_dir(dir: &Path) -> PathBuf {
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    match name.strip_prefix('.').and_then(|n| n.strip_suffix("_tmp")) {
+        Some(n) => dir.with_file_name(n),
+        None => dir.to_path_buf(),
+    }
+}
+
+/// The environment a hook sees.
+pub fn hook_env(w: &WindowInfo, target: &Target, event: &str, boundary_ts_ns: u64) -> Vec<(String, String)> {
+    vec![
+        ("DYNPROF_HOST_PID".into(), target.host_pid.to_string()),
+        ("DYNPROF_NS_PID".into(), target.inner_pid().to_string()),
+        ("DYNPROF_CONTAINER".into(), target.container.as_ref().map(|c| c.to_string()).unwrap_or_default()),
+        ("DYNPROF_STEP".into(), w.first_recorded.to_string()),
+        ("DYNPROF_WINDOW".into(), w.id.to_string()),
+        ("DYNPROF_WINDOW_DIR".into(), w.dir.display().to_string()),
+        ("DYNPROF_WINDOW_FINAL_DIR".into(), final_dir(&w.dir).display().to_string()),
+        ("DYNPROF_EVENT".into(), event.into()),
+        ("DYNPROF_BOUNDARY_TS_NS".into(), boundary_ts_ns.to_string()),
+        ("DYNPROF_TARGET_ROOT".into(), target.root().display().to_string()),
+    ]
+}
+
+/// Runs `sh -c cmd` to completion or timeout (blocking; call off the event loop).
+pub fn run_hook(
+    hook: &str,
+    cmd: &str,
+    env: &[(String, String)],
+    timeout: Duration,
+    log: &Path,
+    boundary_ts_ns: u64,
+) -> HookRun {
+    let mut run = HookRun {
+        hook: hook.into(),
+        command: cmd.into(),
+        boundary_ts_ns,
+        spawned_ns: 0,
+        spawn_latency_ns: None,
+        exited_ns: 0,
+        duration_ns: 0,
+        exit_code: None,
+        signal: None,
+        timed_out: false,
+        error: None,
+        log: log.to_path_buf(),
+    };
+    let out = log.parent().map(std::fs::create_dir_all).transpose().and_then(|_| std::fs::File::create(log));
+    let (stdout, stderr) = match out.and_then(|f| Ok((f.try_clone()?, f))) {
+        Ok((a, b)) => (Stdio::from(a), Stdio::from(b)),
+        Err(e) => {
+            run.error = Some(format!("creating {}: {e}", log.display()));
+            (Stdio::null(), Stdio::null())
+        }
+    };
+    let mut c = Command::new("sh");
+    c.arg("-c").arg(cmd).envs(env.iter().map(|(k, v)| (k, v))).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
+    // SAFETY: setpgid is async-signal-safe.
+    unsafe {
+        c.pre_exec(|| {
+            libc::setpgid(0, 0);
+            Ok(())
+        });
+    }
+    let spawned = monotonic_ns();
+    let mut child = match c.spawn() {
+        Ok(ch) => ch,
+        Err(e) => {
+            run.error = Some(format!("spawning sh -c {cmd:?}: {e}"));
+            return run;
+        }
+    };
+    run.spawned_ns = spawned;
+    run.spawn_latency_ns = (boundary_ts_ns > 0).then(|| spawned.saturating_sub(boundary_ts_ns));
+    let pgid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let st = child.wait();
+        let _ = tx.send(st);
+    });
+    let st = match rx.recv_timeout(timeout) {
+        Ok(st) => st,
+        Err(_) => {
+            run.timed_out = true;
+            // SAFETY: signals the hook's own process group.
+            unsafe { libc::kill(-pgid, libc::SIGTERM) };
+            match rx.recv_timeout(KILL_GRACE) {
+                Ok(st) => st,
+                Err(_) => {
+                    // SAFETY: as above.
+                    unsafe { libc::kill(-pgid, libc::SIGKILL) };
+                    rx.recv().unwrap_or_else(|_| Err(std::io::Error::other("waiter gone")))
+                }
+            }
+        }
+    };
+    // Whatever the shell left behind in its group after a timeout goes too.
+    if run.timed_out {
+        // SAFETY: as above.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    }
+    let _ = waiter.join();
+    run.exited_ns = monotonic_ns();
+    run.duration_ns = run.exited_ns - spawned;
+    match st {
+        Ok(st) => {
+            run.exit_code = st.code();
+            run.signal = st.signal();
+        }
+        Err(e) => run.error = Some(format!("waiting for the hook: {e}")),
+    }
+    run
+}
+
+/// The user hooks of one attach.
+pub struct UserHooks {
+    pub on_start: Option<String>,
+    pub on_end: Option<String>,
+    pub timeout: Duration,
+    running: Option<JoinHandle<HookRun>>,
+}
+
+impl UserHooks {
+    pub fn new(on_start: Option<String>, on_end: Option<String>, timeout: Duration) -> Self {
+        Self { on_start, on_end, timeout, running: None }
+    }
+}
+
+impl WindowHook for UserHooks {
+    fn name(&self) -> &'static str {
+        "hooks"
+    }
+
+    fn on_window_start(&mut self, w: &WindowInfo, target: &Target) -> Result<()> {
+        let Some(cmd) = self.on_start.clone() else { return Ok(()) };
+        let env = hook_env(w, target, "start", w.open_ts_ns);
+        let log = w.dir.join("hooks").join("on-window-start.log");
+        let (timeout, ts) = (self.timeout, w.open_ts_ns);
+        self.running = Some(
+            std::thread::Builder::new()
+                .name("hook-window-start".into())
+                .spawn(move || run_hook("on-window-start", &cmd, &env, timeout, &log, ts))?,
+        );
+        Ok(())
+    }
+
+    fn on_window_end(&mut self, w: &WindowInfo, target: &Target) -> Result<Value> {
+        let start = self.running.take().map(|h| {
+            h.join().unwrap_or_else(|_| HookRun {
+                hook: "on-window-start".into(),
+                command: self.on_start.clone().unwrap_or_default(),
+                boundary_ts_ns: w.open_ts_ns,
+                spawned_ns: 0,
+                spawn_latency_ns: None,
+                exited_ns: 0,
+                duration_ns: 0,
+                exit_code: None,
+                signal: None,
+                timed_out: false,
+                error: Some("hook thread panicked".into()),
+                log: PathBuf::new(),
+            })
+        });
+        // The end boundary's timestamp is not in WindowInfo: this call is it.
+        let end_ts = monotonic_ns();
+        let end = self.on_end.as_ref().map(|cmd| {
+            let env = hook_env(w, target, "end", end_ts);
+            run_hook("on-window-end", cmd, &env, self.timeout, &w.dir.join("hooks").join("on-window-end.log"), end_ts)
+        });
+        Ok(json!({
+            "on_window_start": start,
+            "on_window_end": end,
+            "timeout_s": self.timeout.as_secs_f64(),
+        }))
+    }
+
+    fn shutdown(&mut self, _target: &Target) -> Result<()> {
+        if let Some(h) = self.running.take() {
+            let _ = h.join();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,188 @@
+//! `--on-window-start` / `--on-window-end` hooks, driven through the
+//! `WindowHook` trait as the window scheduler drives them; and the parsing of
+//! the vendor flags.
+
+mod common;
+
+use std::{
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use clap::Parser as _;
+use common::*;
+use dynprof::{
+    collect::{
+        WindowHook, WindowInfo,
+        msprof::monotonic_ns,
+        vendor_args::{VendorArgs, VendorCollector, build_hooks},
+    },
+    target::Target,
+    types::{HostPid, StepIndex, WindowId},
+};
+
+#[derive(clap::Parser)]
+struct Cli {
+    #[command(flatten)]
+    v: VendorArgs,
+}
+
+fn window(id: u32, step: u64, ts: u64, dir: &Path) -> WindowInfo {
+    let dir = dir.join(format!(".PROF_hooks_{id}_tmp"));
+    std::fs::create_dir_all(&dir).unwrap();
+    WindowInfo { id: WindowId(id), first_step: StepIndex(step), first_recorded: StepIndex(step), open_ts_ns: ts, dir }
+}
+
+fn target_proc(scratch: &Path) -> (Proc, Target) {
+    let p = Proc::spawn_ready(Command::new(&fixtures().trainer).args(["--steps", "0", "--log"]).arg(scratch.join("trainer.log")));
+    let t = Target::open(HostPid(p.host_pid())).unwrap();
+    (p, t)
+}
+
+fn hooks_for(args: &VendorArgs, t: &Target) -> Box<dyn WindowHook> {
+    let mut v = build_hooks(args, t).unwrap();
+    assert_eq!(v.len(), 1);
+    v.pop().unwrap()
+}
+
+fn wait_file(p: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(s) = std::fs::read_to_string(p)
+            && s.ends_with('\n')
+        {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{} never written", p.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn vendor_flags_parse() {
+    let c = Cli::try_parse_from([
+        "x",
+        "--collector",
+        "msprof,torch-npu-dp",
+        "--msprof",
+        "/usr/local/Ascend/ascend-toolkit/latest/bin/msprof",
+        "--msprof-args=--task-time=l1 --aicpu=on",
+        "--dp-config-dir",
+        "/cfg",
+        "--on-window-start",
+        "echo hi",
+        "--hook-timeout",
+        "5",
+    ])
+    .unwrap();
+    assert_eq!(c.v.collectors, [VendorCollector::Msprof, VendorCollector::TorchNpuDp]);
+    assert_eq!(c.v.msprof_config().unwrap().collection_args, ["--task-time=l1", "--aicpu=on"]);
+    assert_eq!(c.v.hook_timeout, 5.0);
+    let d = Cli::try_parse_from(["x"]).unwrap().v;
+    assert_eq!((d.hook_timeout, d.msprof_max_commands, d.dp_active), (30.0, 100, 1));
+    assert!(Cli::try_parse_from(["x", "--collector", "nope"]).is_err());
+}
+
+#[test]
+fn hooks_get_the_environment_and_timings() {
+    let scratch = scratch_dir("hooks_env");
+    let (mut p, t) = target_proc(&scratch);
+    let args = VendorArgs {
+        on_window_start: Some(
+            "env | grep ^DYNPROF_ | sort > \"$DYNPROF_WINDOW_DIR/start.env\"; \
+             /usr/bin/python3 -c 'import time; print(time.monotonic_ns())' > \"$DYNPROF_WINDOW_DIR/start.ts\""
+                .into(),
+        ),
+        on_window_end: Some("env | grep ^DYNPROF_ | sort > \"$DYNPROF_WINDOW_DIR/end.env\"; exit 3".into()),
+        ..Default::default()
+    };
+    let mut h = hooks_for(&args, &t);
+    h.prepare(&t).unwrap();
+    let boundary = monotonic_ns();
+    let w = window(7, 42, boundary, &scratch);
+    h.on_window_start(&w, &t).unwrap();
+    let meta = h.on_window_end(&w, &t).unwrap();
+    h.shutdown(&t).unwrap();
+
+    let env = std::fs::read_to_string(w.dir.join("start.env")).unwrap();
+    let get = |k: &str| env.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or_else(|| panic!("{k} in {env}")).to_string();
+    assert_eq!(get("DYNPROF_HOST_PID"), t.host_pid.to_string());
+    assert_eq!(get("DYNPROF_NS_PID"), t.inner_pid().to_string());
+    assert_eq!(get("DYNPROF_STEP"), "42");
+    assert_eq!(get("DYNPROF_WINDOW"), "7");
+    assert_eq!(get("DYNPROF_WINDOW_DIR"), w.dir.display().to_string());
+    assert!(get("DYNPROF_WINDOW_FINAL_DIR").ends_with("/PROF_hooks_7"));
+    assert_eq!(get("DYNPROF_EVENT"), "start");
+    assert_eq!(get("DYNPROF_BOUNDARY_TS_NS"), boundary.to_string());
+    assert!(env.contains("DYNPROF_CONTAINER="));
+    let end_env = std::fs::read_to_string(w.dir.join("end.env")).unwrap();
+    assert!(end_env.contains("DYNPROF_EVENT=end") && end_env.contains("DYNPROF_WINDOW=7"));
+
+    let s = &meta["on_window_start"];
+    assert_eq!(s["exit_code"], 0, "{meta:#}");
+    let (spawned, exited) = (s["spawned_ns"].as_u64().unwrap(), s["exited_ns"].as_u64().unwrap());
+    let inside: u64 = std::fs::read_to_string(w.dir.join("start.ts")).unwrap().trim().parse().unwrap();
+    assert!(boundary <= spawned && spawned <= inside && inside <= exited, "{boundary} {spawned} {inside} {exited}");
+    assert_eq!(s["spawn_latency_ns"].as_u64().unwrap(), spawned - boundary);
+    assert_eq!(s["duration_ns"].as_u64().unwrap(), exited - spawned);
+    assert_eq!(meta["on_window_end"]["exit_code"], 3);
+    assert_eq!(meta["on_window_end"]["timed_out"], false);
+    eprintln!("boundary -> start hook spawned: {} ns", spawned - boundary);
+    assert!(p.is_running());
+}
+
+#[test]
+fn the_start_hook_does_not_block_the_caller() {
+    let scratch = scratch_dir("hooks_nonblocking");
+    let (_p, t) = target_proc(&scratch);
+    let fifo = scratch.join("gate");
+    assert_eq!(Command::new("mkfifo").arg(&fifo).status().unwrap().code(), Some(0));
+    // The start hook blocks until the test opens the fifo for writing.
+    let args = VendorArgs {
+        on_window_start: Some(format!("read x < {}; echo \"got $x\" > \"$DYNPROF_WINDOW_DIR/gate.out\"", fifo.display())),
+        ..Default::default()
+    };
+    let mut h = hooks_for(&args, &t);
+    let w = window(1, 1, monotonic_ns(), &scratch);
+    h.on_window_start(&w, &t).unwrap(); // returns while the hook is blocked
+    assert!(!w.dir.join("gate.out").exists());
+    std::fs::write(&fifo, "open\n").unwrap();
+    let meta = h.on_window_end(&w, &t).unwrap(); // waits for the start hook
+    assert_eq!(wait_file(&w.dir.join("gate.out")), "got open\n");
+    assert_eq!(meta["on_window_start"]["exit_code"], 0);
+    assert!(meta["on_window_end"].is_null());
+}
+
+#[test]
+fn a_hook_past_its_timeout_is_killed_with_its_process_group() {
+    let scratch = scratch_dir("hooks_timeout");
+    let (mut p, t) = target_proc(&scratch);
+    let args = VendorArgs {
+        // A child in the hook's process group that would outlive the shell.
+        on_window_end: Some("sleep 1000 & echo $! > \"$DYNPROF_WINDOW_DIR/child.pid\"; wait".into()),
+        hook_timeout: 0.5,
+        ..Default::default()
+    };
+    let mut h = hooks_for(&args, &t);
+    let w = window(1, 1, monotonic_ns(), &scratch);
+    h.on_window_start(&w, &t).unwrap();
+    let meta = h.on_window_end(&w, &t).unwrap();
+    let e = &meta["on_window_end"];
+    assert_eq!(e["timed_out"], true, "{meta:#}");
+    assert!(e["exit_code"].is_null());
+    assert_eq!(e["signal"], libc::SIGTERM);
+    assert!(e["duration_ns"].as_u64().unwrap() >= 500_000_000);
+    let child: u32 = wait_file(&w.dir.join("child.pid")).trim().parse().unwrap();
+    // The grandchild got the signal too (gone, or a zombie awaiting its reaper).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
+        if stat.is_empty() || stat.rsplit(')').next().unwrap().trim_start().starts_with('Z') {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the hook's child {child} survived: {stat}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(p.is_running(), "the target is not in the hook's group");
+}
