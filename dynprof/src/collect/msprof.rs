@@ -364,6 +364,8 @@ enum Mode {
 
 /// Per-window bookkeeping between start and end.
 struct Win {
+    /// When the scheduler called on_window_start.
+    hook_called_ns: u64,
     conn: Option<u32>,
     error: Option<String>,
     start_written_ns: Option<u64>,
@@ -605,7 +607,9 @@ impl WindowHook for MsprofHook {
         if !matches!(self.mode, Mode::Ready) {
             return Ok(());
         }
+        let called = monotonic_ns();
         let mut win = Win {
+            hook_called_ns: called,
             conn: None,
             error: None,
             start_written_ns: None,
@@ -749,6 +753,9 @@ impl WindowHook for MsprofHook {
             "connection_started_ns": conn_started_ns,
             "boundary_ts_ns": w.open_ts_ns,
             "boundary_is_first_recorded": w.first_step == w.first_recorded,
+            // boundary -> hook called is the event loop's share of the
+            // latency; hook called -> written is msprof's (a reconnect).
+            "hook_called_ns": win.hook_called_ns,
             "start_written_ns": win.start_written_ns,
             "start_latency_ns": win.start_latency_ns,
             "stop_written_ns": stop_written_ns,

@@ -162,7 +162,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
         ring_buffer_kb: args.ring_buffer_kb,
         mode_name: "attach",
         collectors: collectors(&args.window)?,
-        hooks: Vec::new(),
+        hooks: crate::collect::vendor_args::build_hooks(&args.window.vendor, &target)?,
     };
     super::launch::drive(d, target, None, lock, wait).await.map(|_| ())
 }

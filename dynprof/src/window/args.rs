@@ -13,6 +13,11 @@ pub const COLLECTORS: &[&str] = &["api", "cpu", "offcpu"];
 #[derive(Args, Debug, Clone, Default)]
 #[command(next_help_heading = "Windows and triggers")]
 pub struct WindowArgs {
+    /// Vendor collectors (msprof, torch_npu dynamic_profile) and user hooks
+    /// driven at the window boundaries (see docs/ascend.md).
+    #[command(flatten)]
+    pub vendor: crate::collect::vendor_args::VendorArgs,
+
     /// First step of the window (warmup included): a step number counted
     /// from attach (hit k of the step marker begins step k), or -1 for the
     /// next boundary. Recorded steps: S+W .. S+W+A-1.
