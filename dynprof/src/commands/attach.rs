@@ -138,8 +138,9 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
 
 /// The built-in collectors the window scheduler may arm (`--collect`
 /// chooses among them; config files choose through `activities`).
-pub fn collectors(_w: &crate::window::args::WindowArgs) -> Result<Vec<Box<dyn crate::collect::Collector>>> {
-    Ok(Vec::new())
+pub fn collectors(w: &crate::window::args::WindowArgs) -> Result<Vec<Box<dyn crate::collect::Collector>>> {
+    let opts = w.collector_opts.options()?;
+    Ok(crate::collect::build_collectors(&crate::output::Collectors::ALL, &opts))
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {

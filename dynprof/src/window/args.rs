@@ -68,6 +68,10 @@ pub struct WindowArgs {
     /// the program runs.
     #[arg(long, value_name = "SECS")]
     pub wait_for_marker: Option<f64>,
+
+    /// Options of the built-in collectors (`--cpu-hz`, `--api`).
+    #[command(flatten)]
+    pub collector_opts: crate::collect::CollectArgs,
 }
 
 /// Which trigger drives the session.
