@@ -36,18 +36,30 @@ pub const SCHED_PROG: &str = "dynprof_sched_switch";
 /// Checks the kernel and our privileges before touching bpf(2), so the
 /// user gets one actionable line instead of an EPERM from deep inside aya.
 pub fn preflight() -> Result<()> {
-    if !Path::new("/sys/bus/event_source/devices/uprobe").exists() {
-        bail!("this kernel has no uprobe support (/sys/bus/event_source/devices/uprobe is missing; needs CONFIG_UPROBE_EVENTS)");
-    }
-    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
-        bail!("this kernel exposes no BTF (/sys/kernel/btf/vmlinux is missing; needs CONFIG_DEBUG_INFO_BTF)");
-    }
     let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let cap_eff = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
         .unwrap_or(0);
+    preflight_at(Path::new("/"), cap_eff)
+}
+
+/// [`preflight`] against a root directory holding `sys/` and a CapEff mask
+/// (separate so the messages can be tested without such a kernel).
+fn preflight_at(root: &Path, cap_eff: u64) -> Result<()> {
+    if !root.join("sys/bus/event_source/devices/uprobe").exists() {
+        bail!(
+            "this kernel has no uprobe support (/sys/bus/event_source/devices/uprobe is missing) \
+             (hint: dynprof needs a kernel built with CONFIG_UPROBE_EVENTS=y)"
+        );
+    }
+    if !root.join("sys/kernel/btf/vmlinux").exists() {
+        bail!(
+            "this kernel exposes no BTF (/sys/kernel/btf/vmlinux is missing) \
+             (hint: dynprof needs a kernel built with CONFIG_DEBUG_INFO_BTF=y)"
+        );
+    }
     let has = |bit: u32| cap_eff & (1u64 << bit) != 0;
     const CAP_SYS_ADMIN: u32 = 21;
     const CAP_PERFMON: u32 = 38;
@@ -66,6 +78,51 @@ pub fn preflight() -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod preflight_tests {
+    use super::*;
+
+    fn root(tag: &str, uprobe: bool, btf: bool) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("dynprof-preflight-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        if uprobe {
+            std::fs::create_dir_all(d.join("sys/bus/event_source/devices/uprobe")).unwrap();
+        }
+        if btf {
+            std::fs::create_dir_all(d.join("sys/kernel/btf")).unwrap();
+            std::fs::write(d.join("sys/kernel/btf/vmlinux"), b"").unwrap();
+        }
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn err(root: &Path, caps: u64) -> String {
+        let e = preflight_at(root, caps).unwrap_err().to_string();
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(e.contains("hint"), "{e}");
+        e
+    }
+
+    #[test]
+    fn each_missing_piece_gets_one_line_with_a_hint() {
+        let all = u64::MAX;
+        let e = err(&root("none", false, true), all);
+        assert!(e.contains("no uprobe support") && e.contains("CONFIG_UPROBE_EVENTS"), "{e}");
+        let e = err(&root("nobtf", true, false), all);
+        assert!(e.contains("no BTF") && e.contains("CONFIG_DEBUG_INFO_BTF"), "{e}");
+        let ok = root("ok", true, true);
+        let e = err(&ok, 0);
+        assert!(e.contains("CAP_BPF and CAP_PERFMON"), "{e}");
+        let e = err(&ok, 1 << 39);
+        assert!(e.contains("missing privileges: CAP_PERFMON ("), "{e}");
+        assert!(preflight_at(&ok, 1 << 21).is_ok(), "CAP_SYS_ADMIN is enough");
+        assert!(preflight_at(&ok, (1 << 38) | (1 << 39)).is_ok(), "CAP_BPF+CAP_PERFMON is enough");
+        for t in ["none", "nobtf", "ok"] {
+            let _ = std::fs::remove_dir_all(root(t, false, false));
+        }
+    }
 }
 
 /// Per-marker hook state kept for detach: the link and a raised semaphore.
