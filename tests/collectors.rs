@@ -96,7 +96,21 @@ impl Driver {
         for c in &mut self.collectors {
             c.disarm(ctx.kernel);
         }
-        data.drops = drops_delta(&ctx.kernel.drops().unwrap(), &self.drops_at_arm);
+        // Each collector fills its own drop slots (counted from its arm);
+        // armed at the same moment as this snapshot, they must agree with it.
+        let total = drops_delta(&ctx.kernel.drops().unwrap(), &self.drops_at_arm);
+        data.drops.step = total.step;
+        let mut expect = total;
+        if !self.which.api {
+            (expect.api, expect.api_nesting) = (0, 0);
+        }
+        if !self.which.cpu {
+            (expect.cpu, expect.cpu_stack) = (0, 0);
+        }
+        if !self.which.offcpu {
+            (expect.offcpu, expect.offcpu_stack) = (0, 0);
+        }
+        assert_eq!(data.drops, expect, "collectors' own drop counts");
         write_window_files(&self.dir, &data, &self.which).unwrap();
         *self.result.borrow_mut() = Some((data.clone(), self.api_events));
         self.data = Some(data);
@@ -450,4 +464,79 @@ fn collectors_pytorch_cpu_flamegraph() {
     assert!(torch > 0, "no torch frames: {cpu:?}");
     let svg = std::fs::read_to_string(run.dir.join("flamegraph.svg")).unwrap();
     assert!(svg.contains("at::") || svg.contains("torch"));
+}
+
+// ------------------------------------------------------------ through the CLI
+
+/// Runs `dynprof attach` on `pid` with `args` (plus `-o out`) to completion
+/// and returns the one PROF directory it wrote.
+fn cli_window(pid: u32, out: &Path, args: &[&str]) -> PathBuf {
+    let o = Command::new(dynprof_bin())
+        .args(["attach", "--pid", &pid.to_string(), "--marker", "exe:optimizer_step", "--json", "-o"])
+        .arg(out)
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "dynprof attach failed: {stderr}");
+    let dirs: Vec<PathBuf> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("PROF_"))
+        .collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}\n{stderr}");
+    dirs.into_iter().next().unwrap()
+}
+
+fn json_file(p: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
+}
+
+/// `--ring-buffer-kb 4`: a one-page ring, thousands of API calls per step.
+/// The window's summary and meta.json count every lost event:
+/// calls recorded + api drops == calls made, exactly.
+#[test]
+fn collectors_cli_small_ring_buffer() {
+    require_privileges!();
+    let _g = serial();
+    let dir = scratch_dir("collectors_cli_small_ring_buffer");
+    let calls_per_step = 4000u64;
+    // 20 ms of host work per step leaves the scheduler time to arm.
+    let (p, _) = acl_trainer(&dir, &["--calls-per-step", &calls_per_step.to_string(), "--cpu-us", "20000"]);
+    let prof = cli_window(p.pid, &dir.join("out"), &["--start-step", "10", "--active", "3", "--collect", "api", "--ring-buffer-kb", "4"]);
+    let summary = json_file(&prof.join("summary.json"));
+    let meta = json_file(&prof.join("meta.json"));
+    let recorded = summary["api_calls"].as_u64().unwrap();
+    let dropped = summary["drops"]["api"].as_u64().unwrap();
+    eprintln!("recorded {recorded} + dropped {dropped} of {} calls", 3 * (calls_per_step + 2));
+    assert!(dropped > 0, "{summary}");
+    assert_eq!(recorded + dropped, 3 * (calls_per_step + 2), "{summary}");
+    assert_eq!(meta["drops"]["api"].as_u64(), Some(dropped), "{meta}");
+    // `report` says so too.
+    let o = Command::new(dynprof_bin()).arg("report").arg(&prof).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains(&format!("api={dropped}")), "{text}");
+}
+
+/// The default collectors through `dynprof attach` and `dynprof report`.
+#[test]
+fn collectors_cli_window_and_report() {
+    require_privileges!();
+    let _g = serial();
+    let dir = scratch_dir("collectors_cli_window_and_report");
+    let (p, _) = acl_trainer(&dir, &["--launches", "8", "--kernel-us", "4000", "--cpu-us", "2000"]);
+    let prof = cli_window(p.pid, &dir.join("out"), &["--start-step", "5", "--warmup", "1", "--active", "4", "--cpu-hz", "499"]);
+    for f in ["steps.csv", "api_summary.csv", "cpu.folded", "flamegraph.svg", "offcpu.folded", "offcpu.svg", "trace.json", "summary.json", "meta.json"] {
+        assert!(prof.join(f).is_file(), "{f} missing in {}", prof.display());
+    }
+    let trace = json_file(&prof.join("trace.json"));
+    validate_trace(&trace).unwrap();
+    let rows = steps_csv(&prof);
+    assert_eq!(rows.len(), 4);
+    assert!(rows.iter().all(|r| r["api_calls"] == 10), "{rows:?}");
+    let o = Command::new(dynprof_bin()).arg("report").arg(&prof).arg("--json").output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let r = if r.is_array() { r[0].clone() } else { r };
+    assert_eq!(r["verdict"]["bound"], "device-bound", "{r}");
 }

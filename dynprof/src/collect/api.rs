@@ -14,7 +14,7 @@ use super::{
     Collector,
     apis::{self, ApiSet, ApiSpec, ApiTable},
     stacks::ThreadNames,
-    builtin::take_window,
+    builtin::{DropBase, take_window},
 };
 use crate::{
     bpf::Kernel,
@@ -31,11 +31,12 @@ pub struct ApiCollector {
     names: ThreadNames,
     attached: usize,
     warned_empty: bool,
+    drops: DropBase,
 }
 
 impl ApiCollector {
     pub fn new(sets: Vec<ApiSet>, user: Vec<ApiSpec>) -> Self {
-        Self { sets, user, table: ApiTable::default(), events: Vec::new(), names: ThreadNames::default(), attached: 0, warned_empty: false }
+        Self { sets, user, table: ApiTable::default(), events: Vec::new(), names: ThreadNames::default(), attached: 0, warned_empty: false, drops: DropBase::default() }
     }
 
     /// Probes attached by the last `arm`.
@@ -51,6 +52,7 @@ impl Collector for ApiCollector {
 
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
         self.names.set_pid(target.host_pid.0);
+        self.drops.arm(kernel);
         // Resolved at every arm: a library dlopen'ed since the last window
         // (a CUDA or CANN plugin) is picked up.
         let res = apis::resolve(target, &self.sets, &self.user, &mut self.table)?;
@@ -81,6 +83,7 @@ impl Collector for ApiCollector {
     fn disarm(&mut self, kernel: &mut Kernel) {
         kernel.detach_apis();
         self.attached = 0;
+        self.drops.disarm();
     }
 
     fn on_event(&mut self, ev: &Decoded) {
@@ -90,7 +93,10 @@ impl Collector for ApiCollector {
         }
     }
 
-    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, _kernel: &mut Kernel) -> Result<()> {
+    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()> {
+        let d = self.drops.take(kernel);
+        data.drops.api = d.api;
+        data.drops.api_nesting = d.api_nesting;
         let evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
         let mut calls: Vec<ApiCall> = evs
             .iter()

@@ -13,7 +13,10 @@ use super::{
     offcpu::OffCpuCollector,
     stacks::StackStore,
 };
-use crate::output::Collectors;
+use crate::{
+    bpf::Kernel,
+    output::{Collectors, model::Drops},
+};
 
 /// Names `--collect` accepts, in output order.
 pub const NAMES: &[&str] = &["api", "cpu", "offcpu"];
@@ -105,6 +108,47 @@ pub fn build_collectors(which: &Collectors, opts: &CollectorOptions) -> Vec<Box<
         out.push(Box::new(OffCpuCollector::new(store)));
     }
     out
+}
+
+/// Kernel losses since a collector was armed (or last drained). Armed at
+/// least one boundary before the gate opens, a collector's programs emit
+/// nothing until then, so `take` at the window's end counts exactly the
+/// window's losses of that collector's slots (each collector fills only its
+/// own: `api`+`api_nesting`, `cpu`+`cpu_stack`, `offcpu`+`offcpu_stack`).
+#[derive(Default)]
+pub struct DropBase {
+    base: Option<Drops>,
+    disarmed: bool,
+}
+
+impl DropBase {
+    pub fn arm(&mut self, kernel: &Kernel) {
+        if self.base.is_none() || self.disarmed {
+            self.base = kernel.drops().ok();
+            self.disarmed = false;
+        }
+    }
+
+    /// Losses since `arm` or the previous `take`; restarts the count.
+    pub fn take(&mut self, kernel: &Kernel) -> Drops {
+        let Ok(now) = kernel.drops() else { return Drops::default() };
+        let then = self.base.replace(now.clone()).unwrap_or_else(|| now.clone());
+        Drops {
+            step: now.step.saturating_sub(then.step),
+            api: now.api.saturating_sub(then.api),
+            cpu: now.cpu.saturating_sub(then.cpu),
+            offcpu: now.offcpu.saturating_sub(then.offcpu),
+            cpu_stack: now.cpu_stack.saturating_sub(then.cpu_stack),
+            offcpu_stack: now.offcpu_stack.saturating_sub(then.offcpu_stack),
+            api_nesting: now.api_nesting.saturating_sub(then.api_nesting),
+        }
+    }
+
+    /// Disarmed: the next `arm` starts a new count (losses between windows
+    /// belong to none), while a `take` before it still sees this one.
+    pub fn disarm(&mut self) {
+        self.disarmed = true;
+    }
 }
 
 /// Moves the events of `[start, end)` out of `buf` (by `ts`), drops older

@@ -12,7 +12,7 @@ use dynprof_common::SampleEvent;
 use super::{
     Collector,
     stacks::{self, SharedStacks, ThreadNames},
-    builtin::take_window,
+    builtin::{DropBase, take_window},
 };
 use crate::{
     bpf::Kernel,
@@ -29,11 +29,12 @@ pub struct CpuCollector {
     events: Vec<SampleEvent>,
     armed: bool,
     names: ThreadNames,
+    drops: DropBase,
 }
 
 impl CpuCollector {
     pub fn new(hz: u64, store: SharedStacks) -> Self {
-        Self { hz, store, events: Vec::new(), armed: false, names: ThreadNames::default() }
+        Self { hz, store, events: Vec::new(), armed: false, names: ThreadNames::default(), drops: DropBase::default() }
     }
 
     fn update_hold(&mut self) {
@@ -50,6 +51,7 @@ impl Collector for CpuCollector {
 
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
         self.names.set_pid(target.host_pid.0);
+        self.drops.arm(kernel);
         self.store.borrow_mut().acquire(stacks::CPU, kernel, target.host_pid.0);
         if let Err(e) = kernel.attach_cpu_sampler(self.hz) {
             kernel.detach_cpu_sampler();
@@ -63,6 +65,7 @@ impl Collector for CpuCollector {
     fn disarm(&mut self, kernel: &mut Kernel) {
         kernel.detach_cpu_sampler();
         self.armed = false;
+        self.drops.disarm();
         self.update_hold();
     }
 
@@ -74,6 +77,9 @@ impl Collector for CpuCollector {
     }
 
     fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()> {
+        let d = self.drops.take(kernel);
+        data.drops.cpu = d.cpu;
+        data.drops.cpu_stack = d.cpu_stack;
         let evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
         {
             let mut store = self.store.borrow_mut();

@@ -14,7 +14,7 @@ use dynprof_common::OffCpuEvent;
 use super::{
     Collector,
     stacks::{self, SharedStacks, ThreadNames},
-    builtin::take_window,
+    builtin::{DropBase, take_window},
 };
 use crate::{
     bpf::Kernel,
@@ -28,11 +28,12 @@ pub struct OffCpuCollector {
     events: Vec<OffCpuEvent>,
     armed: bool,
     names: ThreadNames,
+    drops: DropBase,
 }
 
 impl OffCpuCollector {
     pub fn new(store: SharedStacks) -> Self {
-        Self { store, events: Vec::new(), armed: false, names: ThreadNames::default() }
+        Self { store, events: Vec::new(), armed: false, names: ThreadNames::default(), drops: DropBase::default() }
     }
 
     fn update_hold(&mut self) {
@@ -49,6 +50,7 @@ impl Collector for OffCpuCollector {
 
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
         self.names.set_pid(target.host_pid.0);
+        self.drops.arm(kernel);
         self.store.borrow_mut().acquire(stacks::OFFCPU, kernel, target.host_pid.0);
         if let Err(e) = kernel.attach_offcpu() {
             self.update_hold();
@@ -61,6 +63,7 @@ impl Collector for OffCpuCollector {
     fn disarm(&mut self, kernel: &mut Kernel) {
         kernel.detach_offcpu();
         self.armed = false;
+        self.drops.disarm();
         self.update_hold();
     }
 
@@ -72,6 +75,9 @@ impl Collector for OffCpuCollector {
     }
 
     fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()> {
+        let d = self.drops.take(kernel);
+        data.drops.offcpu = d.offcpu;
+        data.drops.offcpu_stack = d.offcpu_stack;
         let mut evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
         // Still off-CPU: the switch-in has not happened (or not been read).
         if self.armed {

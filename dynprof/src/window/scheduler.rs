@@ -571,8 +571,11 @@ impl Scheduler {
                 errors.push(format!("collector {}: {e:#}", c.name()));
             }
         }
+        // Collectors filled their own drop slots, counted from their arm
+        // (the gate still closed), which is exact even when the open event
+        // was read late; the window counts only the step markers' losses.
         let drops_now = ctx.kernel.drops().unwrap_or_default();
-        data.drops = drops_delta(&drops_now, &w.drops_at_open);
+        data.drops.step = drops_delta(&drops_now, &w.drops_at_open).step;
 
         // What comes next for the plan?
         let mut plan_done = true;
