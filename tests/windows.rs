@@ -94,7 +94,7 @@ fn windows_plan_records_exactly_the_planned_steps() {
         assert_eq!(j as i64, k as i64 + off, "boundary {k} is in the wrong call");
     }
     let warm: Vec<bool> = m["boundaries"].as_array().unwrap().iter().map(|b| b["warmup"].as_bool().unwrap()).collect();
-    assert_eq!(warm[0], true);
+    assert!(warm[0]);
     assert!(warm[1..].iter().all(|w| !w));
     // The window line in the JSON stream names the directory.
     let w: Vec<_> = d.stdout_json().into_iter().filter(|v| v["event"] == "window").collect();

@@ -171,10 +171,10 @@ pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait,
         if !target.is_alive() {
             bail!("PID {} exited before its step marker was loaded", target.host_pid);
         }
-        if let MarkerWait::For(d) = wait {
-            if started.elapsed() >= d {
-                return Ok((probes::resolve_markers(target, markers)?, None));
-            }
+        if let MarkerWait::For(d) = wait
+            && started.elapsed() >= d
+        {
+            return Ok((probes::resolve_markers(target, markers)?, None));
         }
         std::thread::sleep(Duration::from_millis(2));
     }

@@ -234,8 +234,7 @@ impl Scheduler {
     /// Programs a request now (or defers it while a window is open).
     fn submit(&mut self, req: PlanRequest, kernel: &mut Kernel) -> Result<String> {
         req.plan.validate()?;
-        if self.window.is_some() {
-            let w = self.window.as_ref().unwrap();
+        if let Some(w) = &self.window {
             let msg = format!(
                 "window {} is open; the new plan ({}) starts when it ends (a later change replaces it)",
                 w.id,
@@ -284,10 +283,10 @@ impl Scheduler {
     }
 
     fn cancel_plan(&mut self, kernel: &mut Kernel) {
-        if self.plan.take().is_some() {
-            if let Err(e) = super::disarm(kernel) {
-                log::warn!("disarming the kernel plan: {e:#}");
-            }
+        if self.plan.take().is_some()
+            && let Err(e) = super::disarm(kernel)
+        {
+            log::warn!("disarming the kernel plan: {e:#}");
         }
         if self.window.is_none() {
             self.disarm_all(kernel);
@@ -409,16 +408,17 @@ impl Scheduler {
         // 1. the open window: collect the step that just ended, then close.
         let mut close = false;
         if let Some(w) = &mut self.window {
-            if let Some(c) = completed {
-                if c.step.0 >= w.first_recorded && c.step.0 <= w.last_recorded {
-                    w.steps.push(StepSpan {
-                        step: c.step,
-                        start_ts_ns: c.start_ts_ns,
-                        end_ts_ns: c.end_ts_ns,
-                        tid: c.tid,
-                        aux: c.aux.iter().map(|(k, v)| (k.clone(), *v)).collect(),
-                    });
-                }
+            if let Some(c) = completed
+                && c.step.0 >= w.first_recorded
+                && c.step.0 <= w.last_recorded
+            {
+                w.steps.push(StepSpan {
+                    step: c.step,
+                    start_ts_ns: c.start_ts_ns,
+                    end_ts_ns: c.end_ts_ns,
+                    tid: c.tid,
+                    aux: c.aux.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                });
             }
             if k >= w.first_step {
                 w.boundaries.push((k, ts));
@@ -444,24 +444,38 @@ impl Scheduler {
             self.close_window(true, None, ctx)?;
         }
         // 2. a new window opens where the kernel opened the gate.
-        if self.window.is_none() && gate {
-            if let Some(p) = &self.plan {
-                let cfg = p.cfg;
-                // Before `start`: a stale plan write opened the gate early.
-                if k >= cfg.start && k < cfg.end && (k - cfg.start) % cfg.period < cfg.span {
-                    let cycle = (k - cfg.start) / cfg.period;
-                    let base = cfg.start + cycle * cfg.period;
-                    self.open_window(cycle, base, k, ts, ctx)?;
+        if self.window.is_none()
+            && gate
+            && let Some(p) = &self.plan
+        {
+            let cfg = p.cfg;
+            // Before `start`: a stale plan write opened the gate early.
+            if k >= cfg.start && k < cfg.end && (k - cfg.start) % cfg.period < cfg.span {
+                let cycle = (k - cfg.start) / cfg.period;
+                let base = cfg.start + cycle * cfg.period;
+                if let Err(e) = self.open_window(cycle, base, k, ts, ctx) {
+                    // E.g. an unwritable output directory: give up this
+                    // plan, keep the session (and other triggers) alive.
+                    let m = format!("window could not be opened, plan cancelled: {e:#}");
+                    log::error!("{m}");
+                    if let Some(c) = &mut self.config {
+                        c.error(&m);
+                    }
+                    self.notice(m);
+                    self.cancel_plan(ctx.kernel);
+                    if self.opts.exit_when_done {
+                        self.done = true;
+                    }
                 }
             }
         }
         // 3. arm ahead of the next window.
-        if self.window.is_none() {
-            if let Some(p) = &self.plan {
-                let next = ((k.saturating_sub(p.cfg.start)) / p.cfg.period + u64::from(k >= p.cfg.start)).min(p.cycles());
-                if next < p.cycles() && p.cycle_start(next) <= k + ARM_AHEAD {
-                    self.arm(ctx.kernel);
-                }
+        if self.window.is_none()
+            && let Some(p) = &self.plan
+        {
+            let next = ((k.saturating_sub(p.cfg.start)) / p.cfg.period + u64::from(k >= p.cfg.start)).min(p.cycles());
+            if next < p.cycles() && p.cycle_start(next) <= k + ARM_AHEAD {
+                self.arm(ctx.kernel);
             }
         }
         Ok(())
@@ -586,10 +600,10 @@ impl Scheduler {
         if plan_done {
             self.plan = None;
             self.disarm_all(ctx.kernel);
-        } else if let Some(p) = &self.plan {
-            if p.cycle_start(w.cycle + 1) > k_now + ARM_AHEAD + 1 {
-                self.disarm_all(ctx.kernel);
-            }
+        } else if let Some(p) = &self.plan
+            && p.cycle_start(w.cycle + 1) > k_now + ARM_AHEAD + 1
+        {
+            self.disarm_all(ctx.kernel);
         }
 
         if w.steps.is_empty() && complete {
@@ -629,10 +643,10 @@ impl Scheduler {
         if self.opts.json {
             println!("{}", json!({ "event": "window", "window": rec }));
         }
-        if let Some(c) = &mut self.config {
-            if w.req.source == Source::ConfigFile {
-                c.window_written(w.req.change, &msg);
-            }
+        if let Some(c) = &mut self.config
+            && w.req.source == Source::ConfigFile
+        {
+            c.window_written(w.req.change, &msg);
         }
         self.notice(msg);
         self.written.push(rec);
@@ -790,10 +804,10 @@ impl Observer for Scheduler {
                 c.on_event(ev);
             }
         }
-        if let Decoded::Step(s) = ev {
-            if s.role == role::STEP {
-                self.on_step(s.step, s.hdr.ts_ns, s.gate != 0, completed, ctx)?;
-            }
+        if let Decoded::Step(s) = ev
+            && s.role == role::STEP
+        {
+            self.on_step(s.step, s.hdr.ts_ns, s.gate != 0, completed, ctx)?;
         }
         Ok(())
     }
@@ -818,11 +832,14 @@ impl Observer for Scheduler {
     fn on_tick(&mut self, ctx: &mut Ctx) -> Result<()> {
         self.remember_target(ctx.target);
         self.prepare_hooks(ctx.target);
-        if let Some(t) = self.opts.idle_timeout {
-            if !self.done && self.window.is_none() && self.plan.is_none() && self.last_activity.elapsed() >= t {
-                self.notice(format!("idle for {} s without a command or window; detaching", t.as_secs()));
-                self.done = true;
-            }
+        if let Some(t) = self.opts.idle_timeout
+            && !self.done
+            && self.window.is_none()
+            && self.plan.is_none()
+            && self.last_activity.elapsed() >= t
+        {
+            self.notice(format!("idle for {} s without a command or window; detaching", t.as_secs()));
+            self.done = true;
         }
         Ok(())
     }
