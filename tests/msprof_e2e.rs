@@ -105,9 +105,10 @@ fn msprof_start_and_stop_land_inside_the_window_boundaries() {
         assert!(dir.join("msprof").join(name).join("end_info").is_file());
         let lat = h["start_latency_ns"].as_u64().unwrap();
         assert_eq!(lat, h["start_written_ns"].as_u64().unwrap() - open);
-        lats.push(lat);
+        let called = h["hook_called_ns"].as_u64().unwrap();
+        lats.push((lat, called - open, h["start_written_ns"].as_u64().unwrap() - called));
     }
-    eprintln!("boundary hit -> `start` written (ns): {lats:?}");
+    eprintln!("boundary hit -> `start` written (ns) as (total, boundary->hook called, hook->written): {lats:?}");
 }
 
 #[test]
