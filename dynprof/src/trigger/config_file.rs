@@ -295,6 +295,9 @@ pub struct ConfigFileTrigger {
     last_good: Option<Parsed>,
     warned: BTreeSet<String>,
     changes: u64,
+    /// The file as setup left it: a save after that (even one before the
+    /// watcher thread runs) is a change.
+    initial: Option<(SystemTime, u64, String)>,
 }
 
 impl ConfigFileTrigger {
@@ -308,7 +311,7 @@ impl ConfigFileTrigger {
         let log = RotatingLog::new(dir.join("log").join(&stem));
         let monitor = RotatingLog::new(dir.join("log").join(format!("monitor_{stem}")));
         let path = dir.join(CONFIG_FILE);
-        let t = Self {
+        let mut t = Self {
             dir: dir.clone(),
             path: path.clone(),
             log,
@@ -318,6 +321,7 @@ impl ConfigFileTrigger {
             last_good: None,
             warned: BTreeSet::new(),
             changes: 0,
+            initial: None,
         };
         if path.exists() {
             t.info(&format!("{} exists; it takes effect when it is next saved", path.display()));
@@ -326,6 +330,7 @@ impl ConfigFileTrigger {
             crate::output::write_atomic(&path, text.as_bytes())?;
             t.info(&format!("wrote the template {}", path.display()));
         }
+        t.initial = stamp(&path);
         let hello = format!(
             "dynprof {} (PID {}) watching {} for target PID {} (rank {rank})",
             env!("CARGO_PKG_VERSION"),
@@ -462,6 +467,7 @@ impl ConfigFileTrigger {
     pub fn spawn_watcher(&self, tx: UnboundedSender<Command>) -> Result<()> {
         let dir = self.dir.clone();
         let path = self.path.clone();
+        let initial = self.initial.clone();
         let fd = inotify_watch(&dir);
         match &fd {
             Ok(_) => self.info("watching with inotify"),
@@ -470,19 +476,25 @@ impl ConfigFileTrigger {
         std::thread::Builder::new()
             .name("dynprof-config".into())
             .spawn(move || {
-                let mut last = stamp(&path);
+                let mut last = initial;
+                // A save between setup and now had no watch yet: check once.
+                let mut first = true;
                 loop {
-                    let changed = match &fd {
-                        Ok(fd) => match inotify_wait(*fd) {
-                            Ok(names) => names.iter().any(|n| n == CONFIG_FILE),
+                    let changed = if std::mem::take(&mut first) {
+                        true
+                    } else {
+                        match &fd {
+                            Ok(fd) => match inotify_wait(*fd) {
+                                Ok(names) => names.iter().any(|n| n == CONFIG_FILE),
+                                Err(_) => {
+                                    std::thread::sleep(Duration::from_secs(1));
+                                    true
+                                }
+                            },
                             Err(_) => {
                                 std::thread::sleep(Duration::from_secs(1));
                                 true
                             }
-                        },
-                        Err(_) => {
-                            std::thread::sleep(Duration::from_secs(1));
-                            true
                         }
                     };
                     if !changed {

@@ -40,8 +40,17 @@ use crate::{
     types::{StepIndex, WindowId},
 };
 
-/// Arm collectors when the window is at most this many boundaries away.
+/// Arm collectors when the window is at most this many boundaries away…
 const ARM_AHEAD: u64 = 2;
+/// …or this many seconds away at the current step rate, whichever is more
+/// (attaching the API uprobes and perf events takes a few milliseconds).
+const ARM_AHEAD_S: f64 = 0.5;
+
+/// Steps ahead of a window at which its collectors are armed.
+fn arm_ahead(rate: f64) -> u64 {
+    let by_time = if rate.is_finite() && rate > 0.0 { (rate * ARM_AHEAD_S).ceil() as u64 } else { 0 };
+    ARM_AHEAD.max(by_time.min(10_000))
+}
 
 pub struct SchedulerOptions {
     /// Default output directory for `PROF_*` windows.
@@ -126,6 +135,8 @@ pub struct Scheduler {
     plan_collectors: Vec<usize>,
     /// The session's target (known from `begin` or the first callback).
     target: Option<Target>,
+    /// Steps per second, as of the last step event.
+    rate: f64,
 }
 
 impl Scheduler {
@@ -148,6 +159,7 @@ impl Scheduler {
             printer: None,
             plan_collectors: Vec::new(),
             target: None,
+            rate: 0.0,
         }
     }
 
@@ -276,7 +288,7 @@ impl Scheduler {
         };
         self.plan_collectors = self.collector_indices(&req);
         self.plan = Some(ActivePlan { req, cfg, stop_last: None, final_cycle: false });
-        if cfg.start <= c + ARM_AHEAD {
+        if cfg.start <= c + arm_ahead(self.rate) {
             self.arm(kernel);
         }
         Ok(msg)
@@ -405,6 +417,7 @@ impl Scheduler {
     }
 
     fn on_step(&mut self, k: u64, ts: u64, gate: bool, completed: Option<&CompletedStep>, ctx: &mut Ctx) -> Result<()> {
+        self.rate = ctx.clock.rate();
         // 1. the open window: collect the step that just ended, then close.
         let mut close = false;
         if let Some(w) = &mut self.window {
@@ -474,7 +487,7 @@ impl Scheduler {
             && let Some(p) = &self.plan
         {
             let next = ((k.saturating_sub(p.cfg.start)) / p.cfg.period + u64::from(k >= p.cfg.start)).min(p.cycles());
-            if next < p.cycles() && p.cycle_start(next) <= k + ARM_AHEAD {
+            if next < p.cycles() && p.cycle_start(next) <= k + arm_ahead(self.rate) {
                 self.arm(ctx.kernel);
             }
         }
@@ -601,7 +614,7 @@ impl Scheduler {
             self.plan = None;
             self.disarm_all(ctx.kernel);
         } else if let Some(p) = &self.plan
-            && p.cycle_start(w.cycle + 1) > k_now + ARM_AHEAD + 1
+            && p.cycle_start(w.cycle + 1) > k_now + arm_ahead(self.rate) + 1
         {
             self.disarm_all(ctx.kernel);
         }
