@@ -67,6 +67,55 @@ fn dynprof_programs() -> Vec<(u32, String, Vec<u32>)> {
     out
 }
 
+/// The runtime address of file offset `fo` of `path` in `pid`.
+fn runtime_addr(pid: u32, path: &std::path::Path, fo: u64) -> u64 {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    for l in maps.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() < 6 || f[5] != path.to_str().unwrap() {
+            continue;
+        }
+        let (a, b) = f[0].split_once('-').unwrap();
+        let (start, end) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+        let off = u64::from_str_radix(f[2], 16).unwrap();
+        if fo >= off && fo < off + (end - start) {
+            return start + (fo - off);
+        }
+    }
+    panic!("file offset {fo:#x} of {} is not mapped in {pid}", path.display());
+}
+
+fn read_byte(pid: u32, addr: u64) -> u8 {
+    use std::os::unix::fs::FileExt as _;
+    let f = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, addr).unwrap();
+    b[0]
+}
+
+/// File offset of a defined function symbol, through its PT_LOAD segment.
+fn file_offset_of(data: &[u8], name: &str) -> u64 {
+    use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+    let f = object::File::parse(data).unwrap();
+    let addr = f.dynamic_symbols().chain(f.symbols()).find(|s| s.name() == Ok(name)).unwrap().address();
+    f.segments()
+        .find_map(|seg| {
+            let (fo, _) = seg.file_range();
+            (addr >= seg.address() && addr < seg.address() + seg.size()).then(|| addr - seg.address() + fo)
+        })
+        .unwrap()
+}
+
+/// PIDs of running processes whose comm is `dynprof`.
+fn dynprof_processes() -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "dynprof"))
+        .collect()
+}
+
 #[test]
 fn attach_repeat_20_times_leaves_target_running_and_no_program_loaded() {
     require_privileges!();
@@ -81,12 +130,16 @@ fn attach_repeat_20_times_leaves_target_running_and_no_program_loaded() {
     let pid = p.pid;
 
     let mut last_ts = 0;
+    let mut probe_site = None;
     for round in 0..ROUNDS {
         let mut d = Dynprof::attach(pid, &["--marker", "exe:optimizer_step", "--steps", "2"]);
         if round == 0 {
             // Positive control: while attached, our programs are visible and
             // carry this target's tgid, so the final check is not vacuous.
-            d.wait_event("attached", T);
+            let att = d.wait_event("attached", T);
+            let fo = att["markers"][0]["file_offset"].as_u64().unwrap();
+            probe_site = Some(runtime_addr(pid, &fx.trainer, fo));
+            assert_eq!(read_byte(pid, probe_site.unwrap()), 0xcc, "the uprobe's int3 is in place while attached");
             let progs = dynprof_programs();
             assert!(
                 progs.iter().any(|(_, n, tgids)| n == "dynprof_marker" && tgids.contains(&pid)),
@@ -111,13 +164,24 @@ fn attach_repeat_20_times_leaves_target_running_and_no_program_loaded() {
         assert_eq!(w[1].index, w[0].index + 1, "the trainer's step log must have no gap");
     }
 
+    // The probed instruction is the file's again (no int3 left behind).
+    let file = std::fs::read(&fx.trainer).unwrap();
+    let sym_fo = file_offset_of(&file, "optimizer_step");
+    let site = probe_site.unwrap();
+    assert_eq!(site, runtime_addr(pid, &fx.trainer, sym_fo), "dynprof probed optimizer_step's first instruction");
+    assert_eq!(read_byte(pid, site), file[sym_fo as usize], "the original instruction byte must be restored after detach");
+
     // Nothing of ours is left in the kernel.
     let progs = dynprof_programs();
     let ours: Vec<_> = progs.iter().filter(|(_, _, t)| t.contains(&pid)).collect();
     assert!(ours.is_empty(), "programs still loaded for target {pid}: {ours:?}");
     if !progs.is_empty() {
-        // Only another dynprof (e.g. a concurrent developer run) can own these.
-        eprintln!("note: other dynprof programs are loaded (not ours): {progs:?}");
+        // A loaded program needs an owner holding its fd: only another live
+        // dynprof (e.g. a concurrent developer run) may explain these. With
+        // none running they were leaked.
+        let others = dynprof_processes();
+        assert!(!others.is_empty(), "dynprof programs loaded with no dynprof process alive: {progs:?}");
+        eprintln!("note: dynprof programs of other dynprof processes {others:?} are loaded: {progs:?}");
     }
     assert!(p.terminate().success());
 }
