@@ -37,6 +37,8 @@ pub struct Opts {
     pub only: Vec<String>,
     /// Where to write results (default bench/results.json).
     pub out: Option<std::path::PathBuf>,
+    /// Use the existing target/release/dynprof (development).
+    pub no_build: bool,
 }
 
 const SECTIONS: [&str; 5] = ["probe", "torch", "attach", "api", "trigger"];
@@ -47,11 +49,13 @@ fn parse(args: &[String]) -> Result<Opts> {
         reps: 5,
         only: Vec::new(),
         out: None,
+        no_build: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => o.quick = true,
+            "--no-build" => o.no_build = true,
             "--reps" => {
                 o.reps = it
                     .next()

@@ -47,6 +47,12 @@ pub struct ProbeCostArgs {
     pub prog: String,
     #[arg(long, default_value_t = 4096)]
     pub ring_buffer_kb: u32,
+    /// 0: block in poll(2) on the ring buffer, as `attach` does (epoll);
+    /// N: never block on it, drain every N ms instead. With a consumer that
+    /// lags, the kernel's adaptive wakeup (irq_work) fires once per drain
+    /// instead of once per event.
+    #[arg(long, default_value_t = 0)]
+    pub drain_every_ms: u64,
 }
 
 pub fn run(a: &ProbeCostArgs) -> Result<()> {
@@ -105,7 +111,13 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
         }
         fds[0].revents = 0;
         fds[1].revents = 0;
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+        let (nfds, timeout) = if a.drain_every_ms > 0 { (1, a.drain_every_ms as i32) } else { (2, 100) };
+        // With drain_every_ms, poll only stdin (fds[1]) as the sleep.
+        let rc = if a.drain_every_ms > 0 {
+            unsafe { libc::poll(fds.as_mut_ptr().add(1), nfds, timeout) }
+        } else {
+            unsafe { libc::poll(fds.as_mut_ptr(), nfds, timeout) }
+        };
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {

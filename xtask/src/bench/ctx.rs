@@ -33,9 +33,13 @@ impl Ctx {
         if unsafe { geteuid() } != 0 {
             bail!("the bench attaches eBPF programs: run it as root (sudo -E cargo xtask bench)");
         }
-        say("building dynprof (release)");
-        util::run(util::cargo().args(["build", "--release", "-p", "dynprof"]))
-            .context("building dynprof in release")?;
+        if opts.no_build {
+            say("--no-build: using the existing release dynprof");
+        } else {
+            say("building dynprof (release)");
+            util::run(util::cargo().args(["build", "--release", "-p", "dynprof"]))
+                .context("building dynprof in release")?;
+        }
         let dynprof = util::target_dir().join("release/dynprof");
         say("building the fixtures");
         let fixtures = crate::fixtures::build()?.dir;
