@@ -13,8 +13,8 @@ use dynprof_common::ApiEvent;
 use super::{
     Collector,
     apis::{self, ApiSet, ApiSpec, ApiTable},
-    stacks::ThreadNames,
     builtin::{DropBase, take_window},
+    stacks::ThreadNames,
 };
 use crate::{
     bpf::Kernel,
@@ -36,7 +36,16 @@ pub struct ApiCollector {
 
 impl ApiCollector {
     pub fn new(sets: Vec<ApiSet>, user: Vec<ApiSpec>) -> Self {
-        Self { sets, user, table: ApiTable::default(), events: Vec::new(), names: ThreadNames::default(), attached: 0, warned_empty: false, drops: DropBase::default() }
+        Self {
+            sets,
+            user,
+            table: ApiTable::default(),
+            events: Vec::new(),
+            names: ThreadNames::default(),
+            attached: 0,
+            warned_empty: false,
+            drops: DropBase::default(),
+        }
     }
 
     /// Probes attached by the last `arm`.
@@ -63,7 +72,12 @@ impl Collector for ApiCollector {
         for a in &res.apis {
             match kernel.attach_api(a.index, &a.attach_path, a.file_offset) {
                 Ok(()) => attached += 1,
-                Err(e) => log::warn!("api: attaching {} in {} (offset {:#x}): {e:#}", a.symbol, a.object, a.file_offset),
+                Err(e) => log::warn!(
+                    "api: attaching {} in {} (offset {:#x}): {e:#}",
+                    a.symbol,
+                    a.object,
+                    a.file_offset
+                ),
             }
         }
         self.attached = attached;
@@ -72,7 +86,11 @@ impl Collector for ApiCollector {
             log::warn!(
                 "api: no runtime API to trace in PID {} (no CANN/CUDA library mapped{}); api_summary.csv will be empty",
                 target.host_pid,
-                if res.searched.is_empty() { String::new() } else { format!("; searched {}", res.searched.join(", ")) }
+                if res.searched.is_empty() {
+                    String::new()
+                } else {
+                    format!("; searched {}", res.searched.join(", "))
+                }
             );
         } else {
             log::debug!("api: {attached} APIs probed in {}", res.searched.join(", "));
@@ -93,7 +111,13 @@ impl Collector for ApiCollector {
         }
     }
 
-    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()> {
+    fn drain_into(
+        &mut self,
+        start_ts_ns: u64,
+        end_ts_ns: u64,
+        data: &mut WindowData,
+        kernel: &mut Kernel,
+    ) -> Result<()> {
         let d = self.drops.take(kernel);
         data.drops.api = d.api;
         data.drops.api_nesting = d.api_nesting;
@@ -113,7 +137,8 @@ impl Collector for ApiCollector {
             })
             .collect();
         calls = drop_wrapped(calls);
-        self.names.fill(&mut data.thread_names, calls.iter().map(|c| c.tid));
+        self.names
+            .fill(&mut data.thread_names, calls.iter().map(|c| c.tid));
         data.api_calls.extend(calls);
         data.api_calls.sort_by_key(|c| (c.start_ts_ns, c.tid));
         Ok(())
@@ -127,7 +152,12 @@ impl Collector for ApiCollector {
 pub fn drop_wrapped(mut calls: Vec<ApiCall>) -> Vec<ApiCall> {
     // Outer first: by thread, name, start, then longest first.
     calls.sort_by(|a, b| {
-        (a.tid, &a.api, a.start_ts_ns, std::cmp::Reverse(a.dur_ns)).cmp(&(b.tid, &b.api, b.start_ts_ns, std::cmp::Reverse(b.dur_ns)))
+        (a.tid, &a.api, a.start_ts_ns, std::cmp::Reverse(a.dur_ns)).cmp(&(
+            b.tid,
+            &b.api,
+            b.start_ts_ns,
+            std::cmp::Reverse(b.dur_ns),
+        ))
     });
     let mut out: Vec<ApiCall> = Vec::with_capacity(calls.len());
     for c in calls {
@@ -149,7 +179,14 @@ mod tests {
     use super::*;
 
     fn call(tid: u32, api: &str, s: u64, d: u64) -> ApiCall {
-        ApiCall { tid, api: api.into(), start_ts_ns: s, dur_ns: d, ret: 0, device_wait: false }
+        ApiCall {
+            tid,
+            api: api.into(),
+            start_ts_ns: s,
+            dur_ns: d,
+            ret: 0,
+            device_wait: false,
+        }
     }
 
     #[test]
@@ -159,10 +196,21 @@ mod tests {
             call(1, "aclrtLaunchKernel", 110, 30), // inner, forwarded
             call(1, "aclrtLaunchKernel", 200, 10),
             call(2, "aclrtLaunchKernel", 110, 30), // other thread
-            call(1, "aclrtMemcpy", 120, 5),         // other API, nested
+            call(1, "aclrtMemcpy", 120, 5),        // other API, nested
         ]);
-        let mut got: Vec<(u32, &str, u64)> = v.iter().map(|c| (c.tid, c.api.as_str(), c.start_ts_ns)).collect();
+        let mut got: Vec<(u32, &str, u64)> = v
+            .iter()
+            .map(|c| (c.tid, c.api.as_str(), c.start_ts_ns))
+            .collect();
         got.sort();
-        assert_eq!(got, vec![(1, "aclrtLaunchKernel", 100), (1, "aclrtLaunchKernel", 200), (1, "aclrtMemcpy", 120), (2, "aclrtLaunchKernel", 110)]);
+        assert_eq!(
+            got,
+            vec![
+                (1, "aclrtLaunchKernel", 100),
+                (1, "aclrtLaunchKernel", 200),
+                (1, "aclrtMemcpy", 120),
+                (2, "aclrtLaunchKernel", 110)
+            ]
+        );
     }
 }

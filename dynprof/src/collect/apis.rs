@@ -30,10 +30,16 @@ pub struct ApiDef {
 }
 
 const fn api(name: &'static str) -> ApiDef {
-    ApiDef { name, device_wait: false }
+    ApiDef {
+        name,
+        device_wait: false,
+    }
 }
 const fn wait(name: &'static str) -> ApiDef {
-    ApiDef { name, device_wait: true }
+    ApiDef {
+        name,
+        device_wait: true,
+    }
 }
 
 /// A family of runtime APIs and the libraries that may export them.
@@ -49,7 +55,12 @@ pub struct ApiSet {
 /// CANN ACL runtime, op and model APIs.
 pub const CANN: ApiSet = ApiSet {
     name: "cann",
-    libs: &["libascendcl.so", "libacl_rt.so", "libascendcl-", "libacl_rt-"],
+    libs: &[
+        "libascendcl.so",
+        "libacl_rt.so",
+        "libascendcl-",
+        "libacl_rt-",
+    ],
     apis: &[
         api("aclrtLaunchKernel"),
         api("aclrtMemcpy"),
@@ -84,13 +95,20 @@ pub const CUDA_RUNTIME: ApiSet = ApiSet {
 };
 
 /// CUDA driver.
-pub const CUDA_DRIVER: ApiSet = ApiSet { name: "cuda-driver", libs: &["libcuda.so"], apis: &[api("cuLaunchKernel")] };
+pub const CUDA_DRIVER: ApiSet = ApiSet {
+    name: "cuda-driver",
+    libs: &["libcuda.so"],
+    apis: &[api("cuLaunchKernel")],
+};
 
 pub const BUILTIN_SETS: &[ApiSet] = &[CANN, CUDA_RUNTIME, CUDA_DRIVER];
 
 /// Is this a synchronize-type API of a built-in set?
 pub fn is_device_wait(name: &str) -> bool {
-    BUILTIN_SETS.iter().flat_map(|s| s.apis).any(|a| a.name == name && a.device_wait)
+    BUILTIN_SETS
+        .iter()
+        .flat_map(|s| s.apis)
+        .any(|a| a.name == name && a.device_wait)
 }
 
 /// A user-added API: `--api OBJECT:SYMBOL[,name=LABEL][,wait]`, with the
@@ -125,12 +143,22 @@ pub fn parse_api_spec(raw: &str) -> Result<ApiSpec> {
         bail!("--api `{raw}`: only function symbols can be traced as APIs\n{hint}");
     };
     if offset != 0 {
-        bail!("--api `{raw}`: an API is probed at its entry and return, so it takes no +OFFSET\n{hint}");
+        bail!(
+            "--api `{raw}`: an API is probed at its entry and return, so it takes no +OFFSET\n{hint}"
+        );
     }
     if m.filter.is_some() || m.role != spec::Role::Step {
-        bail!("--api `{raw}`: role= and arg=/prefix=/eq= are marker options, not API options\n{hint}");
+        bail!(
+            "--api `{raw}`: role= and arg=/prefix=/eq= are marker options, not API options\n{hint}"
+        );
     }
-    Ok(ApiSpec { raw: raw.to_string(), object: m.object, label: m.label.unwrap_or_else(|| name.clone()), symbol: name, device_wait })
+    Ok(ApiSpec {
+        raw: raw.to_string(),
+        object: m.object,
+        label: m.label.unwrap_or_else(|| name.clone()),
+        symbol: name,
+        device_wait,
+    })
 }
 
 /// One probed function in one object.
@@ -158,7 +186,9 @@ pub struct ApiTable {
 
 impl ApiTable {
     pub fn name(&self, index: u32) -> Option<(&str, bool)> {
-        self.entries.get(index as usize).map(|(n, w)| (n.as_str(), *w))
+        self.entries
+            .get(index as usize)
+            .map(|(n, w)| (n.as_str(), *w))
     }
 
     fn index_for(&mut self, object: &str, file_offset: u64, name: &str, wait: bool) -> u32 {
@@ -169,6 +199,17 @@ impl ApiTable {
         self.entries.push((name.to_string(), wait));
         self.by_key.insert((object.to_string(), file_offset), i);
         i
+    }
+
+    fn add_alias(&mut self, object: &str, file_offset: u64, name: &str, wait: bool) {
+        let Some(&i) = self.by_key.get(&(object.to_string(), file_offset)) else {
+            return;
+        };
+        let e = &mut self.entries[i as usize];
+        if !e.0.split('|').any(|n| n == name) {
+            e.0 = format!("{}|{name}", e.0);
+        }
+        e.1 |= wait;
     }
 
     pub fn len(&self) -> usize {
@@ -209,11 +250,20 @@ fn unique_files(maps: &[Mapping]) -> Vec<&Mapping> {
 
 /// Resolves the API sets and user APIs against the target's current maps.
 /// Indices come from (and extend) `table`.
-pub fn resolve(target: &Target, sets: &[ApiSet], user: &[ApiSpec], table: &mut ApiTable) -> Result<Resolution> {
+pub fn resolve(
+    target: &Target,
+    sets: &[ApiSet],
+    user: &[ApiSpec],
+    table: &mut ApiTable,
+) -> Result<Resolution> {
     let maps = target.maps()?;
     let files = unique_files(&maps);
     let exe = std::fs::read_link(format!("/proc/{}/exe", target.host_pid))
-        .map(|p| p.to_string_lossy().trim_end_matches(" (deleted)").to_string())
+        .map(|p| {
+            p.to_string_lossy()
+                .trim_end_matches(" (deleted)")
+                .to_string()
+        })
         .unwrap_or_default();
     let mut res = Resolution::default();
     let mut images: HashMap<String, Option<ElfImage>> = HashMap::new();
@@ -253,7 +303,10 @@ pub fn resolve(target: &Target, sets: &[ApiSet], user: &[ApiSpec], table: &mut A
             })
             .collect();
         if objs.is_empty() {
-            res.misses.push(format!("{}: the object is not mapped by PID {}", u.raw, target.host_pid));
+            res.misses.push(format!(
+                "{}: the object is not mapped by PID {}",
+                u.raw, target.host_pid
+            ));
         }
         let mut found = false;
         for m in objs {
@@ -267,15 +320,23 @@ pub fn resolve(target: &Target, sets: &[ApiSet], user: &[ApiSpec], table: &mut A
             }
         }
         if !found {
-            res.misses.push(format!("{}: no function `{}` in the matching objects", u.raw, u.symbol));
+            res.misses.push(format!(
+                "{}: no function `{}` in the matching objects",
+                u.raw, u.symbol
+            ));
         }
     }
     let mut seen: Vec<(String, u64)> = Vec::new();
     for (m, symbol, label, wait) in wanted {
-        let Some(Some(img)) = images.get(&m.path) else { continue };
+        let Some(Some(img)) = images.get(&m.path) else {
+            continue;
+        };
         for hit in img.find_function(&symbol) {
-            // Aliases (two names, one address) are probed once.
+            // Aliases (two names, one address: identical functions folded
+            // by the linker) are probed once, under both names: the kernel
+            // cannot tell which name the caller used.
             if seen.contains(&(m.path.clone(), hit.file_offset)) {
+                table.add_alias(&m.path, hit.file_offset, &label, wait);
                 continue;
             }
             seen.push((m.path.clone(), hit.file_offset));
@@ -300,13 +361,28 @@ mod tests {
 
     #[test]
     fn tables_classify_synchronize_calls_as_waits() {
-        for n in ["aclrtSynchronizeStream", "aclrtSynchronizeStreamWithTimeout", "aclrtSynchronizeDevice", "aclrtSynchronizeEvent"] {
+        for n in [
+            "aclrtSynchronizeStream",
+            "aclrtSynchronizeStreamWithTimeout",
+            "aclrtSynchronizeDevice",
+            "aclrtSynchronizeEvent",
+        ] {
             assert!(is_device_wait(n), "{n}");
         }
-        for n in ["cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"] {
+        for n in [
+            "cudaStreamSynchronize",
+            "cudaDeviceSynchronize",
+            "cudaEventSynchronize",
+        ] {
             assert!(is_device_wait(n), "{n}");
         }
-        for n in ["aclrtLaunchKernel", "aclrtMemcpy", "cudaMemcpy", "cuLaunchKernel", "aclmdlExecute"] {
+        for n in [
+            "aclrtLaunchKernel",
+            "aclrtMemcpy",
+            "cudaMemcpy",
+            "cuLaunchKernel",
+            "aclmdlExecute",
+        ] {
             assert!(!is_device_wait(n), "{n}");
         }
         assert_eq!(CANN.apis.len(), 12);
@@ -325,12 +401,29 @@ mod tests {
     }
 
     #[test]
+    fn aliases_share_one_entry() {
+        let mut t = ApiTable::default();
+        let i = t.index_for("/lib/a.so", 0x10, "f", false);
+        t.add_alias("/lib/a.so", 0x10, "g", true);
+        t.add_alias("/lib/a.so", 0x10, "g", true);
+        assert_eq!(t.name(i), Some(("f|g", true)));
+        assert_eq!(t.index_for("/lib/a.so", 0x10, "f", false), i);
+        assert_eq!(t.index_for("/lib/b.so", 0x10, "f", false), i + 1);
+    }
+
+    #[test]
     fn user_api_grammar() {
         let a = parse_api_spec("exe:my_sync,wait").unwrap();
-        assert_eq!((a.object.clone(), a.symbol.as_str(), a.device_wait), (ObjectRef::Exe, "my_sync", true));
+        assert_eq!(
+            (a.object.clone(), a.symbol.as_str(), a.device_wait),
+            (ObjectRef::Exe, "my_sync", true)
+        );
         let a = parse_api_spec("libhccl:HcclAllReduce,name=allreduce").unwrap();
         assert_eq!(a.object, ObjectRef::Lib("libhccl".into()));
-        assert_eq!((a.symbol.as_str(), a.label.as_str(), a.device_wait), ("HcclAllReduce", "allreduce", false));
+        assert_eq!(
+            (a.symbol.as_str(), a.label.as_str(), a.device_wait),
+            ("HcclAllReduce", "allreduce", false)
+        );
         let a = parse_api_spec("/opt/x/libfoo.so:ns::f(int)").unwrap();
         assert_eq!(a.object, ObjectRef::Path("/opt/x/libfoo.so".into()));
         assert_eq!(a.symbol, "ns::f(int)");

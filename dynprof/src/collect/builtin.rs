@@ -39,7 +39,10 @@ pub struct CollectArgs {
 
 impl Default for CollectArgs {
     fn default() -> Self {
-        Self { cpu_hz: cpu::DEFAULT_HZ, apis: Vec::new() }
+        Self {
+            cpu_hz: cpu::DEFAULT_HZ,
+            apis: Vec::new(),
+        }
     }
 }
 
@@ -50,7 +53,11 @@ impl CollectArgs {
         }
         Ok(CollectorOptions {
             cpu_hz: self.cpu_hz,
-            apis: self.apis.iter().map(|s| apis::parse_api_spec(s)).collect::<Result<_>>()?,
+            apis: self
+                .apis
+                .iter()
+                .map(|s| apis::parse_api_spec(s))
+                .collect::<Result<_>>()?,
             api_sets: apis::BUILTIN_SETS.to_vec(),
         })
     }
@@ -68,7 +75,11 @@ pub struct CollectorOptions {
 
 impl Default for CollectorOptions {
     fn default() -> Self {
-        Self { cpu_hz: cpu::DEFAULT_HZ, apis: Vec::new(), api_sets: apis::BUILTIN_SETS.to_vec() }
+        Self {
+            cpu_hz: cpu::DEFAULT_HZ,
+            apis: Vec::new(),
+            api_sets: apis::BUILTIN_SETS.to_vec(),
+        }
     }
 }
 
@@ -86,7 +97,10 @@ pub fn collectors_from_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Re
             "cpu" => c.cpu = true,
             "offcpu" => c.offcpu = true,
             "all" => c = Collectors::ALL,
-            _ => bail!("--collect: unknown collector `{n}` (known: {})", NAMES.join(",")),
+            _ => bail!(
+                "--collect: unknown collector `{n}` (known: {})",
+                NAMES.join(",")
+            ),
         }
     }
     Ok(c)
@@ -99,7 +113,10 @@ pub fn build_collectors(which: &Collectors, opts: &CollectorOptions) -> Vec<Box<
     let store = StackStore::shared();
     let mut out: Vec<Box<dyn Collector>> = Vec::new();
     if which.api {
-        out.push(Box::new(ApiCollector::new(opts.api_sets.clone(), opts.apis.clone())));
+        out.push(Box::new(ApiCollector::new(
+            opts.api_sets.clone(),
+            opts.apis.clone(),
+        )));
     }
     if which.cpu {
         out.push(Box::new(CpuCollector::new(opts.cpu_hz, store.clone())));
@@ -131,8 +148,13 @@ impl DropBase {
 
     /// Losses since `arm` or the previous `take`; restarts the count.
     pub fn take(&mut self, kernel: &Kernel) -> Drops {
-        let Ok(now) = kernel.drops() else { return Drops::default() };
-        let then = self.base.replace(now.clone()).unwrap_or_else(|| now.clone());
+        let Ok(now) = kernel.drops() else {
+            return Drops::default();
+        };
+        let then = self
+            .base
+            .replace(now.clone())
+            .unwrap_or_else(|| now.clone());
         Drops {
             step: now.step.saturating_sub(then.step),
             api: now.api.saturating_sub(then.api),
@@ -181,9 +203,19 @@ mod tests {
         let c = parse_collect(" offcpu , api ").unwrap();
         assert!(c.api && c.offcpu && !c.cpu);
         assert!(parse_collect("gpu").is_err());
-        let names: Vec<&str> = build_collectors(&Collectors::ALL, &CollectorOptions::default()).iter().map(|c| c.name()).collect();
+        let names: Vec<&str> = build_collectors(&Collectors::ALL, &CollectorOptions::default())
+            .iter()
+            .map(|c| c.name())
+            .collect();
         assert_eq!(names, NAMES);
-        assert_eq!(build_collectors(&parse_collect("offcpu").unwrap(), &CollectorOptions::default()).len(), 1);
+        assert_eq!(
+            build_collectors(
+                &parse_collect("offcpu").unwrap(),
+                &CollectorOptions::default()
+            )
+            .len(),
+            1
+        );
     }
 
     #[test]
@@ -195,9 +227,15 @@ mod tests {
 
     #[test]
     fn options_validate() {
-        let a = CollectArgs { cpu_hz: 0, apis: vec![] };
+        let a = CollectArgs {
+            cpu_hz: 0,
+            apis: vec![],
+        };
         assert!(a.options().is_err());
-        let a = CollectArgs { cpu_hz: 99, apis: vec!["exe:f,wait".into()] };
+        let a = CollectArgs {
+            cpu_hz: 99,
+            apis: vec!["exe:f,wait".into()],
+        };
         let o = a.options().unwrap();
         assert!(o.apis[0].device_wait);
     }

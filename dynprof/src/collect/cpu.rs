@@ -11,8 +11,8 @@ use dynprof_common::SampleEvent;
 
 use super::{
     Collector,
-    stacks::{self, SharedStacks, ThreadNames},
     builtin::{DropBase, take_window},
+    stacks::{self, SharedStacks, ThreadNames},
 };
 use crate::{
     bpf::Kernel,
@@ -34,7 +34,14 @@ pub struct CpuCollector {
 
 impl CpuCollector {
     pub fn new(hz: u64, store: SharedStacks) -> Self {
-        Self { hz, store, events: Vec::new(), armed: false, names: ThreadNames::default(), drops: DropBase::default() }
+        Self {
+            hz,
+            store,
+            events: Vec::new(),
+            armed: false,
+            names: ThreadNames::default(),
+            drops: DropBase::default(),
+        }
     }
 
     fn update_hold(&mut self) {
@@ -52,7 +59,9 @@ impl Collector for CpuCollector {
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
         self.names.set_pid(target.host_pid.0);
         self.drops.arm(kernel);
-        self.store.borrow_mut().acquire(stacks::CPU, kernel, target.host_pid.0);
+        self.store
+            .borrow_mut()
+            .acquire(stacks::CPU, kernel, target.host_pid.0);
         if let Err(e) = kernel.attach_cpu_sampler(self.hz) {
             kernel.detach_cpu_sampler();
             self.update_hold();
@@ -76,7 +85,13 @@ impl Collector for CpuCollector {
         }
     }
 
-    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()> {
+    fn drain_into(
+        &mut self,
+        start_ts_ns: u64,
+        end_ts_ns: u64,
+        data: &mut WindowData,
+        kernel: &mut Kernel,
+    ) -> Result<()> {
         let d = self.drops.take(kernel);
         data.drops.cpu = d.cpu;
         data.drops.cpu_stack = d.cpu_stack;
@@ -85,11 +100,16 @@ impl Collector for CpuCollector {
             let mut store = self.store.borrow_mut();
             for e in &evs {
                 let stack = store.stack(kernel, e.user_stack, e.kernel_stack);
-                data.samples.push(CpuSample { tid: e.hdr.tid, ts_ns: e.hdr.ts_ns, stack });
+                data.samples.push(CpuSample {
+                    tid: e.hdr.tid,
+                    ts_ns: e.hdr.ts_ns,
+                    stack,
+                });
             }
         }
         data.samples.sort_by_key(|s| (s.ts_ns, s.tid));
-        self.names.fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
+        self.names
+            .fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
         self.update_hold();
         Ok(())
     }

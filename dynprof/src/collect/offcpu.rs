@@ -13,8 +13,8 @@ use dynprof_common::OffCpuEvent;
 
 use super::{
     Collector,
-    stacks::{self, SharedStacks, ThreadNames},
     builtin::{DropBase, take_window},
+    stacks::{self, SharedStacks, ThreadNames},
 };
 use crate::{
     bpf::Kernel,
@@ -33,7 +33,13 @@ pub struct OffCpuCollector {
 
 impl OffCpuCollector {
     pub fn new(store: SharedStacks) -> Self {
-        Self { store, events: Vec::new(), armed: false, names: ThreadNames::default(), drops: DropBase::default() }
+        Self {
+            store,
+            events: Vec::new(),
+            armed: false,
+            names: ThreadNames::default(),
+            drops: DropBase::default(),
+        }
     }
 
     fn update_hold(&mut self) {
@@ -51,7 +57,9 @@ impl Collector for OffCpuCollector {
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
         self.names.set_pid(target.host_pid.0);
         self.drops.arm(kernel);
-        self.store.borrow_mut().acquire(stacks::OFFCPU, kernel, target.host_pid.0);
+        self.store
+            .borrow_mut()
+            .acquire(stacks::OFFCPU, kernel, target.host_pid.0);
         if let Err(e) = kernel.attach_offcpu() {
             self.update_hold();
             return Err(e);
@@ -74,7 +82,13 @@ impl Collector for OffCpuCollector {
         }
     }
 
-    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()> {
+    fn drain_into(
+        &mut self,
+        start_ts_ns: u64,
+        end_ts_ns: u64,
+        data: &mut WindowData,
+        kernel: &mut Kernel,
+    ) -> Result<()> {
         let d = self.drops.take(kernel);
         data.drops.offcpu = d.offcpu;
         data.drops.offcpu_stack = d.offcpu_stack;
@@ -87,11 +101,18 @@ impl Collector for OffCpuCollector {
                         if rec.ts_ns < start_ts_ns || rec.ts_ns >= end_ts_ns {
                             continue;
                         }
-                        if evs.iter().any(|e| e.hdr.tid == tid && e.hdr.ts_ns == rec.ts_ns) {
+                        if evs
+                            .iter()
+                            .any(|e| e.hdr.tid == tid && e.hdr.ts_ns == rec.ts_ns)
+                        {
                             continue;
                         }
                         evs.push(OffCpuEvent {
-                            hdr: dynprof_common::EventHeader { kind: dynprof_common::kind::OFFCPU, tid, ts_ns: rec.ts_ns },
+                            hdr: dynprof_common::EventHeader {
+                                kind: dynprof_common::kind::OFFCPU,
+                                tid,
+                                ts_ns: rec.ts_ns,
+                            },
                             dur_ns: end_ts_ns - rec.ts_ns,
                             user_stack: rec.user_stack,
                             kernel_stack: rec.kernel_stack,
@@ -106,11 +127,17 @@ impl Collector for OffCpuCollector {
             for e in &evs {
                 let dur_ns = e.dur_ns.min(end_ts_ns - e.hdr.ts_ns);
                 let stack = store.stack(kernel, e.user_stack, e.kernel_stack);
-                data.offcpu.push(OffCpuSpan { tid: e.hdr.tid, ts_ns: e.hdr.ts_ns, dur_ns, stack });
+                data.offcpu.push(OffCpuSpan {
+                    tid: e.hdr.tid,
+                    ts_ns: e.hdr.ts_ns,
+                    dur_ns,
+                    stack,
+                });
             }
         }
         data.offcpu.sort_by_key(|s| (s.ts_ns, s.tid));
-        self.names.fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
+        self.names
+            .fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
         self.update_hold();
         Ok(())
     }

@@ -41,7 +41,9 @@ impl StackStore {
     pub fn acquire(&mut self, who: u8, kernel: &mut Kernel, pid: u32) {
         if self.holders == 0 {
             match kernel.clear_stacks() {
-                Ok(n) if n > 0 => log::debug!("stacks: cleared {n} stack-map entries before arming"),
+                Ok(n) if n > 0 => {
+                    log::debug!("stacks: cleared {n} stack-map entries before arming")
+                }
                 Ok(_) => {}
                 Err(e) => log::warn!("stacks: could not clear the stack map: {e:#}"),
             }
@@ -83,7 +85,14 @@ impl StackStore {
         }
         if id < 0 {
             // Counted by the kernel in the *_STACK drop slot.
-            return vec![if is_kernel { "[lost kernel stack]_[k]" } else { "[lost user stack]" }.to_string()];
+            return vec![
+                if is_kernel {
+                    "[lost kernel stack]_[k]"
+                } else {
+                    "[lost user stack]"
+                }
+                .to_string(),
+            ];
         }
         let cache = if is_kernel { &self.kernel } else { &self.user };
         if let Some(s) = cache.get(&id) {
@@ -101,10 +110,21 @@ impl StackStore {
             Err(e) => {
                 log::debug!("stacks: id {id}: {e:#}");
                 self.lookup_failures += 1;
-                vec![if is_kernel { "[lost kernel stack]_[k]" } else { "[lost user stack]" }.to_string()]
+                vec![
+                    if is_kernel {
+                        "[lost kernel stack]_[k]"
+                    } else {
+                        "[lost user stack]"
+                    }
+                    .to_string(),
+                ]
             }
         };
-        let cache = if is_kernel { &mut self.kernel } else { &mut self.user };
+        let cache = if is_kernel {
+            &mut self.kernel
+        } else {
+            &mut self.user
+        };
         cache.insert(id, frames.clone());
         frames
     }
