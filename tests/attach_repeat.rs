@@ -3,9 +3,9 @@
 //!
 //! Kept alone in its own test binary so that no other dynprof runs while it
 //! enumerates the kernel's programs.
-mod common;
 #[path = "attach_util.rs"]
 mod attach_util;
+mod common;
 
 use std::{
     os::fd::{AsFd as _, AsRawFd as _},
@@ -38,7 +38,14 @@ fn map_value(info: &MapInfo) -> Option<Vec<u8>> {
     attr[2] = value.as_mut_ptr() as u64;
     // SAFETY: BPF_MAP_LOOKUP_ELEM (1) reads key_size bytes at `key` and writes
     // value_size bytes to `value`, both valid for this call.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, 1 as libc::c_long, attr.as_mut_ptr(), std::mem::size_of_val(&attr)) };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            1 as libc::c_long,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
     (rc == 0).then_some(value)
 }
 
@@ -48,18 +55,25 @@ fn dynprof_programs() -> Vec<(u32, String, Vec<u32>)> {
     let mut out = Vec::new();
     for p in loaded_programs() {
         let Ok(p) = p else { continue };
-        let Some(name) = p.name_as_str() else { continue };
+        let Some(name) = p.name_as_str() else {
+            continue;
+        };
         if !is_dynprof_name(name) {
             continue;
         }
         let mut tgids = Vec::new();
         for id in p.map_ids().ok().flatten().unwrap_or_default() {
-            let Ok(m) = MapInfo::from_id(id) else { continue };
+            let Ok(m) = MapInfo::from_id(id) else {
+                continue;
+            };
             if !m.name_as_str().is_some_and(|n| n.contains("rodata")) {
                 continue;
             }
             if let Some(v) = map_value(&m) {
-                tgids.extend(v.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())));
+                tgids.extend(
+                    v.chunks_exact(4)
+                        .map(|c| u32::from_le_bytes(c.try_into().unwrap())),
+                );
             }
         }
         out.push((p.id(), name.to_string(), tgids));
@@ -76,13 +90,19 @@ fn runtime_addr(pid: u32, path: &std::path::Path, fo: u64) -> u64 {
             continue;
         }
         let (a, b) = f[0].split_once('-').unwrap();
-        let (start, end) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+        let (start, end) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
         let off = u64::from_str_radix(f[2], 16).unwrap();
         if fo >= off && fo < off + (end - start) {
             return start + (fo - off);
         }
     }
-    panic!("file offset {fo:#x} of {} is not mapped in {pid}", path.display());
+    panic!(
+        "file offset {fo:#x} of {} is not mapped in {pid}",
+        path.display()
+    );
 }
 
 fn read_byte(pid: u32, addr: u64) -> u8 {
@@ -97,11 +117,17 @@ fn read_byte(pid: u32, addr: u64) -> u8 {
 fn file_offset_of(data: &[u8], name: &str) -> u64 {
     use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
     let f = object::File::parse(data).unwrap();
-    let addr = f.dynamic_symbols().chain(f.symbols()).find(|s| s.name() == Ok(name)).unwrap().address();
+    let addr = f
+        .dynamic_symbols()
+        .chain(f.symbols())
+        .find(|s| s.name() == Ok(name))
+        .unwrap()
+        .address();
     f.segments()
         .find_map(|seg| {
             let (fo, _) = seg.file_range();
-            (addr >= seg.address() && addr < seg.address() + seg.size()).then(|| addr - seg.address() + fo)
+            (addr >= seg.address() && addr < seg.address() + seg.size())
+                .then(|| addr - seg.address() + fo)
         })
         .unwrap()
 }
@@ -112,7 +138,10 @@ fn dynprof_processes() -> Vec<u32> {
         .unwrap()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "dynprof"))
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "dynprof")
+        })
         .collect()
 }
 
@@ -139,10 +168,16 @@ fn attach_repeat_20_times_leaves_target_running_and_no_program_loaded() {
             let att = d.wait_event("attached", T);
             let fo = att["markers"][0]["file_offset"].as_u64().unwrap();
             probe_site = Some(runtime_addr(pid, &fx.trainer, fo));
-            assert_eq!(read_byte(pid, probe_site.unwrap()), 0xcc, "the uprobe's int3 is in place while attached");
+            assert_eq!(
+                read_byte(pid, probe_site.unwrap()),
+                0xcc,
+                "the uprobe's int3 is in place while attached"
+            );
             let progs = dynprof_programs();
             assert!(
-                progs.iter().any(|(_, n, tgids)| n == "dynprof_marker" && tgids.contains(&pid)),
+                progs
+                    .iter()
+                    .any(|(_, n, tgids)| n == "dynprof_marker" && tgids.contains(&pid)),
                 "while attached, dynprof_marker for tgid {pid} must be loaded: {progs:?}"
             );
         }
@@ -161,27 +196,47 @@ fn attach_repeat_20_times_leaves_target_running_and_no_program_loaded() {
     assert!(p.is_running());
     let lines = log_lines_of(&log, "step");
     for w in lines.windows(2) {
-        assert_eq!(w[1].index, w[0].index + 1, "the trainer's step log must have no gap");
+        assert_eq!(
+            w[1].index,
+            w[0].index + 1,
+            "the trainer's step log must have no gap"
+        );
     }
 
     // The probed instruction is the file's again (no int3 left behind).
     let file = std::fs::read(&fx.trainer).unwrap();
     let sym_fo = file_offset_of(&file, "optimizer_step");
     let site = probe_site.unwrap();
-    assert_eq!(site, runtime_addr(pid, &fx.trainer, sym_fo), "dynprof probed optimizer_step's first instruction");
-    assert_eq!(read_byte(pid, site), file[sym_fo as usize], "the original instruction byte must be restored after detach");
+    assert_eq!(
+        site,
+        runtime_addr(pid, &fx.trainer, sym_fo),
+        "dynprof probed optimizer_step's first instruction"
+    );
+    assert_eq!(
+        read_byte(pid, site),
+        file[sym_fo as usize],
+        "the original instruction byte must be restored after detach"
+    );
 
     // Nothing of ours is left in the kernel.
     let progs = dynprof_programs();
     let ours: Vec<_> = progs.iter().filter(|(_, _, t)| t.contains(&pid)).collect();
-    assert!(ours.is_empty(), "programs still loaded for target {pid}: {ours:?}");
+    assert!(
+        ours.is_empty(),
+        "programs still loaded for target {pid}: {ours:?}"
+    );
     if !progs.is_empty() {
         // A loaded program needs an owner holding its fd: only another live
         // dynprof (e.g. a concurrent developer run) may explain these. With
         // none running they were leaked.
         let others = dynprof_processes();
-        assert!(!others.is_empty(), "dynprof programs loaded with no dynprof process alive: {progs:?}");
-        eprintln!("note: dynprof programs of other dynprof processes {others:?} are loaded: {progs:?}");
+        assert!(
+            !others.is_empty(),
+            "dynprof programs loaded with no dynprof process alive: {progs:?}"
+        );
+        eprintln!(
+            "note: dynprof programs of other dynprof processes {others:?} are loaded: {progs:?}"
+        );
     }
     assert!(p.terminate().success());
 }

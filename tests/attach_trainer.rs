@@ -1,9 +1,9 @@
 //! `dynprof attach` on the native fixtures: one step event per call, each
 //! inside its own call's logged CLOCK_MONOTONIC interval; aux counting;
 //! string-argument filters (C string and libstdc++ std::string*).
-mod common;
 #[path = "attach_util.rs"]
 mod attach_util;
+mod common;
 
 use std::{process::Command, time::Duration};
 
@@ -57,9 +57,17 @@ fn attach_trainer_one_event_per_optimizer_step_inside_its_call() {
     assert_eq!(markers[0]["symbol"], "optimizer_step");
     assert_eq!(markers[0]["object"], fixtures().trainer.to_str().unwrap());
     assert!(markers[0]["file_offset"].as_u64().unwrap() > 0);
-    assert!(markers[0]["build_id"].as_str().is_some_and(|b| b.len() >= 16), "{att}");
+    assert!(
+        markers[0]["build_id"]
+            .as_str()
+            .is_some_and(|b| b.len() >= 16),
+        "{att}"
+    );
     assert_eq!(markers[1]["role"], "aux");
-    assert_eq!(markers[1]["object"], fixtures().libfixture_backward.to_str().unwrap());
+    assert_eq!(
+        markers[1]["object"],
+        fixtures().libfixture_backward.to_str().unwrap()
+    );
     for e in run.of("step") {
         assert_eq!(e["host_pid"], p.pid);
         assert_eq!(e["tid"], p.pid, "the trainer is single-threaded");
@@ -73,10 +81,19 @@ fn attach_trainer_one_event_per_optimizer_step_inside_its_call() {
     assert_eq!(aux_per_step(sum, "backward"), 3.0, "{sum}");
     assert_eq!(sum["drops"]["step"], 0);
     // Step times: p50 between the shortest and longest logged step period.
-    let periods: Vec<u64> = m.windows(2).map(|w| calls[w[1]].before - calls[w[0]].before).collect();
+    let periods: Vec<u64> = m
+        .windows(2)
+        .map(|w| calls[w[1]].before - calls[w[0]].before)
+        .collect();
     let p50_ns = sum["p50_ms"].as_f64().unwrap() * 1e6;
-    let (lo, hi) = (*periods.iter().min().unwrap() as f64, *periods.iter().max().unwrap() as f64);
-    assert!(p50_ns >= lo * 0.5 && p50_ns <= hi * 1.5, "p50 {p50_ns} vs logged periods {lo}..{hi}");
+    let (lo, hi) = (
+        *periods.iter().min().unwrap() as f64,
+        *periods.iter().max().unwrap() as f64,
+    );
+    assert!(
+        p50_ns >= lo * 0.5 && p50_ns <= hi * 1.5,
+        "p50 {p50_ns} vs logged periods {lo}..{hi}"
+    );
     assert!(p.is_running(), "the trainer must survive the attach");
 }
 
@@ -87,7 +104,12 @@ fn attach_trainer_cstr_prefix_filter_counts_only_step_names() {
     let (p, log) = trainer("attach_trainer-cstr", &["--names"]);
     let run = run_attach(
         p.pid,
-        &["--marker", "exe:optimizer_step,arg=0:cstr,prefix=Optimizer.step#", "--steps", "20"],
+        &[
+            "--marker",
+            "exe:optimizer_step,arg=0:cstr,prefix=Optimizer.step#",
+            "--steps",
+            "20",
+        ],
         T,
     );
     run.assert_success();
@@ -105,7 +127,11 @@ fn attach_trainer_without_filter_sees_zero_grad_too() {
     // Control for the filter test: the same marker unfiltered fires twice per step.
     require_privileges!();
     let (p, log) = trainer("attach_trainer-nofilter", &["--names"]);
-    let run = run_attach(p.pid, &["--marker", "exe:optimizer_step", "--steps", "20"], T);
+    let run = run_attach(
+        p.pid,
+        &["--marker", "exe:optimizer_step", "--steps", "20"],
+        T,
+    );
     run.assert_success();
     let steps = run.steps();
     let last = steps.last().unwrap().1;
@@ -114,7 +140,10 @@ fn attach_trainer_without_filter_sees_zero_grad_too() {
     calls.sort_by_key(|c| c.before);
     let m = check_steps_match_calls(&steps, &calls, "trainer --names, no filter");
     let kinds: Vec<&str> = m.iter().map(|&i| calls[i].kind.as_str()).collect();
-    assert!(kinds.contains(&"zero_grad") && kinds.contains(&"step"), "{kinds:?}");
+    assert!(
+        kinds.contains(&"zero_grad") && kinds.contains(&"step"),
+        "{kinds:?}"
+    );
 }
 
 fn strtrainer_case(tag: &str, marker: &str) {
@@ -140,7 +169,10 @@ fn strtrainer_case(tag: &str, marker: &str) {
 #[test]
 fn attach_strtrainer_std_string_filter_demangled() {
     require_privileges!();
-    strtrainer_case("attach_trainer-str-demangled", "exe:record_name(std::string const&)");
+    strtrainer_case(
+        "attach_trainer-str-demangled",
+        "exe:record_name(std::string const&)",
+    );
 }
 
 #[test]
@@ -156,14 +188,32 @@ fn attach_strtrainer_std_string_filter_mangled() {
 fn attach_trainer_live_text_output() {
     require_privileges!();
     let (p, _log) = trainer("attach_trainer-live", &[]);
-    let (st, out, err) = run_dynprof(
-        Command::new(dynprof_bin()).args(["attach", "--pid", &p.pid.to_string(), "--marker", "exe:optimizer_step", "--steps", "5"]),
-    );
+    let (st, out, err) = run_dynprof(Command::new(dynprof_bin()).args([
+        "attach",
+        "--pid",
+        &p.pid.to_string(),
+        "--marker",
+        "exe:optimizer_step",
+        "--steps",
+        "5",
+    ]));
     assert!(st.success(), "{st}\n{err}");
     assert!(out.is_empty(), "live mode writes to stderr only: {out}");
-    assert!(err.contains("attached step marker `optimizer_step`"), "{err}");
-    let step_lines: Vec<&str> = err.lines().filter(|l| l.trim_start().starts_with("step ")).collect();
+    assert!(
+        err.contains("attached step marker `optimizer_step`"),
+        "{err}"
+    );
+    let step_lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.trim_start().starts_with("step "))
+        .collect();
     assert_eq!(step_lines.len(), 5, "{err}");
-    assert!(step_lines[1].contains("steps/s") && step_lines[1].contains(" ms"), "{err}");
-    assert!(err.contains("5 steps (4 complete)") && err.contains("p50") && err.contains("p99"), "{err}");
+    assert!(
+        step_lines[1].contains("steps/s") && step_lines[1].contains(" ms"),
+        "{err}"
+    );
+    assert!(
+        err.contains("5 steps (4 complete)") && err.contains("p50") && err.contains("p99"),
+        "{err}"
+    );
 }

@@ -13,7 +13,9 @@ use std::{
 
 use serde_json::Value;
 
-use crate::common::{LogLine, Proc, dynprof_bin, fixtures, log_lines_of, scratch_dir, wait_for_log_lines};
+use crate::common::{
+    LogLine, Proc, dynprof_bin, fixtures, log_lines_of, scratch_dir, wait_for_log_lines,
+};
 
 /// A running `dynprof attach --json`; killed on drop.
 pub struct Dynprof {
@@ -91,7 +93,12 @@ fn pump<R: std::io::Read + Send + 'static>(r: R) -> mpsc::Receiver<String> {
 impl Dynprof {
     /// Starts `dynprof attach --pid PID --json ARGS...`.
     pub fn attach(pid: u32, args: &[&str]) -> Dynprof {
-        let mut all: Vec<String> = vec!["attach".into(), "--pid".into(), pid.to_string(), "--json".into()];
+        let mut all: Vec<String> = vec![
+            "attach".into(),
+            "--pid".into(),
+            pid.to_string(),
+            "--json".into(),
+        ];
         all.extend(args.iter().map(|s| s.to_string()));
         Self::spawn(Command::new(dynprof_bin()).args(&all), all)
     }
@@ -105,7 +112,15 @@ impl Dynprof {
             .unwrap_or_else(|e| panic!("spawning dynprof: {e}"));
         let lines = pump(child.stdout.take().unwrap());
         let stderr = pump(child.stderr.take().unwrap());
-        Dynprof { child, lines, stderr, events: Vec::new(), junk: Vec::new(), args, stderr_seen: Vec::new() }
+        Dynprof {
+            child,
+            lines,
+            stderr,
+            events: Vec::new(),
+            junk: Vec::new(),
+            args,
+            stderr_seen: Vec::new(),
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -211,11 +226,21 @@ impl Dynprof {
         for line in std::mem::replace(&mut self.lines, mpsc::channel().1).iter() {
             self.push(line);
         }
-        let rest: Vec<String> = std::mem::replace(&mut self.stderr, mpsc::channel().1).iter().collect();
+        let rest: Vec<String> = std::mem::replace(&mut self.stderr, mpsc::channel().1)
+            .iter()
+            .collect();
         self.stderr_seen.extend(rest);
         let stderr = self.stderr_seen.join("\n");
-        assert!(self.junk.is_empty(), "non-JSON stdout lines with --json: {:?}", self.junk);
-        Finished { status, events: std::mem::take(&mut self.events), stderr }
+        assert!(
+            self.junk.is_empty(),
+            "non-JSON stdout lines with --json: {:?}",
+            self.junk
+        );
+        Finished {
+            status,
+            events: std::mem::take(&mut self.events),
+            stderr,
+        }
     }
 }
 
@@ -284,7 +309,11 @@ pub fn check_steps_match_calls(steps: &[(u64, u64)], calls: &[LogLine], what: &s
     assert!(!steps.is_empty(), "{what}: no step events");
     let mut matched = Vec::new();
     for (n, &(k, ts)) in steps.iter().enumerate() {
-        assert_eq!(k, n as u64 + 1, "{what}: step events must be numbered 1, 2, ...: {steps:?}");
+        assert_eq!(
+            k,
+            n as u64 + 1,
+            "{what}: step events must be numbered 1, 2, ...: {steps:?}"
+        );
         let hits: Vec<usize> = calls
             .iter()
             .enumerate()
@@ -336,7 +365,8 @@ pub fn read_u16(pid: u32, addr: u64) -> u16 {
     use std::os::unix::fs::FileExt as _;
     let f = std::fs::File::open(format!("/proc/{pid}/mem")).expect("opening /proc/PID/mem");
     let mut b = [0u8; 2];
-    f.read_exact_at(&mut b, addr).expect("reading /proc/PID/mem");
+    f.read_exact_at(&mut b, addr)
+        .expect("reading /proc/PID/mem");
     u16::from_le_bytes(b)
 }
 
@@ -347,7 +377,12 @@ pub const TORCH_STEPS: usize = 12;
 /// Starts torch_train.py with `args`, waits for `ready` and the first logged
 /// step, attaches with `--marker auto --steps TORCH_STEPS`, checks every event
 /// against the log and returns (run, log path).
-pub fn torch_auto(python: &str, tag: &str, args: &[&str], timeout: Duration) -> (Finished, std::path::PathBuf) {
+pub fn torch_auto(
+    python: &str,
+    tag: &str,
+    args: &[&str],
+    timeout: Duration,
+) -> (Finished, std::path::PathBuf) {
     let fx = fixtures();
     let log = scratch_dir(tag).join("steps.log");
     let p = Proc::spawn_ready(
@@ -359,7 +394,11 @@ pub fn torch_auto(python: &str, tag: &str, args: &[&str], timeout: Duration) -> 
             .arg(&log),
     );
     wait_for_log_lines(&log, "step", 1, timeout);
-    let run = run_attach(p.pid, &["--marker", "auto", "--steps", &TORCH_STEPS.to_string()], timeout);
+    let run = run_attach(
+        p.pid,
+        &["--marker", "auto", "--steps", &TORCH_STEPS.to_string()],
+        timeout,
+    );
     run.assert_success();
     let steps = run.steps();
     assert_eq!(steps.len(), TORCH_STEPS, "{run}");
@@ -370,9 +409,24 @@ pub fn torch_auto(python: &str, tag: &str, args: &[&str], timeout: Duration) -> 
 
     let markers = run.attached()["markers"].as_array().unwrap().clone();
     let step_markers: Vec<_> = markers.iter().filter(|m| m["role"] == "step").collect();
-    assert_eq!(step_markers.len(), 1, "auto takes one step marker: {markers:?}");
-    assert!(step_markers[0]["object"].as_str().unwrap().contains("libtorch_cpu"), "{markers:?}");
-    assert!(markers.iter().any(|m| m["role"] == "aux" && m["label"] == "backward"), "{markers:?}");
+    assert_eq!(
+        step_markers.len(),
+        1,
+        "auto takes one step marker: {markers:?}"
+    );
+    assert!(
+        step_markers[0]["object"]
+            .as_str()
+            .unwrap()
+            .contains("libtorch_cpu"),
+        "{markers:?}"
+    );
+    assert!(
+        markers
+            .iter()
+            .any(|m| m["role"] == "aux" && m["label"] == "backward"),
+        "{markers:?}"
+    );
     for e in run.of("step") {
         assert_eq!(e["marker"], "Optimizer.step");
         assert_eq!(e["host_pid"], p.pid);
@@ -388,4 +442,3 @@ pub fn torch_auto(python: &str, tag: &str, args: &[&str], timeout: Duration) -> 
     );
     (run, log)
 }
-

@@ -1,9 +1,9 @@
 //! Every `dynprof attach` error: one clear line (the resolution error lists
 //! what it tried below its line) with a hint, and a non-zero exit; and the
 //! target exiting mid-run, which is not an error.
-mod common;
 #[path = "attach_util.rs"]
 mod attach_util;
+mod common;
 
 use std::{process::Command, time::Duration};
 
@@ -18,7 +18,10 @@ fn dynprof(args: &[&str]) -> (std::process::ExitStatus, String, String) {
 
 /// The `dynprof: error: ...` lines of stderr.
 fn error_lines(stderr: &str) -> Vec<&str> {
-    stderr.lines().filter(|l| l.starts_with("dynprof: error:")).collect()
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("dynprof: error:"))
+        .collect()
 }
 
 fn running_trainer(tag: &str) -> (Proc, std::path::PathBuf) {
@@ -44,13 +47,22 @@ fn dead_pid() -> u32 {
 #[test]
 fn errors_no_such_pid() {
     let pid = dead_pid();
-    let (st, out, err) = dynprof(&["attach", "--pid", &pid.to_string(), "--marker", "exe:optimizer_step"]);
+    let (st, out, err) = dynprof(&[
+        "attach",
+        "--pid",
+        &pid.to_string(),
+        "--marker",
+        "exe:optimizer_step",
+    ]);
     assert!(!st.success(), "{err}");
     assert_eq!(st.code(), Some(1));
     assert!(out.is_empty());
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines.len(), 1, "one line: {err}");
-    assert!(lines[0].contains(&format!("no process with PID {pid}")), "{err}");
+    assert!(
+        lines[0].contains(&format!("no process with PID {pid}")),
+        "{err}"
+    );
     assert!(lines[0].contains("hint"), "{err}");
 }
 
@@ -68,14 +80,26 @@ fn errors_malformed_spec_points_at_the_bad_part() {
         assert!(!st.success(), "{spec}: {err}");
         let errs = error_lines(&err);
         assert_eq!(errs.len(), 1, "{spec}: {err}");
-        assert!(errs[0].contains(what) && errs[0].contains(spec), "{spec}: {err}");
+        assert!(
+            errs[0].contains(what) && errs[0].contains(spec),
+            "{spec}: {err}"
+        );
         // The echoed SPEC, then a caret under the bad part.
         let lines: Vec<&str> = err.lines().collect();
-        let echo = lines.iter().position(|l| l.trim() == spec).unwrap_or_else(|| panic!("{spec}: no echo: {err}"));
+        let echo = lines
+            .iter()
+            .position(|l| l.trim() == spec)
+            .unwrap_or_else(|| panic!("{spec}: no echo: {err}"));
         let caret = lines[echo + 1];
-        let col = caret.find('^').unwrap_or_else(|| panic!("{spec}: no caret: {err}"));
+        let col = caret
+            .find('^')
+            .unwrap_or_else(|| panic!("{spec}: no caret: {err}"));
         let spec_col = lines[echo].find(spec).unwrap();
-        assert_eq!(&lines[echo][col..col + bad.len()], bad, "{spec}: caret at the wrong place:\n{err}");
+        assert_eq!(
+            &lines[echo][col..col + bad.len()],
+            bad,
+            "{spec}: caret at the wrong place:\n{err}"
+        );
         assert!(col >= spec_col);
         assert!(err.contains("hint:"), "{spec}: {err}");
     }
@@ -100,9 +124,15 @@ fn errors_no_marker_resolves_lists_what_was_tried() {
     assert!(errs[0].contains("no step marker resolved"), "{err}");
     let trainer = fixtures().trainer.display().to_string();
     assert!(err.contains("exe:no_such_function"), "{err}");
-    assert!(err.contains(&format!("{trainer}: no symbol `no_such_function`")), "{err}");
+    assert!(
+        err.contains(&format!("{trainer}: no symbol `no_such_function`")),
+        "{err}"
+    );
     assert!(err.contains("libnotmapped:whatever"), "{err}");
-    assert!(err.contains("a library matching `libnotmapped` is not mapped"), "{err}");
+    assert!(
+        err.contains("a library matching `libnotmapped` is not mapped"),
+        "{err}"
+    );
     assert!(err.contains("hint:"), "{err}");
 }
 
@@ -113,8 +143,14 @@ fn errors_auto_finds_no_framework_and_says_what_it_looked_for() {
     assert!(!st.success(), "{err}");
     let errs = error_lines(&err);
     assert_eq!(errs.len(), 1, "{err}");
-    assert!(errs[0].contains("--marker auto") && errs[0].contains("libtorch_cpu"), "{err}");
-    assert!(errs[0].contains("--marker exe:SYMBOL") && errs[0].contains("hint"), "it should say how to name a symbol: {err}");
+    assert!(
+        errs[0].contains("--marker auto") && errs[0].contains("libtorch_cpu"),
+        "{err}"
+    );
+    assert!(
+        errs[0].contains("--marker exe:SYMBOL") && errs[0].contains("hint"),
+        "it should say how to name a symbol: {err}"
+    );
 }
 
 #[test]
@@ -124,16 +160,30 @@ fn errors_missing_privileges_names_the_capability() {
     let (p, _log) = running_trainer("errors_attach-unprivileged");
     let (st, out, err) = run_dynprof(
         Command::new("setpriv")
-            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "--inh-caps=-all",
+            ])
             .arg(dynprof_bin())
-            .args(["attach", "--pid", &p.pid.to_string(), "--marker", "exe:optimizer_step"]),
+            .args([
+                "attach",
+                "--pid",
+                &p.pid.to_string(),
+                "--marker",
+                "exe:optimizer_step",
+            ]),
     );
     assert!(!st.success(), "{err}");
     assert!(out.is_empty());
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines.len(), 1, "one line: {err}");
     assert!(lines[0].contains("missing privileges"), "{err}");
-    assert!(lines[0].contains("CAP_BPF") && lines[0].contains("CAP_PERFMON"), "{err}");
+    assert!(
+        lines[0].contains("CAP_BPF") && lines[0].contains("CAP_PERFMON"),
+        "{err}"
+    );
     assert!(lines[0].contains("hint"), "{err}");
     assert!(p.is_running_check());
 }
@@ -168,7 +218,11 @@ fn errors_target_exit_mid_run_keeps_counts_and_exits_0_json() {
     // Every step after the attach was counted, up to the very last one.
     let calls = log_lines_of(&log, "step");
     let m = check_steps_match_calls(&steps, &calls, "trainer until exit");
-    assert_eq!(*m.last().unwrap(), calls.len() - 1, "the last logged step must have been counted: {run}");
+    assert_eq!(
+        *m.last().unwrap(),
+        calls.len() - 1,
+        "the last logged step must have been counted: {run}"
+    );
 }
 
 #[test]
@@ -176,7 +230,13 @@ fn errors_target_exit_mid_run_says_so_live() {
     require_privileges!();
     let (mut p, _log) = running_trainer("errors_attach-exit-live");
     let mut d = Dynprof::spawn(
-        Command::new(dynprof_bin()).args(["attach", "--pid", &p.pid.to_string(), "--marker", "exe:optimizer_step"]),
+        Command::new(dynprof_bin()).args([
+            "attach",
+            "--pid",
+            &p.pid.to_string(),
+            "--marker",
+            "exe:optimizer_step",
+        ]),
         vec![],
     );
     d.wait_stderr("attached step marker", T);
@@ -186,7 +246,9 @@ fn errors_target_exit_mid_run_says_so_live() {
     assert!(run.status.success(), "{run}");
     let pid = p.pid;
     assert!(
-        run.stderr.contains(&format!("target PID {pid} exited; keeping what was counted")),
+        run.stderr.contains(&format!(
+            "target PID {pid} exited; keeping what was counted"
+        )),
         "{run}"
     );
     assert!(run.stderr.contains("ended: target exited"), "{run}");

@@ -2,9 +2,9 @@
 //! 1.13 under /usr/bin/python3), checked against tests/fixtures/torch_train.py's
 //! own time.monotonic_ns() log: one step event per optimizer.step(), inside
 //! that call's interval; backward passes counted as aux.
-mod common;
 #[path = "attach_util.rs"]
 mod attach_util;
+mod common;
 
 use std::time::Duration;
 
@@ -17,7 +17,10 @@ fn torch13(tag: &str, args: &[&str]) -> Finished {
 
 fn assert_torch13_marker(run: &Finished) {
     let m = &run.attached()["markers"][0];
-    assert_eq!(m["symbol"], "c10::ivalue::ConstantString::create(std::string)", "{m}");
+    assert_eq!(
+        m["symbol"], "c10::ivalue::ConstantString::create(std::string)",
+        "{m}"
+    );
 }
 
 #[test]
@@ -42,12 +45,20 @@ fn pytorch_auto_grad_accumulation_4() {
     let run = torch13("pytorch_attach-accum4", &["--accum", "4"]);
     // One step event per optimizer.step (checked in torch_auto), four
     // backward passes per step.
-    assert_eq!(aux_per_step(run.summary(), "backward"), 4.0, "{}", run.summary());
+    assert_eq!(
+        aux_per_step(run.summary(), "backward"),
+        4.0,
+        "{}",
+        run.summary()
+    );
 }
 
 #[test]
 fn pytorch_auto_dataloader() {
     require_privileges!();
-    let run = torch13("pytorch_attach-dataloader", &["--dataloader", "--optimizer", "adam"]);
+    let run = torch13(
+        "pytorch_attach-dataloader",
+        &["--dataloader", "--optimizer", "adam"],
+    );
     assert_eq!(aux_per_step(run.summary(), "backward"), 1.0);
 }

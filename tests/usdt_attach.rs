@@ -1,9 +1,9 @@
 //! USDT markers: `python:FUNC` (CPython's function__return probe, whose
 //! semaphore dynprof raises through /proc/PID/mem and lowers on detach) and
 //! `usdt:OBJECT:PROVIDER:NAME` on the native trainer.
-mod common;
 #[path = "attach_util.rs"]
 mod attach_util;
+mod common;
 
 use std::{process::Command, time::Duration};
 
@@ -52,10 +52,18 @@ fn usdt_python_function_return_counts_every_call_and_restores_the_semaphore() {
     assert!(m["object"].as_str().unwrap().contains("python3"), "{att}");
     // While attached the semaphore is raised by one (the probe sites are live).
     d.wait_event("step", T);
-    assert_eq!(read_u16(p.pid, addr), original + 1, "semaphore while attached");
+    assert_eq!(
+        read_u16(p.pid, addr),
+        original + 1,
+        "semaphore while attached"
+    );
     let run = d.finish(T);
     run.assert_success();
-    assert_eq!(read_u16(p.pid, addr), original, "semaphore after detach must be back to its original value");
+    assert_eq!(
+        read_u16(p.pid, addr),
+        original,
+        "semaphore after detach must be back to its original value"
+    );
 
     let steps = run.steps();
     assert_eq!(steps.len(), 15, "{run}");
@@ -82,14 +90,27 @@ fn trainer(tag: &str, extra: &[&str]) -> (Proc, std::path::PathBuf) {
 fn usdt_native_trainer_probe_by_exe() {
     require_privileges!();
     let (p, log) = trainer("usdt_attach-exe", &[]);
-    let run = run_attach(p.pid, &["--marker", "usdt:exe:fixture:optimizer_step", "--steps", "20"], T);
+    let run = run_attach(
+        p.pid,
+        &[
+            "--marker",
+            "usdt:exe:fixture:optimizer_step",
+            "--steps",
+            "20",
+        ],
+        T,
+    );
     run.assert_success();
     let steps = run.steps();
     assert_eq!(steps.len(), 20, "{run}");
     let calls = wait_log_covering(&log, "step", steps.last().unwrap().1, T);
     check_steps_match_calls(&steps, &calls, "usdt fixture:optimizer_step");
     let m = &run.attached()["markers"][0];
-    assert_eq!(m["usdt_semaphore"], serde_json::Value::Null, "STAP_PROBE1 without a semaphore: {m}");
+    assert_eq!(
+        m["usdt_semaphore"],
+        serde_json::Value::Null,
+        "STAP_PROBE1 without a semaphore: {m}"
+    );
 }
 
 #[test]
