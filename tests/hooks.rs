@@ -3,6 +3,8 @@
 //! the vendor flags.
 
 mod common;
+#[path = "windows_util.rs"]
+mod windows_util;
 
 use std::{
     path::Path,
@@ -31,11 +33,21 @@ struct Cli {
 fn window(id: u32, step: u64, ts: u64, dir: &Path) -> WindowInfo {
     let dir = dir.join(format!(".PROF_hooks_{id}_tmp"));
     std::fs::create_dir_all(&dir).unwrap();
-    WindowInfo { id: WindowId(id), first_step: StepIndex(step), first_recorded: StepIndex(step), open_ts_ns: ts, dir }
+    WindowInfo {
+        id: WindowId(id),
+        first_step: StepIndex(step),
+        first_recorded: StepIndex(step),
+        open_ts_ns: ts,
+        dir,
+    }
 }
 
 fn target_proc(scratch: &Path) -> (Proc, Target) {
-    let p = Proc::spawn_ready(Command::new(&fixtures().trainer).args(["--steps", "0", "--log"]).arg(scratch.join("trainer.log")));
+    let p = Proc::spawn_ready(
+        Command::new(&fixtures().trainer)
+            .args(["--steps", "0", "--log"])
+            .arg(scratch.join("trainer.log")),
+    );
     let t = Target::open(HostPid(p.host_pid())).unwrap();
     (p, t)
 }
@@ -76,11 +88,20 @@ fn vendor_flags_parse() {
         "5",
     ])
     .unwrap();
-    assert_eq!(c.v.collectors, [VendorCollector::Msprof, VendorCollector::TorchNpuDp]);
-    assert_eq!(c.v.msprof_config().unwrap().collection_args, ["--task-time=l1", "--aicpu=on"]);
+    assert_eq!(
+        c.v.collectors,
+        [VendorCollector::Msprof, VendorCollector::TorchNpuDp]
+    );
+    assert_eq!(
+        c.v.msprof_config().unwrap().collection_args,
+        ["--task-time=l1", "--aicpu=on"]
+    );
     assert_eq!(c.v.hook_timeout, 5.0);
     let d = Cli::try_parse_from(["x"]).unwrap().v;
-    assert_eq!((d.hook_timeout, d.msprof_max_commands, d.dp_active), (30.0, 100, 1));
+    assert_eq!(
+        (d.hook_timeout, d.msprof_max_commands, d.dp_active),
+        (30.0, 100, 1)
+    );
     assert!(Cli::try_parse_from(["x", "--collector", "nope"]).is_err());
 }
 
@@ -95,6 +116,7 @@ fn hooks_get_the_environment_and_timings() {
                 .into(),
         ),
         on_window_end: Some("env | grep ^DYNPROF_ | sort > \"$DYNPROF_WINDOW_DIR/end.env\"; exit 3".into()),
+        hook_wait: 120.0,
         ..Default::default()
     };
     let mut h = hooks_for(&args, &t);
@@ -106,7 +128,12 @@ fn hooks_get_the_environment_and_timings() {
     h.shutdown(&t).unwrap();
 
     let env = std::fs::read_to_string(w.dir.join("start.env")).unwrap();
-    let get = |k: &str| env.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or_else(|| panic!("{k} in {env}")).to_string();
+    let get = |k: &str| {
+        env.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("{k} in {env}"))
+            .to_string()
+    };
     assert_eq!(get("DYNPROF_HOST_PID"), t.host_pid.to_string());
     assert_eq!(get("DYNPROF_NS_PID"), t.inner_pid().to_string());
     assert_eq!(get("DYNPROF_STEP"), "42");
@@ -121,9 +148,19 @@ fn hooks_get_the_environment_and_timings() {
 
     let s = &meta["on_window_start"];
     assert_eq!(s["exit_code"], 0, "{meta:#}");
-    let (spawned, exited) = (s["spawned_ns"].as_u64().unwrap(), s["exited_ns"].as_u64().unwrap());
-    let inside: u64 = std::fs::read_to_string(w.dir.join("start.ts")).unwrap().trim().parse().unwrap();
-    assert!(boundary <= spawned && spawned <= inside && inside <= exited, "{boundary} {spawned} {inside} {exited}");
+    let (spawned, exited) = (
+        s["spawned_ns"].as_u64().unwrap(),
+        s["exited_ns"].as_u64().unwrap(),
+    );
+    let inside: u64 = std::fs::read_to_string(w.dir.join("start.ts"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        boundary <= spawned && spawned <= inside && inside <= exited,
+        "{boundary} {spawned} {inside} {exited}"
+    );
     assert_eq!(s["spawn_latency_ns"].as_u64().unwrap(), spawned - boundary);
     assert_eq!(s["duration_ns"].as_u64().unwrap(), exited - spawned);
     assert_eq!(meta["on_window_end"]["exit_code"], 3);
@@ -137,10 +174,17 @@ fn the_start_hook_does_not_block_the_caller() {
     let scratch = scratch_dir("hooks_nonblocking");
     let (_p, t) = target_proc(&scratch);
     let fifo = scratch.join("gate");
-    assert_eq!(Command::new("mkfifo").arg(&fifo).status().unwrap().code(), Some(0));
+    assert_eq!(
+        Command::new("mkfifo").arg(&fifo).status().unwrap().code(),
+        Some(0)
+    );
     // The start hook blocks until the test opens the fifo for writing.
     let args = VendorArgs {
-        on_window_start: Some(format!("read x < {}; echo \"got $x\" > \"$DYNPROF_WINDOW_DIR/gate.out\"", fifo.display())),
+        on_window_start: Some(format!(
+            "read x < {}; echo \"got $x\" > \"$DYNPROF_WINDOW_DIR/gate.out\"",
+            fifo.display()
+        )),
+        hook_wait: 120.0,
         ..Default::default()
     };
     let mut h = hooks_for(&args, &t);
@@ -160,8 +204,11 @@ fn a_hook_past_its_timeout_is_killed_with_its_process_group() {
     let (mut p, t) = target_proc(&scratch);
     let args = VendorArgs {
         // A child in the hook's process group that would outlive the shell.
-        on_window_end: Some("sleep 1000 & echo $! > \"$DYNPROF_WINDOW_DIR/child.pid\"; wait".into()),
+        on_window_end: Some(
+            "sleep 1000 & echo $! > \"$DYNPROF_WINDOW_DIR/child.pid\"; wait".into(),
+        ),
         hook_timeout: 0.5,
+        hook_wait: 120.0,
         ..Default::default()
     };
     let mut h = hooks_for(&args, &t);
@@ -178,11 +225,130 @@ fn a_hook_past_its_timeout_is_killed_with_its_process_group() {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let stat = std::fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
-        if stat.is_empty() || stat.rsplit(')').next().unwrap().trim_start().starts_with('Z') {
+        if stat.is_empty()
+            || stat
+                .rsplit(')')
+                .next()
+                .unwrap()
+                .trim_start()
+                .starts_with('Z')
+        {
             break;
         }
-        assert!(Instant::now() < deadline, "the hook's child {child} survived: {stat}");
+        assert!(
+            Instant::now() < deadline,
+            "the hook's child {child} survived: {stat}"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(p.is_running(), "the target is not in the hook's group");
+}
+
+#[test]
+fn hooks_run_at_the_window_boundaries_of_a_real_attach() {
+    require_privileges!();
+    let scratch = scratch_dir("hooks_e2e");
+    let (log, out) = (scratch.join("trainer.log"), scratch.join("out"));
+    let p = Proc::spawn_ready(
+        Command::new(&fixtures().trainer)
+            .args(["--steps", "0", "--step-ms", "50", "--log"])
+            .arg(&log),
+    );
+    let pid = p.pid.to_string();
+    let rec = "/usr/bin/python3 -c 'import time; print(time.monotonic_ns())' > \"$DYNPROF_WINDOW_DIR/$DYNPROF_EVENT.ts\"; \
+               echo \"$DYNPROF_STEP $DYNPROF_WINDOW $DYNPROF_HOST_PID\" > \"$DYNPROF_WINDOW_DIR/$DYNPROF_EVENT.env\"";
+    let mut d = windows_util::spawn(
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "3",
+            "--active",
+            "2",
+            "--repeat",
+            "1",
+            "--gap",
+            "1",
+            "--on-window-start",
+            rec,
+            "--on-window-end",
+            rec,
+            "--output",
+            out.to_str().unwrap(),
+        ],
+        false,
+    );
+    let st = d.wait_exit(windows_util::T);
+    assert!(st.success(), "{}", d.transcript());
+    let dirs = windows_util::prof_dirs(&out);
+    assert_eq!(dirs.len(), 2, "{}", d.transcript());
+    for dir in &dirs {
+        let m = windows_util::meta(dir);
+        assert_eq!(m["complete"], true, "{m:#}");
+        let first = windows_util::recorded(&m)[0];
+        let open = windows_util::boundary(&m, first);
+        let mut h = m["hooks"]["hooks"].clone();
+        if h["pending"] == true {
+            // Slower than --hook-wait: the results follow in hooks/hooks.json.
+            h = serde_json::from_str(&wait_file(&dir.join("hooks/hooks.json"))).unwrap();
+        }
+        assert_eq!(h["on_window_start"]["exit_code"], 0, "{h:#}");
+        assert_eq!(h["on_window_end"]["exit_code"], 0, "{h:#}");
+        let started: u64 = std::fs::read_to_string(dir.join("start.ts"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(
+            started > open,
+            "the start hook ran after the window's first boundary"
+        );
+        assert_eq!(
+            h["on_window_start"]["spawn_latency_ns"].as_u64().unwrap(),
+            h["on_window_start"]["spawned_ns"].as_u64().unwrap() - open
+        );
+        let env = std::fs::read_to_string(dir.join("start.env")).unwrap();
+        assert_eq!(env.trim(), format!("{first} {} {pid}", m["window"]));
+        assert!(dir.join("hooks/on-window-start.log").is_file());
+        eprintln!(
+            "boundary -> start hook spawned: {} ns",
+            h["on_window_start"]["spawn_latency_ns"]
+        );
+    }
+}
+
+#[test]
+fn hook_results_after_the_wait_go_next_to_meta_json() {
+    let scratch = scratch_dir("hooks_late");
+    let (_p, t) = target_proc(&scratch);
+    let fifo = scratch.join("gate");
+    assert_eq!(
+        Command::new("mkfifo").arg(&fifo).status().unwrap().code(),
+        Some(0)
+    );
+    let args = VendorArgs {
+        on_window_end: Some(format!("read x < {}; exit 4", fifo.display())),
+        hook_wait: 0.0,
+        ..Default::default()
+    };
+    let mut h = hooks_for(&args, &t);
+    let w = window(3, 1, monotonic_ns(), &scratch);
+    h.on_window_start(&w, &t).unwrap();
+    let meta = h.on_window_end(&w, &t).unwrap(); // returns at once
+    assert_eq!(meta["pending"], true, "{meta:#}");
+    // What the scheduler does next: meta.json, then the rename.
+    let fin = scratch.join("PROF_hooks_3");
+    assert_eq!(
+        Path::new(meta["results_file"].as_str().unwrap()),
+        fin.join("hooks/hooks.json")
+    );
+    std::fs::rename(&w.dir, &fin).unwrap();
+    std::fs::write(&fifo, "go\n").unwrap();
+    let late: serde_json::Value =
+        serde_json::from_str(&wait_file(&fin.join("hooks/hooks.json"))).unwrap();
+    assert_eq!(late["on_window_end"]["exit_code"], 4, "{late:#}");
+    h.shutdown(&t).unwrap();
 }

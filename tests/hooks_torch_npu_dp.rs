@@ -69,12 +69,19 @@ fn wait_dp(dir: &Path, needle: &str, n: usize) {
     loop {
         let mut count = 0;
         for e in std::fs::read_dir(dir.join("log")).unwrap().flatten() {
-            count += std::fs::read_to_string(e.path()).unwrap_or_default().matches(needle).count();
+            count += std::fs::read_to_string(e.path())
+                .unwrap_or_default()
+                .matches(needle)
+                .count();
         }
         if count >= n {
             return;
         }
-        assert!(Instant::now() < deadline, "no {n}x {needle:?} in {}/log", dir.display());
+        assert!(
+            Instant::now() < deadline,
+            "no {n}x {needle:?} in {}/log",
+            dir.display()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -82,39 +89,75 @@ fn wait_dp(dir: &Path, needle: &str, n: usize) {
 #[test]
 fn torch_npu_dp_writes_start_step_and_reports_the_poll_offset() {
     let scratch = scratch_dir("hooks_torch_npu_dp");
-    let (cfg_dir, prof, log) = (scratch.join("dpcfg"), scratch.join("prof"), scratch.join("steps.log"));
+    let (cfg_dir, prof, log) = (
+        scratch.join("dpcfg"),
+        scratch.join("prof"),
+        scratch.join("steps.log"),
+    );
     std::fs::create_dir_all(&prof).unwrap();
     std::fs::write(scratch.join("sim.py"), SIM).unwrap();
     let p = Proc::spawn_ready(
-        Command::new(PYTHON3).arg(scratch.join("sim.py")).arg(&cfg_dir).arg(&prof).arg(&log).arg("0.3"),
+        Command::new(PYTHON3)
+            .arg(scratch.join("sim.py"))
+            .arg(&cfg_dir)
+            .arg(&prof)
+            .arg(&log)
+            .arg("0.3"),
     );
     let target = Target::open(HostPid(p.host_pid())).unwrap();
-    let args = VendorArgs { dp_config_dir: Some(cfg_dir.display().to_string()), dp_active: 2, ..Default::default() };
+    let args = VendorArgs {
+        dp_config_dir: Some(cfg_dir.display().to_string()),
+        dp_active: 2,
+        ..Default::default()
+    };
     let mut hooks = build_hooks(&args, &target).unwrap();
     assert_eq!(hooks.len(), 1);
     let h = &mut hooks[0];
     h.prepare(&target).unwrap();
 
     // Window 1 at the sim's step S (dynprof's step = the sim's dp.step() count; K = 0).
-    let s = wait_for_log_lines(&log, "step", 3, Duration::from_secs(60)).last().unwrap().index;
+    let s = wait_for_log_lines(&log, "step", 3, Duration::from_secs(60))
+        .last()
+        .unwrap()
+        .index;
     let wdir = scratch.join(".PROF_dp_1_tmp");
     std::fs::create_dir_all(&wdir).unwrap();
-    let w = WindowInfo { id: WindowId(1), first_step: StepIndex(s), first_recorded: StepIndex(s), open_ts_ns: 0, dir: wdir };
+    let w = WindowInfo {
+        id: WindowId(1),
+        first_step: StepIndex(s),
+        first_recorded: StepIndex(s),
+        open_ts_ns: 0,
+        dir: wdir,
+    };
     h.on_window_start(&w, &target).unwrap();
-    let written: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(cfg_dir.join("profiler_config.json")).unwrap()).unwrap();
+    let written: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(cfg_dir.join("profiler_config.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(written["start_step"], -1, "lead 0 writes -1");
     assert_eq!(written["active"], 2);
-    assert_eq!(written["experimental_config"]["profiler_level"], "Level0", "the job's own template is kept");
+    assert_eq!(
+        written["experimental_config"]["profiler_level"], "Level0",
+        "the job's own template is kept"
+    );
     wait_dp(&cfg_dir, "Stop Dynamic Profiler", 1);
     let meta = h.on_window_end(&w, &target).unwrap();
     let r = &meta["requests"][0];
     assert_eq!(r["captured"], true, "{meta:#}");
     let started = r["torch_npu_started_at_step"].as_i64().unwrap();
-    assert_eq!(r["torch_npu_stopped_at_step"].as_i64().unwrap(), started + 2);
+    assert_eq!(
+        r["torch_npu_stopped_at_step"].as_i64().unwrap(),
+        started + 2
+    );
     assert_eq!(r["offset_steps"].as_i64().unwrap(), started - s as i64);
-    assert!(r["offset_steps"].as_i64().unwrap() >= 1, "the poll delays the start: {r}");
-    assert_eq!(r["captured_dynprof_steps"], serde_json::json!([started, started + 1]));
+    assert!(
+        r["offset_steps"].as_i64().unwrap() >= 1,
+        "the poll delays the start: {r}"
+    );
+    assert_eq!(
+        r["captured_dynprof_steps"],
+        serde_json::json!([started, started + 1])
+    );
     assert_eq!(r["capture_dirs"].as_array().unwrap().len(), 1);
     eprintln!("torch_npu poll offset: {} steps", r["offset_steps"]);
     h.shutdown(&target).unwrap();

@@ -48,14 +48,20 @@ fn read_ms_log(p: &Path) -> Vec<MsLine> {
         .map(|l| {
             let mut it = l.split_whitespace();
             let event = it.next().unwrap().to_string();
-            let kv = it.filter_map(|f| f.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            let kv = it
+                .filter_map(|f| f.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
             MsLine { event, kv }
         })
         .collect()
 }
 
 fn ms_events(p: &Path, event: &str) -> Vec<MsLine> {
-    read_ms_log(p).into_iter().filter(|l| l.event == event).collect()
+    read_ms_log(p)
+        .into_iter()
+        .filter(|l| l.event == event)
+        .collect()
 }
 
 /// Polls the stand-in log until it has `n` lines of `event`.
@@ -66,7 +72,12 @@ fn wait_ms(p: &Path, event: &str, n: usize) -> Vec<MsLine> {
         if v.len() >= n {
             return v;
         }
-        assert!(Instant::now() < deadline, "no {n} `{event}` lines in {}: {:?}", p.display(), read_ms_log(p));
+        assert!(
+            Instant::now() < deadline,
+            "no {n} `{event}` lines in {}: {:?}",
+            p.display(),
+            read_ms_log(p)
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -90,7 +101,13 @@ struct NsTrainer {
 impl NsTrainer {
     fn is_running(&self) -> bool {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.host)).unwrap_or_default();
-        !stat.is_empty() && !stat.rsplit(')').next().unwrap().trim_start().starts_with('Z')
+        !stat.is_empty()
+            && !stat
+                .rsplit(')')
+                .next()
+                .unwrap()
+                .trim_start()
+                .starts_with('Z')
     }
 }
 
@@ -107,7 +124,15 @@ fn trainer_in_pidns(log: &Path, step_ms: u64, env: &[(&str, &str)]) -> (NsTraine
     let mut cmd = Command::new("unshare");
     cmd.args(["--pid", "--fork", "--mount-proc", "--kill-child"])
         .arg(&fixtures().trainer)
-        .args(["--steps", "0", "--step-ms", &step_ms.to_string(), "--busy-pct", "10", "--log"])
+        .args([
+            "--steps",
+            "0",
+            "--step-ms",
+            &step_ms.to_string(),
+            "--busy-pct",
+            "10",
+            "--log",
+        ])
         .arg(log)
         .env_remove("PROFILING_MODE");
     for (k, v) in env {
@@ -117,18 +142,32 @@ fn trainer_in_pidns(log: &Path, step_ms: u64, env: &[(&str, &str)]) -> (NsTraine
     assert_eq!(p.pid, 1, "the trainer is PID 1 in its namespace");
     let u = p.host_pid();
     let children = std::fs::read_to_string(format!("/proc/{u}/task/{u}/children")).unwrap();
-    let host: u32 = children.split_whitespace().next().expect("unshare's child").parse().unwrap();
+    let host: u32 = children
+        .split_whitespace()
+        .next()
+        .expect("unshare's child")
+        .parse()
+        .unwrap();
     (NsTrainer { unshare: p, host }, host)
 }
 
 fn window(id: u32, step: u64, ts: u64, dir: &Path) -> WindowInfo {
     let dir = dir.join(format!(".PROF_test_{id}_tmp"));
     std::fs::create_dir_all(&dir).unwrap();
-    WindowInfo { id: WindowId(id), first_step: StepIndex(step), first_recorded: StepIndex(step), open_ts_ns: ts, dir }
+    WindowInfo {
+        id: WindowId(id),
+        first_step: StepIndex(step),
+        first_recorded: StepIndex(step),
+        open_ts_ns: ts,
+        dir,
+    }
 }
 
 fn pidns_of(pid: u32) -> String {
-    std::fs::read_link(format!("/proc/{pid}/ns/pid")).unwrap().to_string_lossy().into_owned()
+    std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+        .unwrap()
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn msprof_args(scratch: &Path, mslog: &Path) -> VendorArgs {
@@ -150,8 +189,12 @@ fn one_hook(args: &VendorArgs, target: &Target) -> Box<dyn WindowHook> {
 fn pids_with(needles: &[&str]) -> Vec<u32> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(cl) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cl) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
         let cl = String::from_utf8_lossy(&cl).replace('\0', " ");
         if needles.iter().all(|n| cl.contains(n)) {
             out.push(pid);
@@ -168,7 +211,8 @@ fn msprof_runs_in_the_target_pidns_and_writes_start_stop_inside_the_window_steps
     let (log, mslog) = (scratch.join("trainer.log"), scratch.join("msprof.log"));
     let path = format!("{}:/usr/bin:/bin", bin.display());
     // msprof is found through the job's own PATH (no --msprof).
-    let (trainer, host) = trainer_in_pidns(&log, 150, &[("PROFILING_MODE", "dynamic"), ("PATH", &path)]);
+    let (trainer, host) =
+        trainer_in_pidns(&log, 150, &[("PROFILING_MODE", "dynamic"), ("PATH", &path)]);
     let target = Target::open(HostPid(host)).unwrap();
     assert_eq!(target.inner_pid().0, 1);
     assert_ne!(pidns_of(host), pidns_of(std::process::id()));
@@ -196,7 +240,10 @@ fn msprof_runs_in_the_target_pidns_and_writes_start_stop_inside_the_window_steps
 
         let start = &wait_ms(&mslog, "start", i as usize)[i as usize - 1];
         let stop = &wait_ms(&mslog, "stop", i as usize)[i as usize - 1];
-        assert!(start.ts() > b.after && start.ts() < e.before, "start {start:?} not within step {k}: {b:?} .. {e:?}");
+        assert!(
+            start.ts() > b.after && start.ts() < e.before,
+            "start {start:?} not within step {k}: {b:?} .. {e:?}"
+        );
         assert!(
             stop.ts() > e.after && stop.ts() < next_after_end.before,
             "stop {stop:?} not within the step after the window: {e:?} .. {next_after_end:?}"
@@ -209,21 +256,37 @@ fn msprof_runs_in_the_target_pidns_and_writes_start_stop_inside_the_window_steps
         let name = dirs[0]["name"].as_str().unwrap();
         assert!(name.starts_with("PROF_"), "{name}");
         let link = w.dir.join("msprof").join(name);
-        assert!(link.join("end_info").is_file(), "{} does not lead to the PROF dir", link.display());
-        assert!(Path::new(dirs[0]["host_path"].as_str().unwrap()).starts_with(format!("/proc/{host}/root")));
+        assert!(
+            link.join("end_info").is_file(),
+            "{} does not lead to the PROF dir",
+            link.display()
+        );
+        assert!(
+            Path::new(dirs[0]["host_path"].as_str().unwrap())
+                .starts_with(format!("/proc/{host}/root"))
+        );
         let lat = meta["start_latency_ns"].as_u64().expect("latency recorded");
         assert!(lat < 1_000_000_000, "{lat}");
         assert!(meta["start_written_ns"].as_u64().unwrap() <= start.ts());
         metas.push(meta);
     }
     // Repeated start/stop ERROR lines are recorded, not failures.
-    assert!(metas[2]["errors_recorded_as_normal"].as_array().unwrap().iter().any(|l| l.as_str().unwrap().contains("ERROR")));
+    assert!(
+        metas[2]["errors_recorded_as_normal"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l.as_str().unwrap().contains("ERROR"))
+    );
     // One session across the windows.
     assert_eq!(ms_events(&mslog, "connected").len(), 1);
     hook.shutdown(&target).unwrap();
     wait_ms(&mslog, "quit", 1);
     assert!(trainer.is_running(), "the target must never be disturbed");
-    let lats: Vec<u64> = metas.iter().map(|m| m["start_latency_ns"].as_u64().unwrap()).collect();
+    let lats: Vec<u64> = metas
+        .iter()
+        .map(|m| m["start_latency_ns"].as_u64().unwrap())
+        .collect();
     eprintln!("boundary(log) -> start written latencies (ns): {lats:?}");
 }
 
@@ -243,21 +306,40 @@ fn msprof_reconnects_after_its_100_command_limit_60_windows_60_dirs() {
     for i in 1..=60u32 {
         let w = window(i, i as u64, 0, &scratch);
         hook.on_window_start(&w, &target).unwrap();
-        let meta = hook.on_window_end(&w, &target).unwrap_or_else(|e| panic!("window {i}: {e:#}"));
+        let meta = hook
+            .on_window_end(&w, &target)
+            .unwrap_or_else(|e| panic!("window {i}: {e:#}"));
         let dirs = meta["prof_dirs"].as_array().unwrap();
         assert_eq!(dirs.len(), 1, "window {i}: {meta:#}");
         assert!(all.insert(dirs[0]["name"].as_str().unwrap().to_string()));
-        assert!(w.dir.join("msprof").join(dirs[0]["name"].as_str().unwrap()).is_dir());
+        assert!(
+            w.dir
+                .join("msprof")
+                .join(dirs[0]["name"].as_str().unwrap())
+                .is_dir()
+        );
     }
     hook.shutdown(&target).unwrap();
     let out = scratch.join("msprof_out");
-    let on_disk = std::fs::read_dir(&out).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("PROF_")).count();
+    let on_disk = std::fs::read_dir(&out)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("PROF_")
+        })
+        .count();
     assert_eq!(on_disk, 60);
     let connected = ms_events(&mslog, "connected");
     assert_eq!(connected.len(), 2, "{:?}", read_ms_log(&mslog));
     // The first connection took exactly 50 start/stop pairs.
     let first_self = &connected[0].kv["self"];
-    let starts_first = ms_events(&mslog, "start").iter().filter(|l| &l.kv["self"] == first_self).count();
+    let starts_first = ms_events(&mslog, "start")
+        .iter()
+        .filter(|l| &l.kv["self"] == first_self)
+        .count();
     assert_eq!(starts_first, 50);
     assert_eq!(ms_events(&mslog, "limit").len(), 1);
     assert!(trainer.is_running());
@@ -284,7 +366,10 @@ fn msprof_idle_exit_is_reconnected_between_windows() {
     let meta = hook.on_window_end(&w, &target).unwrap();
     assert_eq!(meta["prof_dirs"].as_array().unwrap().len(), 1, "{meta:#}");
     let events = meta["session_events"].as_array().unwrap();
-    assert!(events.iter().any(|e| e["reason"] == "idle exit"), "{meta:#}");
+    assert!(
+        events.iter().any(|e| e["reason"] == "idle exit"),
+        "{meta:#}"
+    );
     hook.shutdown(&target).unwrap();
     assert!(trainer.is_running());
 }
@@ -294,7 +379,12 @@ fn msprof_skipped_with_one_message_without_profiling_mode() {
     let scratch = scratch_dir("msprof_no_mode");
     let bin = standin_bin(&scratch);
     let log = scratch.join("trainer.log");
-    let mut p = Proc::spawn_ready(Command::new(&fixtures().trainer).args(["--steps", "0", "--log"]).arg(&log).env_remove("PROFILING_MODE"));
+    let mut p = Proc::spawn_ready(
+        Command::new(&fixtures().trainer)
+            .args(["--steps", "0", "--log"])
+            .arg(&log)
+            .env_remove("PROFILING_MODE"),
+    );
     let target = Target::open(HostPid(p.host_pid())).unwrap();
     let mut args = msprof_args(&scratch, &scratch.join("msprof.log"));
     args.msprof = Some(bin.join("msprof").display().to_string());
@@ -305,9 +395,18 @@ fn msprof_skipped_with_one_message_without_profiling_mode() {
     hook.on_window_start(&w, &target).unwrap();
     let meta = hook.on_window_end(&w, &target).unwrap();
     assert_eq!(meta["enabled"], false);
-    assert!(meta["reason"].as_str().unwrap().contains("PROFILING_MODE=dynamic"), "{meta}");
+    assert!(
+        meta["reason"]
+            .as_str()
+            .unwrap()
+            .contains("PROFILING_MODE=dynamic"),
+        "{meta}"
+    );
     hook.shutdown(&target).unwrap();
-    assert!(!scratch.join("msprof.log").exists(), "msprof must not have been started");
+    assert!(
+        !scratch.join("msprof.log").exists(),
+        "msprof must not have been started"
+    );
     assert!(p.is_running());
 }
 
@@ -316,7 +415,11 @@ fn msprof_missing_marks_the_window_incomplete() {
     let scratch = scratch_dir("msprof_missing");
     let log = scratch.join("trainer.log");
     let mut p = Proc::spawn_ready(
-        Command::new(&fixtures().trainer).args(["--steps", "0", "--log"]).arg(&log).env("PROFILING_MODE", "dynamic").env("PATH", "/usr/bin:/bin"),
+        Command::new(&fixtures().trainer)
+            .args(["--steps", "0", "--log"])
+            .arg(&log)
+            .env("PROFILING_MODE", "dynamic")
+            .env("PATH", "/usr/bin:/bin"),
     );
     let target = Target::open(HostPid(p.host_pid())).unwrap();
     let mut args = msprof_args(&scratch, &scratch.join("msprof.log"));
@@ -326,7 +429,10 @@ fn msprof_missing_marks_the_window_incomplete() {
     let w = window(1, 1, 0, &scratch);
     hook.on_window_start(&w, &target).unwrap();
     let err = hook.on_window_end(&w, &target).unwrap_err().to_string();
-    assert!(err.contains("msprof not found") && err.contains("/nonexistent/msprof"), "{err}");
+    assert!(
+        err.contains("msprof not found") && err.contains("/nonexistent/msprof"),
+        "{err}"
+    );
     assert!(w.dir.is_dir(), "the window is kept");
     hook.shutdown(&target).unwrap();
     assert!(p.is_running());
@@ -349,7 +455,14 @@ fn msprof_killed_mid_window_keeps_the_window_incomplete_and_recovers() {
     hook.on_window_start(&w1, &target).unwrap();
     wait_ms(&mslog, "start", 1);
     let victims = pids_with(&["/bin/msprof", &out_arg]);
-    let victims: Vec<u32> = victims.into_iter().filter(|p| !std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap().contains("nsenter")).collect();
+    let victims: Vec<u32> = victims
+        .into_iter()
+        .filter(|p| {
+            !std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .unwrap()
+                .contains("nsenter")
+        })
+        .collect();
     assert_eq!(victims.len(), 1, "{victims:?}");
     // SAFETY: kill(2) on the stand-in we found by its unique --output.
     unsafe { libc::kill(victims[0] as i32, libc::SIGKILL) };
@@ -360,7 +473,10 @@ fn msprof_killed_mid_window_keeps_the_window_incomplete_and_recovers() {
     }
     let err = hook.on_window_end(&w1, &target).unwrap_err().to_string();
     assert!(err.contains("exited"), "{err}");
-    assert!(w1.dir.join("msprof_meta.json").is_file(), "the window is kept with the details");
+    assert!(
+        w1.dir.join("msprof_meta.json").is_file(),
+        "the window is kept with the details"
+    );
     // The next window reconnects.
     let w2 = window(2, 5, 0, &scratch);
     hook.on_window_start(&w2, &target).unwrap();
@@ -377,11 +493,33 @@ fn msprof_args_map_from_profiler_config() {
         "experimental_config": {"profiler_level": "Level1", "aic_metrics": "PipeUtilization", "l2_cache": true, "export_type": ["db"]}
     });
     let a = dynprof::collect::msprof::args_from_profiler_config(&cfg);
-    for want in ["--task-time=l1", "--ai-core=on", "--aic-metrics=PipeUtilization", "--l2=on", "--sys-hardware-mem=on", "--runtime-api=on", "--type=db"] {
+    for want in [
+        "--task-time=l1",
+        "--ai-core=on",
+        "--aic-metrics=PipeUtilization",
+        "--l2=on",
+        "--sys-hardware-mem=on",
+        "--runtime-api=on",
+        "--type=db",
+    ] {
         assert!(a.iter().any(|x| x == want), "{want} missing in {a:?}");
     }
-    let args = VendorArgs { profiler_config: Some(cfg), ..Default::default() };
-    assert!(args.msprof_config().unwrap().collection_args.contains(&"--task-time=l1".to_string()));
-    let args = VendorArgs { msprof_args: Some("--aicpu=on  --task-time=on".into()), ..Default::default() };
-    assert_eq!(args.msprof_config().unwrap().collection_args, ["--aicpu=on", "--task-time=on"]);
+    let args = VendorArgs {
+        profiler_config: Some(cfg),
+        ..Default::default()
+    };
+    assert!(
+        args.msprof_config()
+            .unwrap()
+            .collection_args
+            .contains(&"--task-time=l1".to_string())
+    );
+    let args = VendorArgs {
+        msprof_args: Some("--aicpu=on  --task-time=on".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        args.msprof_config().unwrap().collection_args,
+        ["--aicpu=on", "--task-time=on"]
+    );
 }

@@ -14,7 +14,13 @@ fn ms_log(p: &Path, event: &str) -> Vec<BTreeMap<String, String>> {
     let text = std::fs::read_to_string(p).unwrap_or_default();
     text.lines()
         .filter(|l| l.split_whitespace().next() == Some(event))
-        .map(|l| l.split_whitespace().skip(1).filter_map(|f| f.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect())
+        .map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .filter_map(|f| f.split_once('='))
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect()
+        })
         .collect()
 }
 
@@ -27,7 +33,15 @@ fn ns_trainer(log: &Path, env: &[(&str, &str)]) -> (Proc, u32) {
     let mut cmd = Command::new("unshare");
     cmd.args(["--pid", "--fork", "--mount-proc", "--kill-child"])
         .arg(&fixtures().trainer)
-        .args(["--steps", "0", "--step-ms", "100", "--busy-pct", "10", "--log"])
+        .args([
+            "--steps",
+            "0",
+            "--step-ms",
+            "100",
+            "--busy-pct",
+            "10",
+            "--log",
+        ])
         .arg(log)
         .env_remove("PROFILING_MODE");
     for (k, v) in env {
@@ -44,7 +58,11 @@ fn ns_trainer(log: &Path, env: &[(&str, &str)]) -> (Proc, u32) {
 fn standin(dir: &Path) -> String {
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
-    std::os::unix::fs::symlink(fixtures().src_dir.join("msprof_standin.py"), bin.join("msprof")).unwrap();
+    std::os::unix::fs::symlink(
+        fixtures().src_dir.join("msprof_standin.py"),
+        bin.join("msprof"),
+    )
+    .unwrap();
     bin.join("msprof").display().to_string()
 }
 
@@ -52,7 +70,11 @@ fn standin(dir: &Path) -> String {
 fn msprof_start_and_stop_land_inside_the_window_boundaries() {
     require_privileges!();
     let dir = scratch_dir("msprof_e2e");
-    let (log, mslog, out) = (dir.join("trainer.log"), dir.join("msprof.log"), dir.join("out"));
+    let (log, mslog, out) = (
+        dir.join("trainer.log"),
+        dir.join("msprof.log"),
+        dir.join("out"),
+    );
     let msprof = standin(&dir);
     let (_p, host) = ns_trainer(&log, &[("PROFILING_MODE", "dynamic")]);
     let pid = host.to_string();
@@ -60,9 +82,30 @@ fn msprof_start_and_stop_land_inside_the_window_boundaries() {
     let msout = dir.join("msprof_out").display().to_string();
     let mut d = spawn(
         &[
-            "attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "3", "--active", "2", "--repeat", "2",
-            "--gap", "2", "--collector", "msprof", "--msprof", &msprof, "--msprof-env", &env, "--msprof-output", &msout,
-            "--output", out.to_str().unwrap(), "--json",
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "3",
+            "--active",
+            "2",
+            "--repeat",
+            "2",
+            "--gap",
+            "2",
+            "--collector",
+            "msprof",
+            "--msprof",
+            &msprof,
+            "--msprof-env",
+            &env,
+            "--msprof-output",
+            &msout,
+            "--output",
+            out.to_str().unwrap(),
+            "--json",
         ],
         false,
     );
@@ -73,7 +116,10 @@ fn msprof_start_and_stop_land_inside_the_window_boundaries() {
 
     let launch = ms_log(&mslog, "connected");
     assert_eq!(launch.len(), 1, "one session for all windows");
-    assert_eq!(launch[0]["pid"], "1", "the PID inside the target's namespace");
+    assert_eq!(
+        launch[0]["pid"], "1",
+        "the PID inside the target's namespace"
+    );
     let target_ns = std::fs::read_link(format!("/proc/{host}/ns/pid")).unwrap();
     assert_eq!(launch[0]["pidns"], target_ns.to_string_lossy());
     let (starts, stops) = (ms_log(&mslog, "start"), ms_log(&mslog, "stop"));
@@ -90,15 +136,25 @@ fn msprof_start_and_stop_land_inside_the_window_boundaries() {
         let close = boundary(&m, last + 1);
         let next_call = |t: u64| {
             let calls = log_lines_of(&log, "step");
-            let j = call_containing(&calls, t).unwrap_or_else(|| panic!("boundary {t} in no logged call"));
+            let j = call_containing(&calls, t)
+                .unwrap_or_else(|| panic!("boundary {t} in no logged call"));
             wait_for_log_lines(&log, "step", j + 2, T)[j + 1].clone()
         };
         let (s, e) = (ts(&starts[i]), ts(&stops[i]));
         // `start` after the first boundary, before the next step's boundary.
-        assert!(open < s && s < boundary(&m, first + 1), "window {}: start {s} not in ({open}, next boundary)", i + 1);
+        assert!(
+            open < s && s < boundary(&m, first + 1),
+            "window {}: start {s} not in ({open}, next boundary)",
+            i + 1
+        );
         // `stop` after the closing boundary, before the trainer's next optimizer_step.
         let after_close = next_call(close);
-        assert!(close < e && e < after_close.before, "window {}: stop {e} not in ({close}, {})", i + 1, after_close.before);
+        assert!(
+            close < e && e < after_close.before,
+            "window {}: stop {e} not in ({close}, {})",
+            i + 1,
+            after_close.before
+        );
         let h = &m["hooks"]["msprof"];
         assert_eq!(h["prof_dirs"].as_array().unwrap().len(), 1, "{h:#}");
         let name = h["prof_dirs"][0]["name"].as_str().unwrap();
@@ -106,9 +162,15 @@ fn msprof_start_and_stop_land_inside_the_window_boundaries() {
         let lat = h["start_latency_ns"].as_u64().unwrap();
         assert_eq!(lat, h["start_written_ns"].as_u64().unwrap() - open);
         let called = h["hook_called_ns"].as_u64().unwrap();
-        lats.push((lat, called - open, h["start_written_ns"].as_u64().unwrap() - called));
+        lats.push((
+            lat,
+            called - open,
+            h["start_written_ns"].as_u64().unwrap() - called,
+        ));
     }
-    eprintln!("boundary hit -> `start` written (ns) as (total, boundary->hook called, hook->written): {lats:?}");
+    eprintln!(
+        "boundary hit -> `start` written (ns) as (total, boundary->hook called, hook->written): {lats:?}"
+    );
 }
 
 #[test]
@@ -121,15 +183,34 @@ fn msprof_without_profiling_mode_is_skipped_and_builtin_collectors_run() {
     let pid = host.to_string();
     let mut d = spawn(
         &[
-            "attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "2", "--active", "2", "--collector",
-            "msprof", "--msprof", &msprof, "--collect", "cpu,offcpu", "--output", out.to_str().unwrap(),
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "2",
+            "--active",
+            "2",
+            "--collector",
+            "msprof",
+            "--msprof",
+            &msprof,
+            "--collect",
+            "cpu,offcpu",
+            "--output",
+            out.to_str().unwrap(),
         ],
         false,
     );
     let st = d.wait_exit(T);
     assert!(st.success(), "{}", d.transcript());
-    let said: Vec<&String> =
-        d.lines.iter().filter(|(err, l)| *err && l.contains("PROFILING_MODE=dynamic")).map(|(_, l)| l).collect();
+    let said: Vec<&String> = d
+        .lines
+        .iter()
+        .filter(|(err, l)| *err && l.contains("PROFILING_MODE=dynamic"))
+        .map(|(_, l)| l)
+        .collect();
     assert_eq!(said.len(), 1, "exactly one message:\n{}", d.transcript());
     assert!(said[0].contains("built-in collectors"), "{}", said[0]);
     let dirs = prof_dirs(&out);

@@ -49,7 +49,10 @@ pub struct HookRun {
 /// The final name of a window directory still being written
 /// (`.PROF_x_tmp` → `PROF_x`).
 pub fn final_dir(dir: &Path) -> PathBuf {
-    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     match name.strip_prefix('.').and_then(|n| n.strip_suffix("_tmp")) {
         Some(n) => dir.with_file_name(n),
         None => dir.to_path_buf(),
@@ -57,18 +60,36 @@ pub fn final_dir(dir: &Path) -> PathBuf {
 }
 
 /// The environment a hook sees.
-pub fn hook_env(w: &WindowInfo, target: &Target, event: &str, boundary_ts_ns: u64) -> Vec<(String, String)> {
+pub fn hook_env(
+    w: &WindowInfo,
+    target: &Target,
+    event: &str,
+    boundary_ts_ns: u64,
+) -> Vec<(String, String)> {
     vec![
         ("DYNPROF_HOST_PID".into(), target.host_pid.to_string()),
         ("DYNPROF_NS_PID".into(), target.inner_pid().to_string()),
-        ("DYNPROF_CONTAINER".into(), target.container.as_ref().map(|c| c.to_string()).unwrap_or_default()),
+        (
+            "DYNPROF_CONTAINER".into(),
+            target
+                .container
+                .as_ref()
+                .map(|c| c.to_string())
+                .unwrap_or_default(),
+        ),
         ("DYNPROF_STEP".into(), w.first_recorded.to_string()),
         ("DYNPROF_WINDOW".into(), w.id.to_string()),
         ("DYNPROF_WINDOW_DIR".into(), w.dir.display().to_string()),
-        ("DYNPROF_WINDOW_FINAL_DIR".into(), final_dir(&w.dir).display().to_string()),
+        (
+            "DYNPROF_WINDOW_FINAL_DIR".into(),
+            final_dir(&w.dir).display().to_string(),
+        ),
         ("DYNPROF_EVENT".into(), event.into()),
         ("DYNPROF_BOUNDARY_TS_NS".into(), boundary_ts_ns.to_string()),
-        ("DYNPROF_TARGET_ROOT".into(), target.root().display().to_string()),
+        (
+            "DYNPROF_TARGET_ROOT".into(),
+            target.root().display().to_string(),
+        ),
     ]
 }
 
@@ -95,7 +116,11 @@ pub fn run_hook(
         error: None,
         log: log.to_path_buf(),
     };
-    let out = log.parent().map(std::fs::create_dir_all).transpose().and_then(|_| std::fs::File::create(log));
+    let out = log
+        .parent()
+        .map(std::fs::create_dir_all)
+        .transpose()
+        .and_then(|_| std::fs::File::create(log));
     let (stdout, stderr) = match out.and_then(|f| Ok((f.try_clone()?, f))) {
         Ok((a, b)) => (Stdio::from(a), Stdio::from(b)),
         Err(e) => {
@@ -104,7 +129,12 @@ pub fn run_hook(
         }
     };
     let mut c = Command::new("sh");
-    c.arg("-c").arg(cmd).envs(env.iter().map(|(k, v)| (k, v))).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
+    c.arg("-c")
+        .arg(cmd)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr);
     // SAFETY: setpgid is async-signal-safe.
     unsafe {
         c.pre_exec(|| {
@@ -139,7 +169,8 @@ pub fn run_hook(
                 Err(_) => {
                     // SAFETY: as above.
                     unsafe { libc::kill(-pgid, libc::SIGKILL) };
-                    rx.recv().unwrap_or_else(|_| Err(std::io::Error::other("waiter gone")))
+                    rx.recv()
+                        .unwrap_or_else(|_| Err(std::io::Error::other("waiter gone")))
                 }
             }
         }
@@ -167,12 +198,73 @@ pub struct UserHooks {
     pub on_start: Option<String>,
     pub on_end: Option<String>,
     pub timeout: Duration,
+    /// How long `on_window_end` waits for the hooks before it returns with
+    /// their results pending (they then go to `hooks/hooks.json` in the
+    /// window's final directory).
+    pub wait: Duration,
     running: Option<JoinHandle<HookRun>>,
+    /// Finishing threads of earlier windows (joined at shutdown).
+    finishing: Vec<JoinHandle<()>>,
 }
 
 impl UserHooks {
-    pub fn new(on_start: Option<String>, on_end: Option<String>, timeout: Duration) -> Self {
-        Self { on_start, on_end, timeout, running: None }
+    pub fn new(
+        on_start: Option<String>,
+        on_end: Option<String>,
+        timeout: Duration,
+        wait: Duration,
+    ) -> Self {
+        Self {
+            on_start,
+            on_end,
+            timeout,
+            wait,
+            running: None,
+            finishing: Vec::new(),
+        }
+    }
+}
+
+fn failed_run(hook: &str, cmd: &str, why: &str) -> HookRun {
+    HookRun {
+        hook: hook.into(),
+        command: cmd.into(),
+        boundary_ts_ns: 0,
+        spawned_ns: 0,
+        spawn_latency_ns: None,
+        exited_ns: 0,
+        duration_ns: 0,
+        exit_code: None,
+        signal: None,
+        timed_out: false,
+        error: Some(why.into()),
+        log: PathBuf::new(),
+    }
+}
+
+/// Writes `v` to `<final dir>/hooks/hooks.json` once the window directory
+/// has its final name (or into the temporary one if that never happens).
+fn write_late(tmp: &Path, v: &Value) {
+    let fin = final_dir(tmp);
+    let mut text = serde_json::to_vec_pretty(v).unwrap_or_default();
+    text.push(b'\n');
+    let write = |d: &Path| -> std::io::Result<()> {
+        std::fs::create_dir_all(d.join("hooks"))?;
+        std::fs::write(d.join("hooks/.hooks.json.tmp"), &text)?;
+        std::fs::rename(d.join("hooks/.hooks.json.tmp"), d.join("hooks/hooks.json"))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if fin.is_dir() && write(&fin).is_ok() {
+            return;
+        }
+        // Not renamed yet: write into the temporary directory too, so the
+        // rename carries the results along.
+        let _ = tmp.is_dir() && write(tmp).is_ok();
+        if std::time::Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -182,7 +274,9 @@ impl WindowHook for UserHooks {
     }
 
     fn on_window_start(&mut self, w: &WindowInfo, target: &Target) -> Result<()> {
-        let Some(cmd) = self.on_start.clone() else { return Ok(()) };
+        let Some(cmd) = self.on_start.clone() else {
+            return Ok(());
+        };
         let env = hook_env(w, target, "start", w.open_ts_ns);
         let log = w.dir.join("hooks").join("on-window-start.log");
         let (timeout, ts) = (self.timeout, w.open_ts_ns);
@@ -195,37 +289,67 @@ impl WindowHook for UserHooks {
     }
 
     fn on_window_end(&mut self, w: &WindowInfo, target: &Target) -> Result<Value> {
-        let start = self.running.take().map(|h| {
-            h.join().unwrap_or_else(|_| HookRun {
-                hook: "on-window-start".into(),
-                command: self.on_start.clone().unwrap_or_default(),
-                boundary_ts_ns: w.open_ts_ns,
-                spawned_ns: 0,
-                spawn_latency_ns: None,
-                exited_ns: 0,
-                duration_ns: 0,
-                exit_code: None,
-                signal: None,
-                timed_out: false,
-                error: Some("hook thread panicked".into()),
-                log: PathBuf::new(),
-            })
-        });
         // The end boundary's timestamp is not in WindowInfo: this call is it.
         let end_ts = monotonic_ns();
-        let end = self.on_end.as_ref().map(|cmd| {
-            let env = hook_env(w, target, "end", end_ts);
-            run_hook("on-window-end", cmd, &env, self.timeout, &w.dir.join("hooks").join("on-window-end.log"), end_ts)
-        });
-        Ok(json!({
-            "on_window_start": start,
-            "on_window_end": end,
-            "timeout_s": self.timeout.as_secs_f64(),
-        }))
+        let start = self.running.take();
+        let start_cmd = self.on_start.clone().unwrap_or_default();
+        let end = self
+            .on_end
+            .clone()
+            .map(|cmd| (cmd, hook_env(w, target, "end", end_ts)));
+        let (timeout, dir) = (self.timeout, w.dir.clone());
+        // (result, abandoned): whoever comes second decides where it goes.
+        let slot = std::sync::Arc::new((
+            std::sync::Mutex::new((None::<Value>, false)),
+            std::sync::Condvar::new(),
+        ));
+        let slot2 = slot.clone();
+        // Off the event loop: wait for the start hook, then run the end hook.
+        let h = std::thread::Builder::new().name("hook-window-end".into()).spawn(move || {
+            let start = start.map(|h| h.join().unwrap_or_else(|_| failed_run("on-window-start", &start_cmd, "hook thread panicked")));
+            let end = end.map(|(cmd, env)| {
+                run_hook("on-window-end", &cmd, &env, timeout, &dir.join("hooks").join("on-window-end.log"), end_ts)
+            });
+            let v = json!({"on_window_start": start, "on_window_end": end, "timeout_s": timeout.as_secs_f64()});
+            let mut g = slot2.0.lock().unwrap();
+            if g.1 {
+                drop(g);
+                // on_window_end already returned: the results go next to meta.json.
+                write_late(&dir, &v);
+            } else {
+                g.0 = Some(v);
+                slot2.1.notify_all();
+            }
+        })?;
+        let deadline = std::time::Instant::now() + self.wait;
+        let mut g = slot.0.lock().unwrap();
+        loop {
+            if let Some(v) = g.0.take() {
+                drop(g);
+                let _ = h.join();
+                return Ok(v);
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                g.1 = true;
+                drop(g);
+                self.finishing.push(h);
+                return Ok(json!({
+                    "pending": true,
+                    "waited_s": self.wait.as_secs_f64(),
+                    "results_file": final_dir(&w.dir).join("hooks/hooks.json"),
+                    "timeout_s": self.timeout.as_secs_f64(),
+                }));
+            }
+            g = slot.1.wait_timeout(g, deadline - now).unwrap().0;
+        }
     }
 
     fn shutdown(&mut self, _target: &Target) -> Result<()> {
         if let Some(h) = self.running.take() {
+            let _ = h.join();
+        }
+        for h in self.finishing.drain(..) {
             let _ = h.join();
         }
         Ok(())

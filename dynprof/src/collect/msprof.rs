@@ -32,7 +32,10 @@ use crate::target::{Target, env_value};
 
 /// CLOCK_MONOTONIC in ns (the clock of the kernel's boundary timestamps).
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec we pass.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -40,7 +43,8 @@ pub fn monotonic_ns() -> u64 {
 
 /// The collection arguments used when neither `--msprof-args` nor a
 /// profiler_config.json gives any (the vendor documentation's example).
-pub const DEFAULT_COLLECTION_ARGS: &[&str] = &["--model-execution=on", "--runtime-api=on", "--aicpu=on"];
+pub const DEFAULT_COLLECTION_ARGS: &[&str] =
+    &["--model-execution=on", "--runtime-api=on", "--aicpu=on"];
 
 /// Maps torch_npu `profiler_config.json` fields (`activities`,
 /// `experimental_config`, `profile_memory`) to msprof collection switches.
@@ -48,7 +52,11 @@ pub fn args_from_profiler_config(cfg: &Value) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let acts: Vec<String> = cfg["activities"]
         .as_array()
-        .map(|v| v.iter().filter_map(|s| s.as_str().map(str::to_uppercase)).collect())
+        .map(|v| {
+            v.iter()
+                .filter_map(|s| s.as_str().map(str::to_uppercase))
+                .collect()
+        })
         .unwrap_or_else(|| vec!["CPU".into(), "NPU".into()]);
     let exp = &cfg["experimental_config"];
     if acts.iter().any(|s| s == "CPU") {
@@ -82,7 +90,11 @@ pub fn args_from_profiler_config(cfg: &Value) -> Vec<String> {
     if exp["mstx"].as_bool() == Some(true) {
         a.push("--msproftx=on".into());
     }
-    if let Some(t) = exp["export_type"].as_array().and_then(|v| v.first()).and_then(|v| v.as_str()) {
+    if let Some(t) = exp["export_type"]
+        .as_array()
+        .and_then(|v| v.first())
+        .and_then(|v| v.as_str())
+    {
         a.push(format!("--type={t}"));
     }
     a
@@ -135,14 +147,22 @@ impl Output {
         loop {
             // A prompt is `>` (plus a space) at the start of a line.
             if self.partial.starts_with(b"> ") || self.partial.as_slice() == b">" {
-                let n = if self.partial.starts_with(b"> ") { 2 } else { 1 };
+                let n = if self.partial.starts_with(b"> ") {
+                    2
+                } else {
+                    1
+                };
                 self.partial.drain(..n);
                 self.prompts += 1;
                 continue;
             }
-            let Some(nl) = self.partial.iter().position(|&b| b == b'\n') else { break };
+            let Some(nl) = self.partial.iter().position(|&b| b == b'\n') else {
+                break;
+            };
             let line: Vec<u8> = self.partial.drain(..=nl).collect();
-            let line = String::from_utf8_lossy(&line).trim_end_matches(['\n', '\r']).to_string();
+            let line = String::from_utf8_lossy(&line)
+                .trim_end_matches(['\n', '\r'])
+                .to_string();
             if !line.trim().is_empty() {
                 self.lines.push((ts, line));
             }
@@ -150,7 +170,10 @@ impl Output {
     }
 
     fn tail(&self, n: usize) -> Vec<String> {
-        self.lines[self.lines.len().saturating_sub(n)..].iter().map(|(_, l)| l.clone()).collect()
+        self.lines[self.lines.len().saturating_sub(n)..]
+            .iter()
+            .map(|(_, l)| l.clone())
+            .collect()
     }
 }
 
@@ -243,32 +266,47 @@ struct Launch {
 fn spawn_conn(l: &Launch, seq: u32, shared: &Arc<Shared>) -> Result<Conn> {
     let pty = pty::open().map_err(|e| anyhow!("opening a pty for msprof: {e}"))?;
     let mut cmd = Command::new(&l.argv[0]);
-    cmd.args(&l.argv[1..]).env_clear().envs(l.env.iter().map(|(k, v)| (k, v)));
+    cmd.args(&l.argv[1..])
+        .env_clear()
+        .envs(l.env.iter().map(|(k, v)| (k, v)));
     pty::attach_child(&mut cmd, &pty.slave)?;
     let started_ns = monotonic_ns();
-    let child = cmd.spawn().map_err(|e| anyhow!("starting {}: {e}", l.argv[0]))?;
+    let child = cmd
+        .spawn()
+        .map_err(|e| anyhow!("starting {}: {e}", l.argv[0]))?;
     drop(cmd); // closes our copies of the slave, so EOF comes when msprof exits
     drop(pty.slave);
     let pgid = child.id() as i32;
     let out = Arc::new(Mutex::new(Output::default()));
     let mut rd = pty.master.try_clone()?;
     let (out2, shared2) = (out.clone(), shared.clone());
-    let reader = std::thread::Builder::new().name(format!("msprof-pty-{seq}")).spawn(move || {
-        let mut buf = [0u8; 4096];
-        loop {
-            match rd.read(&mut buf) {
-                Ok(0) | Err(_) => break, // EIO once every slave fd is closed
-                Ok(n) => out2.lock().unwrap().feed(&buf[..n]),
+    let reader = std::thread::Builder::new()
+        .name(format!("msprof-pty-{seq}"))
+        .spawn(move || {
+            let mut buf = [0u8; 4096];
+            loop {
+                match rd.read(&mut buf) {
+                    Ok(0) | Err(_) => break, // EIO once every slave fd is closed
+                    Ok(n) => out2.lock().unwrap().feed(&buf[..n]),
+                }
+                let _g = shared2.lock();
+                shared2.cv.notify_all();
             }
+            out2.lock().unwrap().eof = true;
             let _g = shared2.lock();
             shared2.cv.notify_all();
-        }
-        out2.lock().unwrap().eof = true;
-        let _g = shared2.lock();
-        shared2.cv.notify_all();
-    })?;
-    let mut conn =
-        Conn { seq, child, pgid, master: pty.master, out, reader: Some(reader), cmds: 0, quit_sent: false, started_ns };
+        })?;
+    let mut conn = Conn {
+        seq,
+        child,
+        pgid,
+        master: pty.master,
+        out,
+        reader: Some(reader),
+        cmds: 0,
+        quit_sent: false,
+        started_ns,
+    };
     // Wait for the first prompt: msprof is connected and accepts commands.
     let deadline = Instant::now() + l.timeout;
     let mut g = shared.lock();
@@ -296,9 +334,17 @@ fn spawn_conn(l: &Launch, seq: u32, shared: &Arc<Shared>) -> Result<Conn> {
                     tail
                 );
             }
-            bail!("msprof exited before its prompt ({st}); command `{}`; its output: {:?}", l.argv.join(" "), tail);
+            bail!(
+                "msprof exited before its prompt ({st}); command `{}`; its output: {:?}",
+                l.argv.join(" "),
+                tail
+            );
         }
-        g = shared.cv.wait_timeout(g, Duration::from_millis(50)).unwrap().0;
+        g = shared
+            .cv
+            .wait_timeout(g, Duration::from_millis(50))
+            .unwrap()
+            .0;
     }
 }
 
@@ -312,7 +358,11 @@ fn supervisor(shared: Arc<Shared>, launch: Arc<Launch>) {
         }
         let dead = !g.in_window && !g.spawning && g.conn.as_ref().is_some_and(|c| c.eof());
         if !dead {
-            g = shared.cv.wait_timeout(g, Duration::from_millis(500)).unwrap().0;
+            g = shared
+                .cv
+                .wait_timeout(g, Duration::from_millis(500))
+                .unwrap()
+                .0;
             continue;
         }
         let old = g.conn.take().expect("checked above");
@@ -323,7 +373,10 @@ fn supervisor(shared: Arc<Shared>, launch: Arc<Launch>) {
         let status = old.reap();
         let reason = if quit_sent {
             "dynprof ended it (command limit)".to_string()
-        } else if tail.iter().any(|l| l.contains("No collection") || l.to_lowercase().contains("idle")) {
+        } else if tail
+            .iter()
+            .any(|l| l.contains("No collection") || l.to_lowercase().contains("idle"))
+        {
             "idle exit".to_string()
         } else if cmds >= 100 || tail.iter().any(|l| l.contains("closed the connection")) {
             "command limit".to_string()
@@ -410,7 +463,10 @@ impl MsprofHook {
         Self {
             cfg,
             mode: Mode::New,
-            shared: Arc::new(Shared { state: Mutex::new(State::default()), cv: Condvar::new() }),
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                cv: Condvar::new(),
+            }),
             launch: None,
             supervisor: None,
             found: None,
@@ -430,23 +486,36 @@ impl MsprofHook {
 
     fn setup(&mut self, target: &Target) -> Result<()> {
         let env = target.environ().unwrap_or_default();
-        let found = locate::locate(&target.root(), self.cfg.msprof.as_deref(), &env).map_err(|e| anyhow!(e))?;
+        let found = locate::locate(&target.root(), self.cfg.msprof.as_deref(), &env)
+            .map_err(|e| anyhow!(e))?;
         let hp = target.host_pid.to_string();
         self.same_mount_ns = ns_link("self", "mnt") == ns_link(&hp, "mnt");
         let same_pid_ns = ns_link("self", "pid") == ns_link(&hp, "pid");
         self.pid_arg = target.inner_pid().0;
-        self.output = self.cfg.output.clone().unwrap_or_else(|| format!("/tmp/dynprof_msprof_{}", target.host_pid));
+        self.output = self
+            .cfg
+            .output
+            .clone()
+            .unwrap_or_else(|| format!("/tmp/dynprof_msprof_{}", target.host_pid));
         self.host_output = target.host_path(&self.output);
-        std::fs::create_dir_all(&self.host_output)
-            .map_err(|e| anyhow!("creating msprof's --output {} ({}): {e}", self.output, self.host_output.display()))?;
+        std::fs::create_dir_all(&self.host_output).map_err(|e| {
+            anyhow!(
+                "creating msprof's --output {} ({}): {e}",
+                self.output,
+                self.host_output.display()
+            )
+        })?;
         self.known = list_prof(&self.host_output);
 
         let mut argv: Vec<String> = Vec::new();
         if !(self.same_mount_ns && same_pid_ns) {
             // Enter the container: msprof must run there, with the PID it sees.
             argv.extend(
-                ["nsenter", "--target", &hp, "--mount", "--uts", "--ipc", "--net", "--pid", "--root", "--wd", "--"]
-                    .map(String::from),
+                [
+                    "nsenter", "--target", &hp, "--mount", "--uts", "--ipc", "--net", "--pid",
+                    "--root", "--wd", "--",
+                ]
+                .map(String::from),
             );
         }
         argv.push(found.path.clone());
@@ -460,20 +529,29 @@ impl MsprofHook {
         }
         // The job's environment (PATH, LD_LIBRARY_PATH, ASCEND_*), minus what
         // only the job itself may carry.
-        let mut menv: Vec<(String, String)> =
-            env.into_iter().filter(|(k, _)| k != "PROFILING_MODE" && k != "PROFILING_OPTIONS").collect();
+        let mut menv: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, _)| k != "PROFILING_MODE" && k != "PROFILING_OPTIONS")
+            .collect();
         if !menv.iter().any(|(k, _)| k == "TERM") {
             menv.push(("TERM".into(), "dumb".into()));
         }
         if !menv.iter().any(|(k, _)| k == "PATH") {
-            menv.push(("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()));
+            menv.push((
+                "PATH".into(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            ));
         }
         for (k, v) in &self.cfg.env {
             menv.retain(|(kk, _)| kk != k);
             menv.push((k.clone(), v.clone()));
         }
         self.found = Some(found);
-        self.launch = Some(Arc::new(Launch { argv, env: menv, timeout: self.cfg.timeout }));
+        self.launch = Some(Arc::new(Launch {
+            argv,
+            env: menv,
+            timeout: self.cfg.timeout,
+        }));
         Ok(())
     }
 
@@ -481,15 +559,26 @@ impl MsprofHook {
     /// or connects now) and marks the window open, so the supervisor leaves
     /// the connection alone. Returns its sequence number.
     fn ensure_conn(&mut self) -> Result<u32> {
-        let launch = self.launch.clone().ok_or_else(|| anyhow!("msprof is not set up"))?;
+        let launch = self
+            .launch
+            .clone()
+            .ok_or_else(|| anyhow!("msprof is not set up"))?;
         let deadline = Instant::now() + self.cfg.timeout + Duration::from_secs(5);
         let mut g = self.shared.lock();
         loop {
             if g.spawning {
                 if Instant::now() >= deadline {
-                    bail!("msprof reconnect still under way after {:?}", self.cfg.timeout);
+                    bail!(
+                        "msprof reconnect still under way after {:?}",
+                        self.cfg.timeout
+                    );
                 }
-                g = self.shared.cv.wait_timeout(g, Duration::from_millis(20)).unwrap().0;
+                g = self
+                    .shared
+                    .cv
+                    .wait_timeout(g, Duration::from_millis(20))
+                    .unwrap()
+                    .0;
                 continue;
             }
             if let Some(c) = &g.conn
@@ -524,7 +613,8 @@ impl MsprofHook {
             Ok(c) => {
                 g.conn = Some(c);
                 g.in_window = true;
-                g.events.push(json!({"event": "connected", "connection": seq,
+                g.events
+                    .push(json!({"event": "connected", "connection": seq,
                                       "previous": ended, "connect_ns": monotonic_ns() - t0}));
                 Ok(seq)
             }
@@ -546,7 +636,11 @@ impl MsprofHook {
             let host = target.host_path(&in_target);
             // Outside a container the plain path outlives the target; inside
             // one, /proc/PID/root is the only way in from the host.
-            let link_to = if self.same_mount_ns { PathBuf::from(&in_target) } else { host.clone() };
+            let link_to = if self.same_mount_ns {
+                PathBuf::from(&in_target)
+            } else {
+                host.clone()
+            };
             let link = link_dir.join(&name);
             let linked = std::fs::create_dir_all(&link_dir)
                 .and_then(|_| std::os::unix::fs::symlink(&link_to, &link))
@@ -578,7 +672,9 @@ impl WindowHook for MsprofHook {
                  the built-in collectors. To use msprof next time: `export PROFILING_MODE=dynamic` before \
                  launching the job",
                 target.host_pid,
-                mode.map_or("no PROFILING_MODE".to_string(), |m| format!("PROFILING_MODE={m}"))
+                mode.map_or("no PROFILING_MODE".to_string(), |m| format!(
+                    "PROFILING_MODE={m}"
+                ))
             );
             eprintln!("dynprof: {msg}");
             self.mode = Mode::Disabled(msg);
@@ -586,7 +682,9 @@ impl WindowHook for MsprofHook {
         }
         if let Err(e) = self.setup(target) {
             let msg = format!("{e:#}");
-            eprintln!("dynprof: error: --collector msprof: {msg}; windows will be kept but marked incomplete");
+            eprintln!(
+                "dynprof: error: --collector msprof: {msg}; windows will be kept but marked incomplete"
+            );
             self.mode = Mode::Broken(msg);
             return Ok(());
         }
@@ -598,8 +696,11 @@ impl WindowHook for MsprofHook {
         }
         self.shared.lock().in_window = false;
         let (shared, launch) = (self.shared.clone(), self.launch.clone().expect("set up"));
-        self.supervisor =
-            Some(std::thread::Builder::new().name("msprof-supervisor".into()).spawn(move || supervisor(shared, launch))?);
+        self.supervisor = Some(
+            std::thread::Builder::new()
+                .name("msprof-supervisor".into())
+                .spawn(move || supervisor(shared, launch))?,
+        );
         Ok(())
     }
 
@@ -633,7 +734,8 @@ impl WindowHook for MsprofHook {
                         win.start_written_ns = Some(t);
                         // open_ts_ns is the boundary of first_step; it is the
                         // boundary `start` answers only without warmup.
-                        win.start_latency_ns = (w.open_ts_ns > 0 && w.first_step == w.first_recorded)
+                        win.start_latency_ns = (w.open_ts_ns > 0
+                            && w.first_step == w.first_recorded)
                             .then(|| t.saturating_sub(w.open_ts_ns));
                     }
                     Err(e) => win.error = Some(format!("writing `start` to msprof: {e}")),
@@ -655,7 +757,9 @@ impl WindowHook for MsprofHook {
             Mode::New => bail!("msprof: not prepared"),
             Mode::Ready => {}
         }
-        let Some(win) = self.win.take() else { bail!("msprof: window end without a start") };
+        let Some(win) = self.win.take() else {
+            bail!("msprof: window end without a start")
+        };
         let mut error = win.error.clone();
         let mut stop_written_ns = None;
         let mut stop_ack_ns = None;
@@ -700,7 +804,14 @@ impl WindowHook for MsprofHook {
                             }
                             if eof {
                                 let c = g.conn.as_ref().expect("still there");
-                                if c.cmds < max && !out.lock().unwrap().lines.iter().any(|(_, l)| l.contains("closed the connection")) {
+                                if c.cmds < max
+                                    && !out
+                                        .lock()
+                                        .unwrap()
+                                        .lines
+                                        .iter()
+                                        .any(|(_, l)| l.contains("closed the connection"))
+                                {
                                     error = Some(format!(
                                         "msprof exited right after `stop` (connection {}); last output: {:?}",
                                         c.seq,
@@ -710,10 +821,17 @@ impl WindowHook for MsprofHook {
                                 break;
                             }
                             if Instant::now() >= deadline {
-                                error = Some(format!("msprof did not acknowledge `stop` within {timeout:?}"));
+                                error = Some(format!(
+                                    "msprof did not acknowledge `stop` within {timeout:?}"
+                                ));
                                 break;
                             }
-                            g = self.shared.cv.wait_timeout(g, Duration::from_millis(20)).unwrap().0;
+                            g = self
+                                .shared
+                                .cv
+                                .wait_timeout(g, Duration::from_millis(20))
+                                .unwrap()
+                                .0;
                         }
                     }
                 },
@@ -721,7 +839,14 @@ impl WindowHook for MsprofHook {
             if let Some(c) = g.conn.as_mut() {
                 cmds = c.cmds;
                 conn_started_ns = Some(c.started_ns);
-                lines = c.out.lock().unwrap().lines.get(win.out_from..).map(<[_]>::to_vec).unwrap_or_default();
+                lines = c
+                    .out
+                    .lock()
+                    .unwrap()
+                    .lines
+                    .get(win.out_from..)
+                    .map(<[_]>::to_vec)
+                    .unwrap_or_default();
                 // Proactively end a connection that has reached msprof's limit;
                 // the supervisor reconnects before the next window.
                 if c.cmds + 2 > max && !c.eof() {
@@ -738,7 +863,11 @@ impl WindowHook for MsprofHook {
         }
         let dirs = self.link_dirs(w, target);
         let events = std::mem::take(&mut self.shared.lock().events);
-        let errors: Vec<&String> = lines.iter().map(|(_, l)| l).filter(|l| l.contains("ERROR")).collect();
+        let errors: Vec<&String> = lines
+            .iter()
+            .map(|(_, l)| l)
+            .filter(|l| l.contains("ERROR"))
+            .collect();
         let found = self.found.as_ref();
         let meta = json!({
             "enabled": true,
@@ -787,7 +916,12 @@ impl WindowHook for MsprofHook {
             // Wait out a reconnect under way so its session is quit too.
             let deadline = Instant::now() + self.cfg.timeout;
             while g.spawning && Instant::now() < deadline {
-                g = self.shared.cv.wait_timeout(g, Duration::from_millis(20)).unwrap().0;
+                g = self
+                    .shared
+                    .cv
+                    .wait_timeout(g, Duration::from_millis(20))
+                    .unwrap()
+                    .0;
             }
             g.conn.take()
         };

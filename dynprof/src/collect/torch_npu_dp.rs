@@ -127,19 +127,31 @@ fn pt_dirs(dir: &Path) -> BTreeSet<String> {
 
 /// Steps in an analysed capture's step_trace_time.csv (`Step` column).
 fn csv_steps(pt: &Path) -> Vec<i64> {
-    let Ok(text) = std::fs::read_to_string(pt.join("ASCEND_PROFILER_OUTPUT/step_trace_time.csv")) else {
+    let Ok(text) = std::fs::read_to_string(pt.join("ASCEND_PROFILER_OUTPUT/step_trace_time.csv"))
+    else {
         return Vec::new();
     };
     let mut lines = text.lines();
-    let Some(col) = lines.next().and_then(|h| h.split(',').position(|c| c.trim() == "Step")) else {
+    let Some(col) = lines
+        .next()
+        .and_then(|h| h.split(',').position(|c| c.trim() == "Step"))
+    else {
         return Vec::new();
     };
-    lines.filter_map(|l| l.split(',').nth(col)?.trim().parse().ok()).collect()
+    lines
+        .filter_map(|l| l.split(',').nth(col)?.trim().parse().ok())
+        .collect()
 }
 
 impl TorchNpuDp {
     pub fn new(cfg: DpConfig) -> Self {
-        Self { cfg, host_dir: PathBuf::new(), host_prof_dir: PathBuf::new(), template: default_template(), pending: Vec::new() }
+        Self {
+            cfg,
+            host_dir: PathBuf::new(),
+            host_prof_dir: PathBuf::new(),
+            template: default_template(),
+            pending: Vec::new(),
+        }
     }
 
     /// Checks a request against torch_npu's log and output dir.
@@ -148,14 +160,24 @@ impl TorchNpuDp {
         for (p, len) in dp_logs(&self.host_dir) {
             let from = r.log_sizes.get(&p).copied().unwrap_or(0);
             if let Ok(b) = std::fs::read(&p) {
-                let from = if (b.len() as u64) < from { 0 } else { from as usize }; // rotated
+                let from = if (b.len() as u64) < from {
+                    0
+                } else {
+                    from as usize
+                }; // rotated
                 new_text.push_str(&String::from_utf8_lossy(&b[from.min(b.len())..]));
             }
             let _ = len;
         }
         let runs = parse_dp_log(&new_text);
-        let new_pt: Vec<String> = pt_dirs(&self.host_prof_dir).difference(&r.pt_before).cloned().collect();
-        let csv: Vec<i64> = new_pt.iter().flat_map(|n| csv_steps(&self.host_prof_dir.join(n))).collect();
+        let new_pt: Vec<String> = pt_dirs(&self.host_prof_dir)
+            .difference(&r.pt_before)
+            .cloned()
+            .collect();
+        let csv: Vec<i64> = new_pt
+            .iter()
+            .flat_map(|n| csv_steps(&self.host_prof_dir.join(n)))
+            .collect();
         let k = self.cfg.step_offset;
         let first = runs.first().copied();
         let (started, stopped) = first.unwrap_or((None, None));
@@ -188,7 +210,10 @@ impl WindowHook for TorchNpuDp {
     fn prepare(&mut self, target: &Target) -> Result<()> {
         self.host_dir = target.host_path(&self.cfg.config_dir);
         let file = self.host_dir.join("profiler_config.json");
-        match std::fs::read_to_string(&file).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()) {
+        match std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        {
             Some(v) if v.is_object() => self.template = v,
             _ => eprintln!(
                 "dynprof: torch-npu-dp: {} is missing or not JSON (has the job called dp.init({})?); using torch_npu's default template",
@@ -215,8 +240,11 @@ impl WindowHook for TorchNpuDp {
 
     fn on_window_start(&mut self, w: &WindowInfo, _target: &Target) -> Result<()> {
         let observed = w.first_recorded.0;
-        let start_step =
-            if self.cfg.lead_steps == 0 { -1 } else { observed as i64 + self.cfg.step_offset + self.cfg.lead_steps as i64 };
+        let start_step = if self.cfg.lead_steps == 0 {
+            -1
+        } else {
+            observed as i64 + self.cfg.step_offset + self.cfg.lead_steps as i64
+        };
         let mut cfg = self.template.clone();
         cfg["start_step"] = json!(start_step);
         cfg["active"] = json!(self.cfg.active);
@@ -247,7 +275,10 @@ impl WindowHook for TorchNpuDp {
         // request still open, and keep the unanswered ones for later windows
         // and for shutdown.
         let reports: Vec<Value> = self.pending.iter().map(|r| self.check(r)).collect();
-        let done: Vec<bool> = reports.iter().map(|r| r["torch_npu_stopped_at_step"].is_i64()).collect();
+        let done: Vec<bool> = reports
+            .iter()
+            .map(|r| r["torch_npu_stopped_at_step"].is_i64())
+            .collect();
         let mut i = 0;
         self.pending.retain(|_| {
             let keep = !done[i];
@@ -279,6 +310,9 @@ mod tests {
     fn dp_log_lines() {
         let t = "2025-01-01 INFO Start Dynamic Profiler at 17 step.\nx\n2025 INFO Stop Dynamic Profiler at 20 step.\n\
                  Start Dynamic Profiler at 40 step.\n";
-        assert_eq!(parse_dp_log(t), vec![(Some(17), Some(20)), (Some(40), None)]);
+        assert_eq!(
+            parse_dp_log(t),
+            vec![(Some(17), Some(20)), (Some(40), None)]
+        );
     }
 }

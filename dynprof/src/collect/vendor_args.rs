@@ -27,7 +27,12 @@ pub struct VendorArgs {
     /// Vendor collector driven at the window boundaries (repeatable, or comma-separated):
     /// `msprof` (needs the job started with PROFILING_MODE=dynamic), `torch-npu-dp`.
     /// Runs alongside the built-in collectors.
-    #[arg(long = "collector", value_enum, value_delimiter = ',', value_name = "NAME")]
+    #[arg(
+        long = "collector",
+        value_enum,
+        value_delimiter = ',',
+        value_name = "NAME"
+    )]
     pub collectors: Vec<VendorCollector>,
 
     /// msprof to run: a path inside the target's filesystem (container), or a
@@ -65,7 +70,12 @@ pub struct VendorArgs {
 
     /// torch_npu's step number minus dynprof's step index (dp.step() calls made
     /// before dynprof attached). 0 when dynprof launched the job.
-    #[arg(long, default_value_t = 0, value_name = "N", allow_hyphen_values = true)]
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_name = "N",
+        allow_hyphen_values = true
+    )]
     pub dp_step_offset: i64,
 
     /// Steps ahead of the observed step to ask torch_npu to start, covering its
@@ -89,6 +99,12 @@ pub struct VendorArgs {
     /// Seconds before a hook's process group is killed (SIGTERM, then SIGKILL).
     #[arg(long, default_value_t = 30.0, value_name = "SECS")]
     pub hook_timeout: f64,
+
+    /// Seconds a window's end waits for its hooks before writing meta.json;
+    /// results that come later go to <window>/hooks/hooks.json. The wait holds
+    /// up dynprof's event loop (not the target), so keep it short.
+    #[arg(long, default_value_t = 0.25, value_name = "SECS")]
+    pub hook_wait: f64,
 
     /// The parsed profiler_config.json in config-file mode (set by the trigger,
     /// not a flag): msprof's collection switches come from its `activities`
@@ -119,6 +135,7 @@ impl Default for VendorArgs {
             on_window_start: None,
             on_window_end: None,
             hook_timeout: 30.0,
+            hook_wait: 0.25,
             profiler_config: None,
             dp_prof_dir: None,
         }
@@ -127,7 +144,8 @@ impl Default for VendorArgs {
 
 impl VendorArgs {
     pub fn wants(&self, c: VendorCollector) -> bool {
-        self.collectors.contains(&c) || (c == VendorCollector::TorchNpuDp && self.dp_config_dir.is_some())
+        self.collectors.contains(&c)
+            || (c == VendorCollector::TorchNpuDp && self.dp_config_dir.is_some())
     }
 
     /// The msprof hook's configuration.
@@ -139,10 +157,12 @@ impl VendorArgs {
         };
         let mut env = Vec::new();
         for kv in &self.msprof_env {
-            let Some((k, v)) = kv.split_once('=') else { bail!("--msprof-env {kv:?}: expected KEY=VALUE") };
+            let Some((k, v)) = kv.split_once('=') else {
+                bail!("--msprof-env {kv:?}: expected KEY=VALUE")
+            };
             env.push((k.to_string(), v.to_string()));
         }
-        if !(self.msprof_timeout > 0.0) {
+        if self.msprof_timeout.is_nan() || self.msprof_timeout <= 0.0 {
             bail!("--msprof-timeout must be positive");
         }
         if self.msprof_max_commands < 2 {
@@ -169,7 +189,9 @@ pub fn build_hooks(args: &VendorArgs, _target: &Target) -> Result<Vec<Box<dyn Wi
     }
     if args.wants(VendorCollector::TorchNpuDp) {
         let Some(dir) = args.dp_config_dir.clone() else {
-            bail!("--collector torch-npu-dp needs --dp-config-dir DIR (the job's dp.init directory)")
+            bail!(
+                "--collector torch-npu-dp needs --dp-config-dir DIR (the job's dp.init directory)"
+            )
         };
         hooks.push(Box::new(TorchNpuDp::new(DpConfig {
             config_dir: dir,
@@ -180,13 +202,17 @@ pub fn build_hooks(args: &VendorArgs, _target: &Target) -> Result<Vec<Box<dyn Wi
         })));
     }
     if args.on_window_start.is_some() || args.on_window_end.is_some() {
-        if !(args.hook_timeout > 0.0) {
+        if args.hook_timeout.is_nan() || args.hook_timeout <= 0.0 {
             bail!("--hook-timeout must be positive");
+        }
+        if args.hook_wait.is_nan() || args.hook_wait < 0.0 {
+            bail!("--hook-wait must not be negative");
         }
         hooks.push(Box::new(UserHooks::new(
             args.on_window_start.clone(),
             args.on_window_end.clone(),
             Duration::from_secs_f64(args.hook_timeout),
+            Duration::from_secs_f64(args.hook_wait),
         )));
     }
     Ok(hooks)

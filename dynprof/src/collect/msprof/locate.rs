@@ -82,13 +82,27 @@ pub fn candidates(explicit: Option<&str>, env: &[(String, String)]) -> Vec<(Stri
             return out;
         }
         // A bare command name: search the target's PATH for it.
-        for dir in env_value(env, "PATH").unwrap_or("").split(':').filter(|d| d.starts_with('/')) {
-            out.push(("--msprof (in the target's PATH)".to_string(), format!("{}/{p}", dir.trim_end_matches('/'))));
+        for dir in env_value(env, "PATH")
+            .unwrap_or("")
+            .split(':')
+            .filter(|d| d.starts_with('/'))
+        {
+            out.push((
+                "--msprof (in the target's PATH)".to_string(),
+                format!("{}/{p}", dir.trim_end_matches('/')),
+            ));
         }
         return out;
     }
-    for dir in env_value(env, "PATH").unwrap_or("").split(':').filter(|d| d.starts_with('/')) {
-        out.push(("the target's PATH".to_string(), format!("{}/msprof", dir.trim_end_matches('/'))));
+    for dir in env_value(env, "PATH")
+        .unwrap_or("")
+        .split(':')
+        .filter(|d| d.starts_with('/'))
+    {
+        out.push((
+            "the target's PATH".to_string(),
+            format!("{}/msprof", dir.trim_end_matches('/')),
+        ));
     }
     for var in ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"] {
         if let Some(home) = env_value(env, var).filter(|h| h.starts_with('/')) {
@@ -103,22 +117,39 @@ pub fn candidates(explicit: Option<&str>, env: &[(String, String)]) -> Vec<(Stri
         "/usr/local/Ascend/latest".to_string(),
     ];
     if let Some(home) = env_value(env, "HOME").filter(|h| h.starts_with('/')) {
-        std_roots.push(format!("{}/Ascend/ascend-toolkit/latest", home.trim_end_matches('/')));
+        std_roots.push(format!(
+            "{}/Ascend/ascend-toolkit/latest",
+            home.trim_end_matches('/')
+        ));
     }
     for r in std_roots {
-        out.push(("standard toolkit path".to_string(), format!("{r}/bin/msprof")));
-        out.push(("standard toolkit path".to_string(), format!("{r}/tools/profiler/bin/msprof")));
+        out.push((
+            "standard toolkit path".to_string(),
+            format!("{r}/bin/msprof"),
+        ));
+        out.push((
+            "standard toolkit path".to_string(),
+            format!("{r}/tools/profiler/bin/msprof"),
+        ));
     }
     out
 }
 
 /// Finds msprof for a target whose filesystem is at `root`, or explains
 /// where it looked.
-pub fn locate(root: &Path, explicit: Option<&str>, env: &[(String, String)]) -> Result<Found, String> {
+pub fn locate(
+    root: &Path,
+    explicit: Option<&str>,
+    env: &[(String, String)],
+) -> Result<Found, String> {
     let cands = candidates(explicit, env);
     for (via, path) in &cands {
         if let Some((path, host_path)) = executable_in(root, path) {
-            return Ok(Found { path, host_path, via: via.clone() });
+            return Ok(Found {
+                path,
+                host_path,
+                via: via.clone(),
+            });
         }
     }
     let mut looked: Vec<&str> = cands.iter().map(|(_, p)| p.as_str()).collect();
@@ -145,8 +176,11 @@ mod tests {
         std::fs::write(&exe, "#!/bin/sh\n").unwrap();
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
         // An absolute link: must resolve inside `root`, not on the host.
-        std::os::unix::fs::symlink("/usr/local/Ascend/ascend-toolkit/8.0", root.join("usr/local/Ascend/ascend-toolkit/latest"))
-            .unwrap();
+        std::os::unix::fs::symlink(
+            "/usr/local/Ascend/ascend-toolkit/8.0",
+            root.join("usr/local/Ascend/ascend-toolkit/latest"),
+        )
+        .unwrap();
         let f = locate(&root, None, &[]).unwrap();
         assert_eq!(f.path, "/usr/local/Ascend/ascend-toolkit/latest/bin/msprof");
         assert_eq!(f.host_path, exe);

@@ -19,7 +19,12 @@ pub struct Pty {
 pub fn open() -> io::Result<Pty> {
     let mut m: libc::c_int = -1;
     let mut s: libc::c_int = -1;
-    let ws = libc::winsize { ws_row: 50, ws_col: 200, ws_xpixel: 0, ws_ypixel: 0 };
+    let ws = libc::winsize {
+        ws_row: 50,
+        ws_col: 200,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
     // SAFETY: openpty writes two fds into m and s; name and termios may be null.
     let rc = unsafe { libc::openpty(&mut m, &mut s, std::ptr::null_mut(), std::ptr::null(), &ws) };
     if rc != 0 {
