@@ -267,7 +267,7 @@ fn msprof_runs_in_the_target_pidns_and_writes_start_stop_inside_the_window_steps
         );
         let lat = meta["start_latency_ns"].as_u64().expect("latency recorded");
         assert!(lat < 1_000_000_000, "{lat}");
-        assert!(meta["start_written_ns"].as_u64().unwrap() <= start.ts());
+        assert!(meta["start_write_begin_ns"].as_u64().unwrap() <= start.ts());
         metas.push(meta);
     }
     // Repeated start/stop ERROR lines are recorded, not failures.
@@ -522,4 +522,41 @@ fn msprof_args_map_from_profiler_config() {
         args.msprof_config().unwrap().collection_args,
         ["--aicpu=on", "--task-time=on"]
     );
+}
+
+#[test]
+fn msprof_follows_profiler_config_switches_in_config_mode() {
+    require_privileges!();
+    let scratch = scratch_dir("msprof_config_mode");
+    let bin = standin_bin(&scratch);
+    let (log, mslog) = (scratch.join("trainer.log"), scratch.join("msprof.log"));
+    let (trainer, host) = trainer_in_pidns(&log, 20, &[("PROFILING_MODE", "dynamic")]);
+    let target = Target::open(HostPid(host)).unwrap();
+    let cfg = scratch.join("profiler_config.json");
+    let write_cfg = |level: &str| {
+        let v = serde_json::json!({"activities": ["NPU"], "experimental_config": {"profiler_level": level, "aic_metrics": "AiCoreNone"}});
+        std::fs::write(&cfg, v.to_string()).unwrap();
+    };
+    write_cfg("Level0");
+    let mut args = msprof_args(&scratch, &mslog);
+    args.msprof = Some(bin.join("msprof").display().to_string());
+    args.profiler_config_path = Some(cfg.clone());
+    let mut hook = one_hook(&args, &target);
+    hook.prepare(&target).unwrap();
+    let w = window(1, 1, 0, &scratch);
+    hook.on_window_start(&w, &target).unwrap();
+    write_cfg("Level1"); // an edit during the window applies to the next one
+    let m1 = hook.on_window_end(&w, &target).unwrap();
+    assert!(m1["collection_args"].as_array().unwrap().iter().any(|a| a == "--task-time=l0"), "{m1:#}");
+    assert!(m1["collection_args_change"]["to"].as_array().unwrap().iter().any(|a| a == "--task-time=l1"), "{m1:#}");
+    let w = window(2, 5, 0, &scratch);
+    hook.on_window_start(&w, &target).unwrap();
+    let m2 = hook.on_window_end(&w, &target).unwrap();
+    assert_eq!(m2["prof_dirs"].as_array().unwrap().len(), 1, "{m2:#}");
+    hook.shutdown(&target).unwrap();
+    let launches = ms_events(&mslog, "launch");
+    assert_eq!(launches.len(), 2, "{:?}", read_ms_log(&mslog));
+    assert!(launches[0].kv["argv"].contains("--task-time=l0"));
+    assert!(launches[1].kv["argv"].contains("--task-time=l1"));
+    assert!(trainer.is_running());
 }

@@ -111,6 +111,11 @@ pub struct MsprofConfig {
     pub output: Option<String>,
     /// Extra `KEY=VALUE`s for msprof's environment.
     pub env: Vec<(String, String)>,
+    /// Config-file mode: profiler_config.json, whose `activities` and
+    /// `experimental_config` give the collection switches when
+    /// `collection_args` is empty. Re-read after every window; a change
+    /// reconnects msprof with the new switches before the next window.
+    pub profiler_config_path: Option<PathBuf>,
     /// start+stop commands per connection before dynprof reconnects (msprof: 100).
     pub max_commands: u32,
     /// How long to wait for msprof's prompt (at connect and after `stop`).
@@ -124,6 +129,7 @@ impl Default for MsprofConfig {
             collection_args: Vec::new(),
             output: None,
             env: Vec::new(),
+            profiler_config_path: None,
             max_commands: 100,
             timeout: Duration::from_secs(30),
         }
@@ -197,9 +203,12 @@ impl Conn {
         self.out.lock().unwrap().eof
     }
 
-    fn write_cmd(&mut self, cmd: &str) -> std::io::Result<u64> {
-        self.master.write_all(format!("{cmd}\n").as_bytes())?;
-        Ok(monotonic_ns())
+    /// Writes one command line; returns (ns before the write, ns after it).
+    fn write_cmd(&mut self, cmd: &str) -> std::io::Result<(u64, u64)> {
+        let line = format!("{cmd}\n");
+        let t0 = monotonic_ns();
+        self.master.write_all(line.as_bytes())?;
+        Ok((t0, monotonic_ns()))
     }
 
     fn kill(&mut self) {
@@ -242,6 +251,8 @@ struct State {
     shutdown: bool,
     /// Reconnects and session ends since the last window's meta.
     events: Vec<Value>,
+    /// How to (re)start msprof; replaced when the collection switches change.
+    launch: Option<Arc<Launch>>,
 }
 
 struct Shared {
@@ -350,7 +361,7 @@ fn spawn_conn(l: &Launch, seq: u32, shared: &Arc<Shared>) -> Result<Conn> {
 
 /// Ends of sessions between windows are expected (command limit, idle exit):
 /// the supervisor reconnects then, off the event loop.
-fn supervisor(shared: Arc<Shared>, launch: Arc<Launch>) {
+fn supervisor(shared: Arc<Shared>) {
     let mut g = shared.lock();
     loop {
         if g.shutdown {
@@ -365,6 +376,9 @@ fn supervisor(shared: Arc<Shared>, launch: Arc<Launch>) {
                 .0;
             continue;
         }
+        let Some(launch) = g.launch.clone() else {
+            return;
+        };
         let old = g.conn.take().expect("checked above");
         let (seq, cmds, quit_sent) = (old.seq, old.cmds, old.quit_sent);
         let tail = old.out.lock().unwrap().tail(3);
@@ -372,7 +386,7 @@ fn supervisor(shared: Arc<Shared>, launch: Arc<Launch>) {
         drop(g);
         let status = old.reap();
         let reason = if quit_sent {
-            "dynprof ended it (command limit)".to_string()
+            "dynprof ended it (command limit, or new collection switches)".to_string()
         } else if tail
             .iter()
             .any(|l| l.contains("No collection") || l.to_lowercase().contains("idle"))
@@ -421,6 +435,7 @@ struct Win {
     hook_called_ns: u64,
     conn: Option<u32>,
     error: Option<String>,
+    start_write_begin_ns: Option<u64>,
     start_written_ns: Option<u64>,
     start_latency_ns: Option<u64>,
     out_from: usize,
@@ -432,6 +447,9 @@ pub struct MsprofHook {
     mode: Mode,
     shared: Arc<Shared>,
     launch: Option<Arc<Launch>>,
+    /// argv up to and including `--output=`; collection switches follow.
+    base_argv: Vec<String>,
+    args_in_use: Vec<String>,
     supervisor: Option<JoinHandle<()>>,
     found: Option<locate::Found>,
     output: String,
@@ -468,6 +486,8 @@ impl MsprofHook {
                 cv: Condvar::new(),
             }),
             launch: None,
+            base_argv: Vec::new(),
+            args_in_use: Vec::new(),
             supervisor: None,
             found: None,
             output: String::new(),
@@ -522,11 +542,8 @@ impl MsprofHook {
         argv.push("--dynamic=on".into());
         argv.push(format!("--pid={}", self.pid_arg));
         argv.push(format!("--output={}", self.output));
-        if self.cfg.collection_args.is_empty() {
-            argv.extend(DEFAULT_COLLECTION_ARGS.iter().map(|s| s.to_string()));
-        } else {
-            argv.extend(self.cfg.collection_args.iter().cloned());
-        }
+        self.base_argv = argv;
+        self.args_in_use = self.collection_args();
         // The job's environment (PATH, LD_LIBRARY_PATH, ASCEND_*), minus what
         // only the job itself may carry.
         let mut menv: Vec<(String, String)> = env
@@ -547,12 +564,68 @@ impl MsprofHook {
             menv.push((k.clone(), v.clone()));
         }
         self.found = Some(found);
-        self.launch = Some(Arc::new(Launch {
+        let mut argv = self.base_argv.clone();
+        argv.extend(self.args_in_use.iter().cloned());
+        self.set_launch(Launch {
             argv,
             env: menv,
             timeout: self.cfg.timeout,
-        }));
+        });
         Ok(())
+    }
+
+    fn set_launch(&mut self, l: Launch) {
+        let l = Arc::new(l);
+        self.launch = Some(l.clone());
+        self.shared.lock().launch = Some(l);
+    }
+
+    /// The collection switches: `--msprof-args`, else profiler_config.json's
+    /// (config-file mode), else the vendor documentation's example.
+    pub fn collection_args(&self) -> Vec<String> {
+        if !self.cfg.collection_args.is_empty() {
+            return self.cfg.collection_args.clone();
+        }
+        if let Some(p) = &self.cfg.profiler_config_path
+            && let Some(v) = std::fs::read_to_string(p)
+                .ok()
+                .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        {
+            let a = args_from_profiler_config(&v);
+            if !a.is_empty() {
+                return a;
+            }
+        }
+        DEFAULT_COLLECTION_ARGS
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    }
+
+    /// Config-file mode: when profiler_config.json now asks for other
+    /// switches, end the session; the next one starts with them.
+    fn follow_config(&mut self) -> Option<Value> {
+        self.cfg.profiler_config_path.as_ref()?;
+        let now = self.collection_args();
+        if now == self.args_in_use {
+            return None;
+        }
+        let old = std::mem::replace(&mut self.args_in_use, now.clone());
+        let mut argv = self.base_argv.clone();
+        argv.extend(now.iter().cloned());
+        let l = self.launch.as_ref()?;
+        let (env, timeout) = (l.env.clone(), l.timeout);
+        self.set_launch(Launch { argv, env, timeout });
+        let mut g = self.shared.lock();
+        if let Some(c) = g.conn.as_mut()
+            && !c.eof()
+            && !c.quit_sent
+        {
+            let _ = c.write_cmd("quit");
+            c.quit_sent = true;
+        }
+        self.shared.cv.notify_all();
+        Some(json!({"event": "collection_args_changed", "from": old, "to": now}))
     }
 
     /// Makes sure a live connection exists (waits for a reconnect under way,
@@ -695,11 +768,11 @@ impl WindowHook for MsprofHook {
             Err(e) => eprintln!("dynprof: error: msprof: {e:#} (will retry at the first window)"),
         }
         self.shared.lock().in_window = false;
-        let (shared, launch) = (self.shared.clone(), self.launch.clone().expect("set up"));
+        let shared = self.shared.clone();
         self.supervisor = Some(
             std::thread::Builder::new()
                 .name("msprof-supervisor".into())
-                .spawn(move || supervisor(shared, launch))?,
+                .spawn(move || supervisor(shared))?,
         );
         Ok(())
     }
@@ -713,6 +786,7 @@ impl WindowHook for MsprofHook {
             hook_called_ns: called,
             conn: None,
             error: None,
+            start_write_begin_ns: None,
             start_written_ns: None,
             start_latency_ns: None,
             out_from: 0,
@@ -729,8 +803,9 @@ impl WindowHook for MsprofHook {
                     win.prompts_at_start = o.prompts;
                 }
                 match c.write_cmd("start") {
-                    Ok(t) => {
+                    Ok((t0, t)) => {
                         c.cmds += 1;
+                        win.start_write_begin_ns = Some(t0);
                         win.start_written_ns = Some(t);
                         // open_ts_ns is the boundary of first_step; it is the
                         // boundary `start` answers only without warmup.
@@ -785,7 +860,7 @@ impl WindowHook for MsprofHook {
                 }
                 Some(c) => match c.write_cmd("stop") {
                     Err(e) => error = Some(format!("writing `stop` to msprof: {e}")),
-                    Ok(t) => {
+                    Ok((_, t)) => {
                         c.cmds += 1;
                         stop_written_ns = Some(t);
                         // The stop is done when the prompt returns (start's
@@ -861,6 +936,8 @@ impl WindowHook for MsprofHook {
             self.shared.lock().in_window = false;
             self.shared.cv.notify_all();
         }
+        let args_used: Vec<String> = self.args_in_use.clone();
+        let args_change = self.follow_config();
         let dirs = self.link_dirs(w, target);
         let events = std::mem::take(&mut self.shared.lock().events);
         let errors: Vec<&String> = lines
@@ -885,6 +962,7 @@ impl WindowHook for MsprofHook {
             // boundary -> hook called is the event loop's share of the
             // latency; hook called -> written is msprof's (a reconnect).
             "hook_called_ns": win.hook_called_ns,
+            "start_write_begin_ns": win.start_write_begin_ns,
             "start_written_ns": win.start_written_ns,
             "start_latency_ns": win.start_latency_ns,
             "stop_written_ns": stop_written_ns,
@@ -895,6 +973,8 @@ impl WindowHook for MsprofHook {
             "errors_recorded_as_normal": errors,
             "session_events": events,
             "quit_for_command_limit": quit_for_limit,
+            "collection_args": args_used,
+            "collection_args_change": args_change,
             "error": error,
         });
         if let Some(e) = error {

@@ -106,11 +106,16 @@ pub struct VendorArgs {
     #[arg(long, default_value_t = 0.25, value_name = "SECS")]
     pub hook_wait: f64,
 
-    /// The parsed profiler_config.json in config-file mode (set by the trigger,
-    /// not a flag): msprof's collection switches come from its `activities`
-    /// and `experimental_config` when --msprof-args is not given.
+    /// The parsed profiler_config.json (not a flag): msprof's collection
+    /// switches come from its `activities` and `experimental_config` when
+    /// --msprof-args is not given.
     #[arg(skip)]
     pub profiler_config: Option<serde_json::Value>,
+
+    /// Config-file mode (not a flag; set from --config-dir): the
+    /// profiler_config.json msprof's switches follow, re-read after each window.
+    #[arg(skip)]
+    pub profiler_config_path: Option<std::path::PathBuf>,
 
     /// prof_dir written to profiler_config.json (as the target sees it; relative
     /// paths are the job's cwd). Default: the template's.
@@ -137,6 +142,7 @@ impl Default for VendorArgs {
             hook_timeout: 30.0,
             hook_wait: 0.25,
             profiler_config: None,
+            profiler_config_path: None,
             dp_prof_dir: None,
         }
     }
@@ -173,6 +179,11 @@ impl VendorArgs {
             collection_args,
             output: self.msprof_output.clone(),
             env,
+            profiler_config_path: if self.msprof_args.is_none() && self.profiler_config.is_none() {
+                self.profiler_config_path.clone()
+            } else {
+                None
+            },
             max_commands: self.msprof_max_commands,
             timeout: Duration::from_secs_f64(self.msprof_timeout),
         })
@@ -216,4 +227,19 @@ pub fn build_hooks(args: &VendorArgs, _target: &Target) -> Result<Vec<Box<dyn Wi
         )));
     }
     Ok(hooks)
+}
+
+/// [`build_hooks`] for `attach`/`launch`: in config-file mode (`--config-dir`)
+/// msprof's collection switches follow that directory's profiler_config.json.
+pub fn build_hooks_for(
+    w: &crate::window::args::WindowArgs,
+    target: &Target,
+) -> Result<Vec<Box<dyn WindowHook>>> {
+    let mut v = w.vendor.clone();
+    if let Some(d) = &w.config_dir
+        && v.profiler_config_path.is_none()
+    {
+        v.profiler_config_path = Some(d.join("profiler_config.json"));
+    }
+    build_hooks(&v, target)
 }

@@ -163,7 +163,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
         ring_buffer_kb: args.ring_buffer_kb,
         mode_name: "attach",
         collectors: collectors(&args.window)?,
-        hooks: crate::collect::vendor_args::build_hooks(&args.window.vendor, &target)?,
+        hooks: crate::collect::vendor_args::build_hooks_for(&args.window, &target)?,
     };
     super::launch::drive(d, target, None, lock, wait).await.map(|_| ())
 }

@@ -372,7 +372,7 @@ pub async fn run(args: LaunchArgs) -> Result<()> {
         ring_buffer_kb: args.ring_buffer_kb,
         mode_name: "launch",
         collectors: attach::collectors(&args.window)?,
-        hooks: crate::collect::vendor_args::build_hooks(&args.window.vendor, &target)?,
+        hooks: crate::collect::vendor_args::build_hooks_for(&args.window, &target)?,
     };
     let r = drive(d, target, Some(kernel), lk, MarkerWait::WhileAlive).await;
     if let Err(e) = &r {
