@@ -1,18 +1,20 @@
 //! 2. A high API-call rate: tests/fixtures/acl_trainer `--calls-per-step N`
 //! on the test libascendcl.so (N aclrtLaunchKernel + a memcpy + a
-//! synchronize per step; kernel time 0, library log off).
+//! synchronize per step; simulated kernels take 0 µs, library log off).
 //!
-//! - Overhead: steps/s with the api collector on (a window over the
-//!   segment's steps) ÷ steps/s with dynprof not attached, interleaved, each
-//!   measured from the target's own CLOCK_MONOTONIC step log.
-//! - Sustained events/s with zero drops: API calls recorded per second of
-//!   window, from api_summary.csv (calls) and meta.json (the window's
-//!   boundaries), in runs whose summary reports zero drops.
-//! - Where drops begin: the same at the highest rate, sweeping the ring
-//!   buffer down from the default 4 MiB until drops appear; and the
-//!   consumer's capacity, computed from dynprof's CPU time per event.
+//! - Overhead: the trainer's steps/s with the api collector on (a window of
+//!   K steps, `--collect api`) ÷ steps/s with dynprof not attached just
+//!   before, per repetition. Both from the trainer's own step log / the
+//!   window's boundaries.
+//! - Sustained API events/s with zero drops: calls recorded (api_summary.csv)
+//!   per second of window (meta.json boundaries), in windows whose drops
+//!   are all zero.
+//! - Where drops begin: the same window at the default 4 MiB ring and
+//!   smaller ones, down to where drops appear; and dynprof's user-space
+//!   CPU per event (whole session, trace writing included), from which the
+//!   consumer's capacity is computed.
 
-use std::{process::Command, time::Duration};
+use std::{path::Path, process::Command, time::Duration};
 
 use anyhow::{Context as _, Result, bail};
 
@@ -24,242 +26,239 @@ use super::{
     say, stats,
 };
 
-/// `step i before after` lines, in order.
-fn step_log(path: &std::path::Path) -> Vec<(u64, u64, u64)> {
+/// `step` lines of the trainer's log: (index, end_ns).
+fn step_ends(path: &Path) -> Vec<u64> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     text.lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() == 4 && f[0] == "step")
-                .then(|| Some((f[1].parse().ok()?, f[2].parse().ok()?, f[3].parse().ok()?)))?
+            if f.len() == 4 && f[0] == "step" { f[3].parse().ok() } else { None }
         })
         .collect()
 }
 
-/// Steps/s over the log's steps that ended within [from, to] (ns).
-fn rate_between(log: &[(u64, u64, u64)], from: u64, to: u64) -> Option<f64> {
-    let v: Vec<&(u64, u64, u64)> = log
-        .iter()
-        .filter(|(_, _, e)| *e >= from && *e <= to)
-        .collect();
+fn rate_between(ends: &[u64], from: u64, to: u64) -> Option<f64> {
+    let v: Vec<u64> = ends.iter().copied().filter(|e| *e >= from && *e <= to).collect();
     if v.len() < 3 {
         return None;
     }
-    let (a, b) = (v[0].2, v[v.len() - 1].2);
-    Some((v.len() - 1) as f64 / ((b - a) as f64 / 1e9))
+    Some((v.len() - 1) as f64 / ((v[v.len() - 1] - v[0]) as f64 / 1e9))
 }
 
-struct OnRun {
+struct Win {
     steps_per_s: f64,
-    calls: u64,
+    events: u64,
     window_s: f64,
     drops: u64,
-    cpu_ns: u64,
+    api_drops: u64,
+    dp_cpu_ns: u64,
+    drain_cpu_ns: u64,
     hwm_kb: u64,
+}
+
+impl Win {
+    fn events_per_s(&self) -> f64 {
+        self.events as f64 / self.window_s
+    }
+}
+
+fn window(ctx: &Ctx, target: &Proc, log: &Path, steps: u64, ring_kb: u32, tag: &str) -> Result<Win> {
+    let out = ctx.work.join(format!("api-{tag}"));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut cmd = ctx.dynprof_cmd();
+    cmd.args(["attach", "--pid", &target.pid().to_string(), "--marker", "exe:optimizer_step", "--json", "--collect", "api"])
+        .args(["--start-step", "-1", "--active", &steps.to_string(), "--ring-buffer-kb", &ring_kb.to_string(), "--output"])
+        .arg(&out);
+    let mut dp = Proc::spawn("dynprof attach --collect api", &mut cmd)?;
+    dp.wait_event(Duration::from_secs(60), "attached")?;
+    // dynprof's CPU while the window runs (drain + decode), apart from
+    // writing the window afterwards: sampled when the trainer has logged
+    // the window's steps.
+    let c0 = procs::cpu_ns(dp.pid()).unwrap_or(0);
+    let n0 = step_ends(log).len() as u64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while (step_ends(log).len() as u64) < n0 + steps + 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let drain_cpu = procs::cpu_ns(dp.pid()).unwrap_or(0).saturating_sub(c0);
+    let (_, w) = dp.wait_event(Duration::from_secs(300), "window")?;
+    let cpu = procs::cpu_ns(dp.pid()).unwrap_or(0);
+    let hwm = procs::status_kb(dp.pid(), "VmHWM").unwrap_or(0);
+    dp.wait_exit(Duration::from_secs(60))?;
+    let dir = w.get("window").and_then(|w| w.str("dir")).context("window line without dir")?.to_string();
+    let meta = json::parse(&std::fs::read_to_string(Path::new(&dir).join("meta.json"))?).context("parsing meta.json")?;
+    let (t0, t1, n) = match meta.get("steps") {
+        Some(Json::Arr(a)) if a.len() >= 2 => {
+            (a[0].u64("start_ts_ns").unwrap_or(0), a[a.len() - 1].u64("end_ts_ns").unwrap_or(0), a.len() as u64)
+        }
+        _ => bail!("window {dir} recorded fewer than 2 steps"),
+    };
+    let (mut drops, mut api_drops) = (0, 0);
+    if let Some(Json::Obj(kv)) = meta.get("drops") {
+        for (k, v) in kv {
+            let v = v.as_u64().unwrap_or(0);
+            drops += v;
+            if k == "api" {
+                api_drops = v;
+            }
+        }
+    }
+    let window_s = t1.saturating_sub(t0) as f64 / 1e9;
+    Ok(Win {
+        steps_per_s: n as f64 / window_s,
+        events: api_calls(&Path::new(&dir).join("api_summary.csv"))?,
+        window_s,
+        drops,
+        api_drops,
+        dp_cpu_ns: cpu,
+        drain_cpu_ns: drain_cpu,
+        hwm_kb: hwm,
+    })
 }
 
 pub fn run(ctx: &Ctx) -> Result<Section> {
     if !ctx.has_flag("--collect") {
         bail!("this dynprof has no api collector yet (`attach --collect`)");
     }
-    let calls_per_step: u64 = 5000;
+    let calls_per_step: u64 = 2000;
     let log = ctx.work.join("acl-trainer.log");
     let mut target = Proc::spawn(
         "acl_trainer",
-        Command::new(ctx.fixtures.join("acl_trainer"))
-            .args(["--calls-per-step", &calls_per_step.to_string(), "--log"])
-            .arg(&log),
+        Command::new(ctx.fixtures.join("acl_trainer")).args(["--calls-per-step", &calls_per_step.to_string(), "--log"]).arg(&log),
     )?;
     target.wait_prefix(Duration::from_secs(30), "ready")?;
-    std::thread::sleep(Duration::from_millis(300));
-    let tl = step_log(&log);
-    let bare_guess = rate_between(&tl, 0, u64::MAX).unwrap_or(100.0);
-    let seg_s = if ctx.quick() { 1.0 } else { 3.0 };
-    say(format!(
-        "api: acl_trainer {bare_guess:.0} steps/s bare = {:.2}M calls/s",
-        bare_guess * (calls_per_step + 2) as f64 / 1e6
-    ));
-
+    std::thread::sleep(Duration::from_millis(500));
+    let bare_s = if ctx.quick() { 0.5 } else { 1.5 };
+    // Steps per window: ~0.3 s (quick) / 1 s of probed calls at ~100k calls/s.
+    let win_steps: u64 = if ctx.quick() { 15 } else { 50 };
     let reps = ctx.reps();
     let mut bare = Vec::new();
-    let mut on: Vec<OnRun> = Vec::new();
-    let mut errors = Vec::new();
-    let on_run = |ring_kb: u32, seg_s: f64, target: &Proc, idx: usize| -> Result<OnRun> {
-        let out = ctx.work.join(format!("api-window-{idx}"));
-        let _ = std::fs::remove_dir_all(&out);
-        let mut cmd = ctx.dynprof_cmd();
-        // The window's length in steps: enough for seg_s at the probed rate (measured on the fly below).
-        cmd.args([
-            "attach",
-            "--pid",
-            &target.pid().to_string(),
-            "--json",
-            "--collect",
-            "api",
-            "--start-step",
-            "-1",
-            "--duration",
-        ])
-        .arg(format!("{}", seg_s + 1.0))
-        .args([
-            "--active",
-            "1000000",
-            "--ring-buffer-kb",
-            &ring_kb.to_string(),
-            "--output",
-        ])
-        .arg(&out);
-        let mut dp = Proc::spawn("dynprof attach (api)", &mut cmd)?;
-        dp.wait_event(Duration::from_secs(60), "attached")?;
-        let c0 = procs::cpu_ns(dp.pid()).unwrap_or(0);
-        let st = dp.wait_exit(Duration::from_secs(120))?;
-        let _ = st;
-        let sum = dp
-            .events("summary")
-            .pop()
-            .map(|(_, j)| j)
-            .context("no summary line")?;
-        let drops = match sum.get("drops") {
-            Some(Json::Obj(kv)) => kv.iter().filter_map(|(_, v)| v.as_u64()).sum(),
-            _ => 0,
-        };
-        let win = dp
-            .events("window")
-            .pop()
-            .map(|(_, j)| j)
-            .context("no window line")?;
-        let dir = win
-            .get("window")
-            .and_then(|w| w.str("dir"))
-            .context("window without dir")?
-            .to_string();
-        let meta = json::parse(&std::fs::read_to_string(
-            std::path::Path::new(&dir).join("meta.json"),
-        )?)
-        .context("meta.json")?;
-        let (t0, t1, n) = match meta.get("steps") {
-            Some(Json::Arr(a)) if a.len() >= 2 => (
-                a[0].u64("start_ts_ns").unwrap_or(0),
-                a[a.len() - 1].u64("end_ts_ns").unwrap_or(0),
-                a.len() as u64,
-            ),
-            _ => bail!("window {dir} recorded fewer than 2 steps"),
-        };
-        let calls = api_calls(&std::path::Path::new(&dir).join("api_summary.csv"))?;
-        let window_s = (t1.saturating_sub(t0)) as f64 / 1e9;
-        let _ = c0;
-        Ok(OnRun {
-            steps_per_s: n as f64 / window_s,
-            calls,
-            window_s,
-            drops,
-            cpu_ns: 0,
-            hwm_kb: 0,
-        })
-    };
+    let mut wins: Vec<Win> = Vec::new();
     for rep in 0..reps {
         let a = procs::monotonic_ns();
-        std::thread::sleep(Duration::from_secs_f64(seg_s));
+        std::thread::sleep(Duration::from_secs_f64(bare_s));
         let b = procs::monotonic_ns();
-        if let Some(r) = rate_between(&step_log(&log), a, b) {
-            bare.push(r);
-        }
-        match on_run(4096, seg_s, &target, rep) {
-            Ok(r) => {
-                say(format!(
-                    "api rep {}: bare {:.0} steps/s, api on {:.0} steps/s, {:.0} calls/s, drops {}",
-                    rep + 1,
-                    bare.last().copied().unwrap_or(0.0),
-                    r.steps_per_s,
-                    r.calls as f64 / r.window_s,
-                    r.drops
-                ));
-                on.push(r);
+        let r = rate_between(&step_ends(&log), a, b).context("the trainer logged no steps")?;
+        let w = window(ctx, &target, &log, win_steps, 4096, &format!("rep{rep}"))?;
+        say(format!(
+            "api rep {}: off {:.0} steps/s ({:.2}M calls/s), on {:.0} steps/s, {:.0} events/s, drops {}",
+            rep + 1,
+            r,
+            r * (calls_per_step + 2) as f64 / 1e6,
+            w.steps_per_s,
+            w.events_per_s(),
+            w.drops
+        ));
+        bare.push(r);
+        wins.push(w);
+    }
+    // Ring-buffer sweep at the same rate: where do drops begin?
+    let rings: &[u32] = if ctx.quick() { &[256, 64, 16, 4] } else { &[1024, 256, 128, 64, 32, 16, 8, 4] };
+    let mut sweep: Vec<(u32, Win)> = Vec::new();
+    for &kb in rings {
+        match window(ctx, &target, &log, win_steps, kb, &format!("ring{kb}")) {
+            Ok(w) => {
+                say(format!("api ring {kb} KiB: {:.0} events/s, api drops {}", w.events_per_s(), w.api_drops));
+                sweep.push((kb, w));
             }
-            Err(e) => {
-                errors.push(format!("{e:#}"));
-                break;
-            }
+            Err(e) => say(format!("api ring {kb} KiB: {e:#}")),
         }
     }
     let _ = target.stop(Duration::from_secs(10));
-    let _ = (stats::median(&bare), &on);
+
     let mut s = Section::new("");
-    if on.is_empty() {
-        bail!("no api run succeeded: {}", errors.join("; "));
+    let ratio: Vec<f64> = wins.iter().zip(&bare).map(|(w, b)| w.steps_per_s / b).collect();
+    let bare_calls = stats::median(&bare).unwrap_or(0.0) * (calls_per_step + 2) as f64;
+    s.figures.push(
+        Figure::new("api_on_over_off", "steps/s, api collector on ÷ off", Unit::Ratio, Goal::Info, "")
+            .samples(ratio)
+            .note(format!(
+                "acl_trainer --calls-per-step {calls_per_step}: {:.2}M API calls/s bare. With the collector every call takes an entry \
+                 uprobe and a return uprobe (two traps, ~{:.0} µs per call here), so the target itself cannot call faster than the rate below",
+                bare_calls / 1e6,
+                1e6 / stats::median(&wins.iter().map(|w| w.events_per_s()).collect::<Vec<_>>()).unwrap_or(1.0)
+            )),
+    );
+    let ok: Vec<f64> = wins.iter().filter(|w| w.drops == 0).map(|w| w.events_per_s()).collect();
+    let mut f = Figure::new("api_events_per_s_zero_drops", "API events/s sustained with zero drops", Unit::PerSec, Goal::AtLeast(1e6), "≥ 1,000,000")
+        .samples(ok.clone());
+    if ok.len() < wins.len() {
+        f.note = format!("{} of {} windows had drops at the default ring", wins.len() - ok.len(), wins.len());
     }
-    let ratio: Vec<f64> = on
-        .iter()
-        .zip(&bare)
-        .map(|(o, b)| o.steps_per_s / b)
-        .collect();
-    s.figures.push(
-        Figure::new(
-            "api_on_over_off",
-            "steps/s, api collector on ÷ off",
-            Unit::Ratio,
-            Goal::Info,
-            "",
-        )
-        .samples(ratio),
-    );
-    let ok_rates: Vec<f64> = on
-        .iter()
-        .filter(|r| r.drops == 0)
-        .map(|r| r.calls as f64 / r.window_s)
-        .collect();
-    s.figures.push(
-        Figure::new(
-            "api_events_per_s_zero_drops",
-            "API events/s sustained with zero drops",
-            Unit::PerSec,
-            Goal::AtLeast(1e6),
-            "≥ 1,000,000",
-        )
-        .samples(ok_rates),
-    );
+    s.figures.push(f);
+    // Consumer capacity, computed from dynprof's CPU per event while the
+    // window runs (drain, decode, keep), and the whole session's.
+    let drain_ns: Vec<f64> = wins.iter().filter(|w| w.events > 0).map(|w| w.drain_cpu_ns as f64 / w.events as f64).collect();
+    let total_ns: Vec<f64> = wins.iter().filter(|w| w.events > 0).map(|w| w.dp_cpu_ns as f64 / w.events as f64).collect();
+    if let Some(m) = stats::median(&drain_ns) {
+        s.figures.push(
+            Figure::new("api_drain_ns_per_event", "dynprof CPU per API event while the window runs", Unit::Ns, Goal::Info, "")
+                .samples(drain_ns.clone()),
+        );
+        s.figures.push(
+            Figure::new("api_session_ns_per_event", "dynprof CPU per API event, whole session (incl. writing the window)", Unit::Ns, Goal::Info, "")
+                .samples(total_ns.clone()),
+        );
+        s.figures.push(
+            Figure::new("api_consumer_capacity", "consumer capacity, one core, while the window runs", Unit::PerSec, Goal::Info, "")
+                .value(1e9 / m)
+                .computed()
+                .note("1 s ÷ dynprof's CPU time per event during the window (ring drain, decode, buffering); writing trace.json etc. comes after the window"),
+        );
+    }
+    let onset = sweep.iter().filter(|(_, w)| w.api_drops > 0).map(|(kb, _)| *kb).max();
+    let clean = sweep.iter().filter(|(_, w)| w.api_drops == 0).map(|(kb, _)| *kb).min();
+    let rate = stats::median(&ok).unwrap_or(0.0);
+    let mut f = Figure::new("api_drop_onset", "ring size (KiB) where drops begin, at that rate", Unit::Count, Goal::Info, "");
+    f = match onset {
+        Some(kb) => f.value(kb as f64).note(format!(
+            "no drops at the default 4096 KiB ring up to the highest rate the probed target reaches ({:.0}k events/s); drops appear with a ring of {kb} KiB or less{}",
+            rate / 1e3,
+            clean.map(|c| format!(", none at {c} KiB")).unwrap_or_default()
+        )),
+        None => f.missing(format!(
+            "no drops at any ring size tried ({} KiB) at {:.0}k events/s, the highest rate the probed target reaches",
+            rings.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "),
+            rate / 1e3
+        )),
+    };
+    s.figures.push(f);
     s.raw = Json::obj(vec![
         ("calls_per_step", Json::int(calls_per_step)),
-        ("bare_steps_per_s", Json::nums(&bare)),
+        ("window_steps", Json::int(win_steps)),
+        ("off_steps_per_s", Json::nums(&bare)),
+        ("on_steps_per_s", Json::nums(&wins.iter().map(|w| w.steps_per_s).collect::<Vec<_>>())),
+        ("on_events", Json::nums(&wins.iter().map(|w| w.events as f64).collect::<Vec<_>>())),
+        ("on_window_s", Json::nums(&wins.iter().map(|w| w.window_s).collect::<Vec<_>>())),
+        ("on_drops", Json::nums(&wins.iter().map(|w| w.drops as f64).collect::<Vec<_>>())),
+        ("dynprof_cpu_ns", Json::nums(&wins.iter().map(|w| w.dp_cpu_ns as f64).collect::<Vec<_>>())),
+        ("dynprof_drain_cpu_ns", Json::nums(&wins.iter().map(|w| w.drain_cpu_ns as f64).collect::<Vec<_>>())),
+        ("dynprof_vmhwm_kb", Json::nums(&wins.iter().map(|w| w.hwm_kb as f64).collect::<Vec<_>>())),
         (
-            "on_steps_per_s",
-            Json::nums(&on.iter().map(|r| r.steps_per_s).collect::<Vec<_>>()),
-        ),
-        (
-            "on_calls",
-            Json::nums(&on.iter().map(|r| r.calls as f64).collect::<Vec<_>>()),
-        ),
-        (
-            "on_window_s",
-            Json::nums(&on.iter().map(|r| r.window_s).collect::<Vec<_>>()),
-        ),
-        (
-            "on_drops",
-            Json::nums(&on.iter().map(|r| r.drops as f64).collect::<Vec<_>>()),
-        ),
-        (
-            "on_cpu_ns",
-            Json::nums(&on.iter().map(|r| r.cpu_ns as f64).collect::<Vec<_>>()),
-        ),
-        (
-            "on_hwm_kb",
-            Json::nums(&on.iter().map(|r| r.hwm_kb as f64).collect::<Vec<_>>()),
+            "ring_sweep",
+            Json::Arr(
+                sweep
+                    .iter()
+                    .map(|(kb, w)| {
+                        Json::obj(vec![
+                            ("ring_kb", Json::int(*kb as u64)),
+                            ("events", Json::int(w.events)),
+                            ("events_per_s", Json::num(w.events_per_s())),
+                            ("api_drops", Json::int(w.api_drops)),
+                        ])
+                    })
+                    .collect(),
+            ),
         ),
     ]);
     Ok(s)
 }
 
 /// Total `calls` in an api_summary.csv (`api,calls,total_ns,...`).
-fn api_calls(path: &std::path::Path) -> Result<u64> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+fn api_calls(path: &Path) -> Result<u64> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut lines = text.lines();
     let head: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
-    let col = head
-        .iter()
-        .position(|h| *h == "calls")
-        .context("api_summary.csv has no calls column")?;
-    Ok(lines
-        .filter_map(|l| l.split(',').nth(col)?.parse::<u64>().ok())
-        .sum())
+    let col = head.iter().position(|h| *h == "calls").context("api_summary.csv has no calls column")?;
+    Ok(lines.filter_map(|l| l.split(',').nth(col)?.parse::<u64>().ok()).sum())
 }

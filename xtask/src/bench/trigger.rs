@@ -52,16 +52,27 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             .missing("this dynprof has no windows yet (`attach --interactive`)"),
         );
     }
-    s.figures.push(
-        Figure::new(
-            "boundary_to_msprof_start_p99_ms",
-            "boundary → msprof `start` written, p99",
-            Unit::Ms,
-            Goal::AtMost(5.0),
-            "≤ 5 ms",
-        )
-        .missing("this dynprof has no msprof collector yet"),
-    );
+    if let Err(e) = latency(ctx, &mut s, &mut raw) {
+        say(format!("trigger latency: {e:#}"));
+        s.figures.push(
+            Figure::new("boundary_to_user_p99_ms", "boundary → user space, p99", Unit::Ms, Goal::AtMost(1.0), "≤ 1 ms")
+                .missing(format!("could not run: {e:#}")),
+        );
+    }
+    if ctx.has_flag("--msprof") {
+        if let Err(e) = msprof(ctx, &mut s, &mut raw) {
+            say(format!("trigger msprof: {e:#}"));
+            s.figures.push(
+                Figure::new("boundary_to_msprof_start_p99_ms", "boundary → msprof `start` written, p99", Unit::Ms, Goal::AtMost(5.0), "≤ 5 ms")
+                    .missing(format!("could not run: {e:#}")),
+            );
+        }
+    } else {
+        s.figures.push(
+            Figure::new("boundary_to_msprof_start_p99_ms", "boundary → msprof `start` written, p99", Unit::Ms, Goal::AtMost(5.0), "≤ 5 ms")
+                .missing("this dynprof has no msprof collector yet"),
+        );
+    }
     poll_figures(ctx, &mut s, &mut raw);
     s.raw = raw;
     Ok(s)
@@ -136,7 +147,9 @@ fn read_log(path: &std::path::Path) -> Result<HashMap<u64, (u64, u64)>> {
 /// that dynprof's S corresponds to (offset fixed from the first window).
 fn windows(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let n_windows = 100;
-    let ahead = 5;
+    // Far enough ahead (~0.1 s of PyTorch steps) that a console round trip
+    // on a loaded machine does not arrive after S has begun.
+    let ahead = 20;
     let log = ctx.work.join("trigger-torch.log");
     let out = ctx.work.join("trigger-windows");
     let _ = std::fs::remove_dir_all(&out);
@@ -168,21 +181,27 @@ fn windows(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     }
     let mut dp = Proc::spawn("dynprof attach --interactive", &mut cmd)?;
     dp.wait_event(Duration::from_secs(60), "attached")?;
-    dp.wait_event(Duration::from_secs(30), "step")?;
+    dp.wait_for(Duration::from_secs(30), |l| l.text.contains("console ready"))?;
     let mut requests: Vec<(u64, Json)> = Vec::new();
+    let mut late = 0u64;
     let t = Duration::from_secs(30);
     for k in 0..n_windows {
-        dp.pump();
-        let last = dp.seen.iter().rev().find_map(|l| {
-            l.json()
-                .filter(|j| j.str("event") == Some("step"))
-                .and_then(|j| j.u64("step"))
-        });
-        let Some(last) = last else {
-            bail!("no step events seen")
-        };
+        // The console prints no step lines; `status` tells the current step.
+        dp.send("status")?;
+        let st = dp.wait_for(t, |l| l.text.contains("current step"))?;
+        let last: u64 = st
+            .text
+            .split("current step ")
+            .nth(1)
+            .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok())
+            .context("could not read the current step from `status`")?;
         let want = last + ahead;
         dp.send(&format!("capture 1 at {want}"))?;
+        let reply = dp.wait_for(t, |l| l.text.starts_with("window records") || l.text.starts_with("error"))?;
+        if reply.text.contains("already begun") {
+            late += 1;
+        }
         let (_, w) = dp
             .wait_event(t, "window")
             .with_context(|| format!("window {} (capture 1 at {want})", k + 1))?;
@@ -262,6 +281,11 @@ fn windows(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     if !notes.is_empty() {
         note.push_str(&format!("; misses: {}", notes.join("; ")));
     }
+    if late > 0 {
+        note.push_str(&format!(
+            "; {late} of them because the request reached dynprof after step S had begun (dynprof then opens at the next boundary and says so)"
+        ));
+    }
     f = f.note(note);
     s.figures.push(f);
     if !lat.is_empty() {
@@ -277,10 +301,162 @@ fn windows(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
         );
     }
     raw.push("windows", Json::Arr(rows));
+    raw.push("windows_requested_late", Json::int(late));
     raw.push("windows_boundary_to_user_ms", Json::nums(&lat));
     raw.push(
         "windows_offset_dynprof_to_target_step",
         offset.map(|o| Json::num(o as f64)).unwrap_or(Json::Null),
     );
+    Ok(())
+}
+
+/// Windows driving the stand-in msprof (tests/fixtures/msprof_standin.py)
+/// on the fixture trainer (PROFILING_MODE=dynamic, 20 ms steps): the
+/// latency from the boundary hit to the end of the `start` write, as
+/// dynprof records it in meta.json (hooks.msprof.start_latency_ns).
+fn msprof(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
+    let windows: u64 = if ctx.quick() { 20 } else { 100 };
+    let dir = ctx.work.join("msprof");
+    let _ = std::fs::remove_dir_all(&dir);
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin)?;
+    std::os::unix::fs::symlink(crate::util::workspace_root().join("tests/fixtures/msprof_standin.py"), bin.join("msprof"))?;
+    let out = dir.join("out");
+    let mut tr = Proc::spawn(
+        "trainer",
+        Command::new(ctx.fixtures.join("trainer"))
+            .args(["--steps", "0", "--step-ms", "20", "--busy-pct", "10"])
+            .env("PROFILING_MODE", "dynamic"),
+    )?;
+    tr.wait_prefix(Duration::from_secs(30), "ready")?;
+    let mut cmd = ctx.dynprof_cmd();
+    cmd.args(["attach", "--pid", &tr.pid().to_string(), "--marker", "exe:optimizer_step", "--json"])
+        .args(["--start-step", "3", "--active", "1", "--repeat", &(windows - 1).to_string(), "--gap", "10"])
+        .args(["--collect", "cpu", "--collector", "msprof", "--msprof"])
+        .arg(bin.join("msprof"))
+        .arg("--msprof-output")
+        .arg(dir.join("msprof_out"))
+        .arg("--output")
+        .arg(&out);
+    let mut dp = Proc::spawn("dynprof attach --collector msprof", &mut cmd)?;
+    let st = dp.wait_exit(Duration::from_secs(600))?;
+    let _ = tr.stop(Duration::from_secs(10));
+    if !st.success() {
+        let tail: Vec<String> = dp.seen.iter().rev().take(5).map(|l| l.text.clone()).collect();
+        bail!("dynprof exited with {st}: {}", tail.join(" | "));
+    }
+    let mut lat = Vec::new();
+    let mut loop_share = Vec::new();
+    let mut write_share = Vec::new();
+    let mut missing = 0;
+    for e in std::fs::read_dir(&out)?.flatten() {
+        let Some(m) = std::fs::read_to_string(e.path().join("meta.json")).ok().and_then(|t| json::parse(&t)) else { continue };
+        match m.get("hooks").and_then(|h| h.get("msprof")).and_then(|h| h.u64("start_latency_ns")) {
+            Some(ns) => lat.push(ns as f64 / 1e6),
+            None => missing += 1,
+        }
+        if let Some(h) = m.get("hooks").and_then(|h| h.get("msprof")) {
+            if let (Some(b), Some(c), Some(w)) = (h.u64("boundary_ts_ns"), h.u64("hook_called_ns"), h.u64("start_written_ns")) {
+                loop_share.push(c.saturating_sub(b) as f64 / 1e6);
+                write_share.push(w.saturating_sub(c) as f64 / 1e6);
+            }
+        }
+    }
+    if lat.is_empty() {
+        bail!("no window recorded a start latency ({missing} windows without)");
+    }
+    let p = |q: f64| stats::percentile(&lat, q).unwrap_or(f64::NAN);
+    s.figures.push(
+        Figure::new("boundary_to_msprof_start_p99_ms", "boundary → msprof `start` written, p99", Unit::Ms, Goal::AtMost(5.0), "≤ 5 ms")
+            .value(p(99.0))
+            .note(format!(
+                "{} windows against the stand-in msprof on a pty (fixture trainer, 20 ms steps); p50 {:.3} ms, max {:.3} ms. \
+                 Split: boundary → dynprof's hook called p99 {:.3} ms (the event loop getting a CPU), hook → `start` written p99 {:.3} ms{}",
+                lat.len(),
+                p(50.0),
+                p(100.0),
+                stats::percentile(&loop_share, 99.0).unwrap_or(f64::NAN),
+                stats::percentile(&write_share, 99.0).unwrap_or(f64::NAN),
+                if missing > 0 { format!("; {missing} windows recorded no latency") } else { String::new() }
+            )),
+    );
+    raw.push("msprof_start_latency_ms", Json::nums(&lat));
+    raw.push("msprof_boundary_to_hook_ms", Json::nums(&loop_share));
+    raw.push("msprof_hook_to_written_ms", Json::nums(&write_share));
+    Ok(())
+}
+
+/// Boundary hit → user space: `dynprof attach --json` on real PyTorch
+/// (torch_train.py, free-running) with `DYNPROF_RECV_NS=1`; each step line
+/// carries the kernel's ts_ns and recv_ns (CLOCK_MONOTONIC when the printer
+/// got it). Interleaved with a diagnostic run of the same command under
+/// `chrt -f 1` (SCHED_FIFO), which shows how much of the tail is the event
+/// loop waiting for a CPU.
+fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
+    let script = crate::util::workspace_root().join("tests/fixtures/torch_train.py");
+    let mut py = Proc::spawn("torch_train.py", Command::new(&ctx.python).arg(&script).args(["--steps", "0"]))?;
+    py.wait_prefix(Duration::from_secs(180), "ready")?;
+    let secs = if ctx.quick() { 1.5 } else { 4.0 };
+    let mut normal: Vec<f64> = Vec::new();
+    let mut fifo: Vec<f64> = Vec::new();
+    let mut per_run_p99 = Vec::new();
+    for _ in 0..ctx.reps() {
+        for rt in [false, true] {
+            let mut cmd = if rt {
+                let mut c = Command::new("chrt");
+                c.args(["-f", "1"]).arg(&ctx.dynprof);
+                c
+            } else {
+                ctx.dynprof_cmd()
+            };
+            cmd.env("DYNPROF_RECV_NS", "1")
+                .args(["attach", "--pid", &py.pid().to_string(), "--json", "--duration", &secs.to_string()]);
+            let mut dp = Proc::spawn("dynprof attach (latency)", &mut cmd)?;
+            dp.wait_exit(Duration::from_secs(120))?;
+            let v: Vec<f64> = dp
+                .events("step")
+                .iter()
+                .filter_map(|(_, j)| Some(j.u64("recv_ns")?.saturating_sub(j.u64("ts_ns")?) as f64 / 1e6))
+                .collect();
+            if v.is_empty() {
+                bail!("no step line carried recv_ns");
+            }
+            if !rt {
+                per_run_p99.push(stats::percentile(&v, 99.0).unwrap_or(f64::NAN));
+                normal.extend(v);
+            } else {
+                fifo.extend(v);
+            }
+        }
+    }
+    let _ = py.stop(Duration::from_secs(10));
+    let p = |v: &[f64], q: f64| stats::percentile(v, q).unwrap_or(f64::NAN);
+    s.figures.push(Figure::new("boundary_to_user_p50_ms", "boundary → user space, p50", Unit::Ms, Goal::Info, "").value(p(&normal, 50.0)));
+    let mut f = Figure::new("boundary_to_user_p99_ms", "boundary → user space, p99", Unit::Ms, Goal::AtMost(1.0), "≤ 1 ms")
+        .value(p(&normal, 99.0))
+        .samples(per_run_p99.clone());
+    let mut note = format!(
+        "{} step events on real PyTorch over {} runs (samples: each run's p99); ts_ns = bpf_ktime_get_ns at the hit, recv_ns = CLOCK_MONOTONIC in the printer",
+        normal.len(),
+        per_run_p99.len()
+    );
+    if p(&normal, 99.0) > 1.0 {
+        note.push_str(&format!(
+            ". Cause of the tail: the event loop waiting for a CPU (load average {} on {} CPUs during the run): the same runs under \
+             SCHED_FIFO (chrt -f 1) give p99 {:.3} ms. Fix: dynprof could raise its event-loop thread's priority while attached",
+            super::procs::read_trimmed("/proc/loadavg").unwrap_or_default().split_whitespace().next().unwrap_or("?"),
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            p(&fifo, 99.0)
+        ));
+    }
+    f = f.note(note);
+    s.figures.push(f);
+    s.figures.push(Figure::new("boundary_to_user_max_ms", "boundary → user space, max", Unit::Ms, Goal::Info, "").value(p(&normal, 100.0)));
+    s.figures.push(
+        Figure::new("boundary_to_user_fifo_p99_ms", "boundary → user space p99, dynprof under SCHED_FIFO (diagnostic)", Unit::Ms, Goal::Info, "")
+            .value(p(&fifo, 99.0)),
+    );
+    raw.push("boundary_to_user_ms", Json::nums(&normal));
+    raw.push("boundary_to_user_fifo_ms", Json::nums(&fifo));
     Ok(())
 }
