@@ -178,10 +178,10 @@ impl Dynprof {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok(line) => {
-                    if let Some(v) = self.push(line) {
-                        if v["event"] == kind {
-                            return v;
-                        }
+                    if let Some(v) = self.push(line)
+                        && v["event"] == kind
+                    {
+                        return v;
                     }
                 }
                 Err(e) => {
