@@ -5,11 +5,14 @@ one process serves every interleaved condition (no import cost per sample).
 
 Prints `ready <pid>` after a warm-up, then per stdin line:
   run MODE N   run N training steps and print
-               `result MODE N <elapsed_ns> <first_step> <last_step> <exit_ns>`
+               `result MODE N <elapsed_ns> <first_step> <last_step> <exit_ns> <cpu_ns>`
                MODE: bare | prof (torch.profiler, CPU activity) |
                      prof_stack (the same with with_stack=True)
                elapsed_ns covers the N steps only (time.monotonic_ns);
-               exit_ns is the profiler's own __exit__ (trace building).
+               exit_ns is the profiler's own __exit__ (trace building);
+               cpu_ns is the training thread's CPU time over the N steps
+               (CLOCK_THREAD_CPUTIME_ID: immune to other processes holding
+               the CPU, still counting uprobe traps taken in this thread).
   quit
 Every step logs `step <i> <before_ns> <after_ns>` around optimizer.step()
 to --log, like the fixtures, when given.
@@ -68,25 +71,29 @@ def main():
         first = step[0] + 1
         exit_ns = 0
         if mode == "bare":
+            c0 = time.thread_time_ns()
             t0 = time.monotonic_ns()
             for _ in range(n):
                 one_step()
             t1 = time.monotonic_ns()
+            c1 = time.thread_time_ns()
         elif mode in ("prof", "prof_stack"):
             from torch.profiler import ProfilerActivity, profile
             p = profile(activities=[ProfilerActivity.CPU], with_stack=(mode == "prof_stack"))
             p.__enter__()
+            c0 = time.thread_time_ns()
             t0 = time.monotonic_ns()
             for _ in range(n):
                 one_step()
             t1 = time.monotonic_ns()
+            c1 = time.thread_time_ns()
             p.__exit__(None, None, None)
             exit_ns = time.monotonic_ns() - t1
             del p
         else:
             print(f"error bad mode: {mode}", flush=True)
             continue
-        print(f"result {mode} {n} {t1 - t0} {first} {step[0]} {exit_ns}", flush=True)
+        print(f"result {mode} {n} {t1 - t0} {first} {step[0]} {exit_ns} {c1 - c0}", flush=True)
     if log:
         log.close()
     return 0

@@ -130,7 +130,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     std::thread::sleep(Duration::from_millis(500));
     let bare_s = if ctx.quick() { 0.5 } else { 1.5 };
     // Steps per window: ~0.3 s (quick) / 1 s of probed calls at ~100k calls/s.
-    let win_steps: u64 = if ctx.quick() { 15 } else { 50 };
+    let win_steps: u64 = if ctx.quick() { 10 } else { 50 };
     let reps = ctx.reps();
     let mut bare = Vec::new();
     let mut wins: Vec<Win> = Vec::new();
@@ -153,7 +153,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         wins.push(w);
     }
     // Ring-buffer sweep at the same rate: where do drops begin?
-    let rings: &[u32] = if ctx.quick() { &[256, 64, 16, 4] } else { &[1024, 256, 128, 64, 32, 16, 8, 4] };
+    let rings: &[u32] = if ctx.quick() { &[64, 16] } else { &[1024, 256, 128, 64, 32, 16, 8, 4] };
     let mut sweep: Vec<(u32, Win)> = Vec::new();
     for &kb in rings {
         match window(ctx, &target, &log, win_steps, kb, &format!("ring{kb}")) {

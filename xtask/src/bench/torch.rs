@@ -69,6 +69,8 @@ struct Seg {
     first_step_seen: Option<u64>,
     /// The target's context switches per second during the segment.
     target_cs_per_s: Option<f64>,
+    /// Steps per CPU-second of the training thread (CLOCK_THREAD_CPUTIME_ID).
+    cpu_sps: f64,
 }
 
 pub struct Torch<'a> {
@@ -76,6 +78,8 @@ pub struct Torch<'a> {
     py: Proc,
     steps: u64,
     pub bare_sps: f64,
+    /// Steps per CPU-second of the training thread in the last `run`.
+    last_cpu_sps: f64,
 }
 
 impl<'a> Torch<'a> {
@@ -90,10 +94,11 @@ impl<'a> Torch<'a> {
             py,
             steps: 0,
             bare_sps: 0.0,
+            last_cpu_sps: 0.0,
         };
         // Calibrate: how many steps make one segment.
         let (sps, _) = t.run("bare", 100)?;
-        let seg_s = if ctx.quick() { 1.5 } else { 4.0 };
+        let seg_s = if ctx.quick() { 1.0 } else { 4.0 };
         t.steps = ((sps * seg_s) as u64).clamp(50, 200_000);
         t.bare_sps = sps;
         say(format!(
@@ -117,6 +122,8 @@ impl<'a> Torch<'a> {
             .and_then(|v| v.parse().ok())
             .context("bad result line")?;
         let exit: f64 = f.get(6).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+        let cpu: f64 = f.get(7).and_then(|v| v.parse().ok()).unwrap_or(f64::NAN);
+        self.last_cpu_sps = n as f64 / (cpu / 1e9);
         Ok((n as f64 / (elapsed / 1e9), exit))
     }
 
@@ -136,7 +143,7 @@ impl<'a> Torch<'a> {
             Cond::Prof | Cond::ProfStack => {
                 // torch.profiler's exit builds its trace at tens of ms per
                 // step here; --quick profiles fewer steps (steps/s is per step).
-                let n = if self.ctx.quick() { n.min(100) } else { n };
+                let n = if self.ctx.quick() { n.min(30) } else { n };
                 let (sps, exit) = self.run(
                     if c == Cond::Prof {
                         "prof"
@@ -306,7 +313,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 continue;
             }
             match t.segment(c) {
-                Ok(s) => segs[i].push(s),
+                Ok(mut s) => {
+                    s.cpu_sps = t.last_cpu_sps;
+                    segs[i].push(s)
+                }
                 Err(e) => {
                     say(format!("torch {}: {e:#}", c.key()));
                     errors.push((c, format!("{e:#}")));
@@ -330,7 +340,8 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         ));
     }
     // The closing bare run.
-    let closing = t.segment(Cond::Bare)?;
+    let mut closing = t.segment(Cond::Bare)?;
+    closing.cpu_sps = t.last_cpu_sps;
     let steps = t.steps;
     t.quit();
 
@@ -345,6 +356,18 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             .enumerate()
             .filter(|(r, _)| *r + 1 < bare.len())
             .map(|(r, s)| s.steps_per_s / ((bare[r] + bare[r + 1]) / 2.0))
+            .collect()
+    };
+    let bare_cpu: Vec<f64> = segs[0].iter().map(|s| s.cpu_sps).chain(std::iter::once(closing.cpu_sps)).collect();
+    // The same ratios from the training thread's CPU time per step: immune
+    // to other processes taking the CPU (this machine is shared), still
+    // charging every uprobe trap and irq_work taken in that thread.
+    let ratio_cpu = |i: usize| -> Vec<f64> {
+        segs[i]
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r + 1 < bare_cpu.len())
+            .map(|(r, s)| s.cpu_sps / ((bare_cpu[r] + bare_cpu[r + 1]) / 2.0))
             .collect()
     };
     let idx = |c: Cond| conds.iter().position(|&x| x == c);
@@ -497,7 +520,8 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             f = f.missing(e);
         } else {
             f = f.note(format!(
-                "steps only; the profiler's exit (building its trace) took a further {:.0} ms per segment (median)",
+                "steps only{}; the profiler's exit (building its trace) took a further {:.0} ms per segment (median)",
+                if ctx.quick() { " (--quick profiles 30 steps per segment: its exit costs tens of ms per step)" } else { "" },
                 stats::median(&exit_ms).unwrap_or(0.0)
             ));
         }
@@ -531,6 +555,36 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 .missing(format!("py-spy not available here: {why}")),
             );
         }
+    }
+
+    // Companion figures from CPU time per step.
+    for (c, key, name, goal, gt) in [
+        (Cond::Idle, "idle_over_bare_cpu", "(b) idle ÷ bare, per CPU-second of the training thread", Goal::AtLeast(0.999), "≥ 0.999"),
+        (Cond::Window, "window_over_bare_cpu", "(c) window ÷ bare, per CPU-second of the training thread", Goal::AtLeast(0.97), "≥ 0.97"),
+        (Cond::Prof, "torch_profiler_over_bare_cpu", "(d) torch.profiler ÷ bare, per CPU-second", Goal::Info, ""),
+        (Cond::ProfStack, "torch_profiler_stack_over_bare_cpu", "(d) torch.profiler with_stack ÷ bare, per CPU-second", Goal::Info, ""),
+        (Cond::PySpy, "py_spy_over_bare_cpu", "(e) py-spy ÷ bare, per CPU-second", Goal::Info, ""),
+    ] {
+        if let Some(i) = idx(c).filter(|_| err_of(c).is_none()) {
+            let mut f = Figure::new(key, name, Unit::Ratio, goal, gt).samples(ratio_cpu(i));
+            if c == Cond::Idle {
+                f = f.note(
+                    "the noise-robust view of the same runs: steps/s by wall clock swing ±50% here because other work shares the 2 CPUs; \
+                     the training thread's CPU time per step does not, and it still includes every uprobe trap and ring-buffer wakeup taken in it",
+                );
+            }
+            if c == Cond::PySpy {
+                f = f.note("py-spy reads the target from outside (process_vm_readv); by default it pauses the target for each sample, which costs wall time, not the target's CPU");
+            }
+            s.figures.push(f);
+        }
+    }
+    if let (Some(w), Some(p)) = (idx(Cond::Window).filter(|_| err_of(Cond::Window).is_none()), idx(Cond::Prof)) {
+        let rel: Vec<f64> = ratio_cpu(w).iter().zip(ratio_cpu(p).iter()).map(|(w, p)| (1.0 - w) / (1.0 - p)).collect();
+        s.figures.push(
+            Figure::new("window_slowdown_over_profiler_cpu", "(c) window slowdown ÷ torch.profiler slowdown, per CPU-second", Unit::Ratio, Goal::AtMost(1.0 / 3.0), "≤ 0.333")
+                .samples(rel),
+        );
     }
 
     // 5. footprint while idle (and 3. boundary → user space latency, from the idle runs)
@@ -624,6 +678,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     s.raw = Json::obj(vec![
         ("steps_per_segment", Json::int(steps)),
         ("bare_steps_per_s", Json::nums(&bare)),
+        ("bare_steps_per_cpu_s", Json::nums(&bare_cpu)),
         (
             "conditions",
             Json::Obj(
@@ -700,6 +755,12 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                                     Json::nums(
                                         &segs[i].iter().map(|s| s.drops as f64).collect::<Vec<_>>(),
                                     ),
+                                ),
+                                ("steps_per_cpu_s", Json::nums(&segs[i].iter().map(|s| s.cpu_sps).collect::<Vec<_>>())),
+                                ("ratio_cpu_to_bracketing_bare", Json::nums(&ratio_cpu(i))),
+                                (
+                                    "target_ctx_switches_per_s",
+                                    Json::nums(&segs[i].iter().filter_map(|s| s.target_cs_per_s).collect::<Vec<_>>()),
                                 ),
                                 ("error", err_of(*c).map(Json::s).unwrap_or(Json::Null)),
                             ]),

@@ -396,7 +396,7 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let script = crate::util::workspace_root().join("tests/fixtures/torch_train.py");
     let mut py = Proc::spawn("torch_train.py", Command::new(&ctx.python).arg(&script).args(["--steps", "0"]))?;
     py.wait_prefix(Duration::from_secs(180), "ready")?;
-    let secs = if ctx.quick() { 1.5 } else { 4.0 };
+    let secs = if ctx.quick() { 1.0 } else { 4.0 };
     let mut normal: Vec<f64> = Vec::new();
     let mut fifo: Vec<f64> = Vec::new();
     let mut per_run_p99 = Vec::new();
