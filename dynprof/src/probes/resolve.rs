@@ -1,6 +1,6 @@
 //! MarkerSpec (what the user wrote) → ResolvedProbe (object, file offset,
 //! kernel config), through the target's /proc/PID/maps and mount namespace.
-use std::path::PathBuf;
+use std::{collections::HashMap, path::PathBuf, rc::Rc};
 
 use anyhow::{Result, bail};
 use dynprof_common::{MarkerConfig, arg_mode, reg, role};
@@ -62,11 +62,12 @@ pub struct Miss {
 /// and symbol tried when no step marker resolves.
 pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<ResolvedProbe>> {
     let maps = target.maps()?;
+    let mut images = ImageCache::new();
     let mut out: Vec<ResolvedProbe> = Vec::new();
     let mut misses: Vec<Miss> = Vec::new();
     for arg in args {
         match arg {
-            MarkerArg::Spec(spec) => match resolve_spec(target, &maps, spec, out.len() as u32) {
+            MarkerArg::Spec(spec) => match resolve_spec_cached(target, &maps, spec, out.len() as u32, &mut images) {
                 Ok(mut v) => out.append(&mut v),
                 Err(m) => misses.push(m),
             },
@@ -81,7 +82,7 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
                         if spec.role == Role::Aux && out.iter().any(|p| p.spec == spec.raw) {
                             continue;
                         }
-                        match resolve_spec(target, &maps, &spec, out.len() as u32) {
+                        match resolve_spec_cached(target, &maps, &spec, out.len() as u32, &mut images) {
                             Ok(mut v) => {
                                 step_found |= spec.role == Role::Step;
                                 out.append(&mut v);
@@ -150,7 +151,21 @@ pub fn host_path_for(target: &Target, m: &Mapping) -> PathBuf {
     crate::target::mount::locate_and_warn(target, m).path
 }
 
+/// ELF images opened during one resolution, by host path: several specs
+/// (the torch presets) look into the same large library.
+pub type ImageCache = HashMap<PathBuf, Rc<ElfImage>>;
+
 pub fn resolve_spec(target: &Target, maps: &[Mapping], spec: &MarkerSpec, first_index: u32) -> Result<Vec<ResolvedProbe>, Miss> {
+    resolve_spec_cached(target, maps, spec, first_index, &mut ImageCache::new())
+}
+
+pub fn resolve_spec_cached(
+    target: &Target,
+    maps: &[Mapping],
+    spec: &MarkerSpec,
+    first_index: u32,
+    images: &mut ImageCache,
+) -> Result<Vec<ResolvedProbe>, Miss> {
     let objects = candidates(target, maps, &spec.object);
     let what = match &spec.location {
         Location::Symbol { name, .. } => format!("symbol `{name}`"),
@@ -167,8 +182,11 @@ pub fn resolve_spec(target: &Target, maps: &[Mapping], spec: &MarkerSpec, first_
     let mut tried = Vec::new();
     for m in objects {
         let host = host_path_for(target, m);
-        let img = match ElfImage::open(&host) {
-            Ok(i) => i,
+        let img = match images.get(&host).cloned().map(Ok).unwrap_or_else(|| ElfImage::open(&host).map(Rc::new)) {
+            Ok(i) => {
+                images.insert(host.clone(), i.clone());
+                i
+            }
             Err(e) => {
                 tried.push(format!("{}: {e:#}", m.path));
                 continue;
