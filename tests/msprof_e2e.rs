@@ -36,8 +36,10 @@ fn ns_trainer(log: &Path, env: &[(&str, &str)]) -> (Proc, u32) {
         .args([
             "--steps",
             "0",
+            // Steps long enough that a loaded 2-core CI machine still
+            // delivers each boundary to dynprof before the next one.
             "--step-ms",
-            "100",
+            "250",
             "--busy-pct",
             "10",
             "--log",
