@@ -120,11 +120,14 @@ pub fn run(args: &[String]) -> Result<()> {
     let opts = parse(args)?;
     let started = Instant::now();
     let ctx = Ctx::prepare(&opts)?;
+    let prepared = started.elapsed();
     let want = |s: &str| opts.only.is_empty() || opts.only.iter().any(|o| o == s);
 
     let mut sections: Vec<Section> = Vec::new();
     type Runner = fn(&Ctx) -> Result<Section>;
+    // Section 6 first: sections 1 uses its per-hit cost.
     let plan: [(&str, &str, Runner); 5] = [
+        ("probe", "6. Step-marker program cost per hit", probe::run),
         (
             "torch",
             "1. Overhead on real PyTorch (steps/s ÷ bare) and 5. footprint",
@@ -137,7 +140,6 @@ pub fn run(args: &[String]) -> Result<()> {
         ),
         ("trigger", "3. Trigger precision and latency", trigger::run),
         ("attach", "4. Attach time on real PyTorch", attach_time::run),
-        ("probe", "6. Step-marker program cost per hit", probe::run),
     ];
     for (key, title, f) in plan {
         if !want(key) {
@@ -179,7 +181,7 @@ pub fn run(args: &[String]) -> Result<()> {
         .filter(|f| f.status() == "MISS")
         .collect();
     println!(
-        "{} figures, {} with a target met, {} MISS, {} not measured; {:.0} s{}",
+        "{} figures, {} with a target met, {} MISS, {} too noisy to call, {} not measured; {:.0} s measuring (+{:.0} s building){}",
         tables.iter().map(|(_, f)| f.len()).sum::<usize>(),
         tables
             .iter()
@@ -190,9 +192,15 @@ pub fn run(args: &[String]) -> Result<()> {
         tables
             .iter()
             .flat_map(|(_, f)| f)
+            .filter(|f| f.status() == "noisy")
+            .count(),
+        tables
+            .iter()
+            .flat_map(|(_, f)| f)
             .filter(|f| f.kind == "not measured")
             .count(),
-        started.elapsed().as_secs_f64(),
+        (started.elapsed() - prepared).as_secs_f64(),
+        prepared.as_secs_f64(),
         if opts.quick { " (--quick)" } else { "" }
     );
 
@@ -201,6 +209,7 @@ pub fn run(args: &[String]) -> Result<()> {
         ("quick", Json::Bool(opts.quick)),
         ("reps", Json::int(opts.reps as u64)),
         ("duration_s", Json::num(started.elapsed().as_secs_f64())),
+        ("build_s", Json::num(prepared.as_secs_f64())),
         ("dynprof", ctx.version_json()),
         ("machine", ctx.machine_json()),
         (

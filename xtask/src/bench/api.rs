@@ -1,6 +1,6 @@
-//! 2. A high API-call rate: tests/fixtures/acl_trainer `--calls-per-step N`
-//! on the test libascendcl.so (N aclrtLaunchKernel + a memcpy + a
-//! synchronize per step; simulated kernels take 0 µs, library log off).
+//! Section 2: A high API-call rate: tests/fixtures/acl_trainer with
+//! `--calls-per-step N` on the test libascendcl.so: N aclrtLaunchKernel, a
+//! memcpy and a synchronize per step; simulated kernels take 0 µs.
 //!
 //! - Overhead: the trainer's steps/s with the api collector on (a window of
 //!   K steps, `--collect api`) ÷ steps/s with dynprof not attached just
@@ -32,13 +32,21 @@ fn step_ends(path: &Path) -> Vec<u64> {
     text.lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
-            if f.len() == 4 && f[0] == "step" { f[3].parse().ok() } else { None }
+            if f.len() == 4 && f[0] == "step" {
+                f[3].parse().ok()
+            } else {
+                None
+            }
         })
         .collect()
 }
 
 fn rate_between(ends: &[u64], from: u64, to: u64) -> Option<f64> {
-    let v: Vec<u64> = ends.iter().copied().filter(|e| *e >= from && *e <= to).collect();
+    let v: Vec<u64> = ends
+        .iter()
+        .copied()
+        .filter(|e| *e >= from && *e <= to)
+        .collect();
     if v.len() < 3 {
         return None;
     }
@@ -62,13 +70,37 @@ impl Win {
     }
 }
 
-fn window(ctx: &Ctx, target: &Proc, log: &Path, steps: u64, ring_kb: u32, tag: &str) -> Result<Win> {
+fn window(
+    ctx: &Ctx,
+    target: &Proc,
+    log: &Path,
+    steps: u64,
+    ring_kb: u32,
+    tag: &str,
+) -> Result<Win> {
     let out = ctx.work.join(format!("api-{tag}"));
     let _ = std::fs::remove_dir_all(&out);
     let mut cmd = ctx.dynprof_cmd();
-    cmd.args(["attach", "--pid", &target.pid().to_string(), "--marker", "exe:optimizer_step", "--json", "--collect", "api"])
-        .args(["--start-step", "-1", "--active", &steps.to_string(), "--ring-buffer-kb", &ring_kb.to_string(), "--output"])
-        .arg(&out);
+    cmd.args([
+        "attach",
+        "--pid",
+        &target.pid().to_string(),
+        "--marker",
+        "exe:optimizer_step",
+        "--json",
+        "--collect",
+        "api",
+    ])
+    .args([
+        "--start-step",
+        "-1",
+        "--active",
+        &steps.to_string(),
+        "--ring-buffer-kb",
+        &ring_kb.to_string(),
+        "--output",
+    ])
+    .arg(&out);
     let mut dp = Proc::spawn("dynprof attach --collect api", &mut cmd)?;
     dp.wait_event(Duration::from_secs(60), "attached")?;
     // dynprof's CPU while the window runs (drain + decode), apart from
@@ -85,12 +117,19 @@ fn window(ctx: &Ctx, target: &Proc, log: &Path, steps: u64, ring_kb: u32, tag: &
     let cpu = procs::cpu_ns(dp.pid()).unwrap_or(0);
     let hwm = procs::status_kb(dp.pid(), "VmHWM").unwrap_or(0);
     dp.wait_exit(Duration::from_secs(60))?;
-    let dir = w.get("window").and_then(|w| w.str("dir")).context("window line without dir")?.to_string();
-    let meta = json::parse(&std::fs::read_to_string(Path::new(&dir).join("meta.json"))?).context("parsing meta.json")?;
+    let dir = w
+        .get("window")
+        .and_then(|w| w.str("dir"))
+        .context("window line without dir")?
+        .to_string();
+    let meta = json::parse(&std::fs::read_to_string(Path::new(&dir).join("meta.json"))?)
+        .context("parsing meta.json")?;
     let (t0, t1, n) = match meta.get("steps") {
-        Some(Json::Arr(a)) if a.len() >= 2 => {
-            (a[0].u64("start_ts_ns").unwrap_or(0), a[a.len() - 1].u64("end_ts_ns").unwrap_or(0), a.len() as u64)
-        }
+        Some(Json::Arr(a)) if a.len() >= 2 => (
+            a[0].u64("start_ts_ns").unwrap_or(0),
+            a[a.len() - 1].u64("end_ts_ns").unwrap_or(0),
+            a.len() as u64,
+        ),
         _ => bail!("window {dir} recorded fewer than 2 steps"),
     };
     let (mut drops, mut api_drops) = (0, 0);
@@ -124,7 +163,9 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let log = ctx.work.join("acl-trainer.log");
     let mut target = Proc::spawn(
         "acl_trainer",
-        Command::new(ctx.fixtures.join("acl_trainer")).args(["--calls-per-step", &calls_per_step.to_string(), "--log"]).arg(&log),
+        Command::new(ctx.fixtures.join("acl_trainer"))
+            .args(["--calls-per-step", &calls_per_step.to_string(), "--log"])
+            .arg(&log),
     )?;
     target.wait_prefix(Duration::from_secs(30), "ready")?;
     std::thread::sleep(Duration::from_millis(500));
@@ -153,12 +194,20 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         wins.push(w);
     }
     // Ring-buffer sweep at the same rate: where do drops begin?
-    let rings: &[u32] = if ctx.quick() { &[64, 16] } else { &[1024, 256, 128, 64, 32, 16, 8, 4] };
+    let rings: &[u32] = if ctx.quick() {
+        &[64, 16]
+    } else {
+        &[1024, 256, 128, 64, 32, 16, 8, 4]
+    };
     let mut sweep: Vec<(u32, Win)> = Vec::new();
     for &kb in rings {
         match window(ctx, &target, &log, win_steps, kb, &format!("ring{kb}")) {
             Ok(w) => {
-                say(format!("api ring {kb} KiB: {:.0} events/s, api drops {}", w.events_per_s(), w.api_drops));
+                say(format!(
+                    "api ring {kb} KiB: {:.0} events/s, api drops {}",
+                    w.events_per_s(),
+                    w.api_drops
+                ));
                 sweep.push((kb, w));
             }
             Err(e) => say(format!("api ring {kb} KiB: {e:#}")),
@@ -167,7 +216,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let _ = target.stop(Duration::from_secs(10));
 
     let mut s = Section::new("");
-    let ratio: Vec<f64> = wins.iter().zip(&bare).map(|(w, b)| w.steps_per_s / b).collect();
+    let ratio: Vec<f64> = wins
+        .iter()
+        .zip(&bare)
+        .map(|(w, b)| w.steps_per_s / b)
+        .collect();
     let bare_calls = stats::median(&bare).unwrap_or(0.0) * (calls_per_step + 2) as f64;
     s.figures.push(
         Figure::new("api_on_over_off", "steps/s, api collector on ÷ off", Unit::Ratio, Goal::Info, "")
@@ -179,25 +232,59 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 1e6 / stats::median(&wins.iter().map(|w| w.events_per_s()).collect::<Vec<_>>()).unwrap_or(1.0)
             )),
     );
-    let ok: Vec<f64> = wins.iter().filter(|w| w.drops == 0).map(|w| w.events_per_s()).collect();
-    let mut f = Figure::new("api_events_per_s_zero_drops", "API events/s sustained with zero drops", Unit::PerSec, Goal::AtLeast(1e6), "≥ 1,000,000")
-        .samples(ok.clone());
+    let ok: Vec<f64> = wins
+        .iter()
+        .filter(|w| w.drops == 0)
+        .map(|w| w.events_per_s())
+        .collect();
+    let mut f = Figure::new(
+        "api_events_per_s_zero_drops",
+        "API events/s sustained with zero drops",
+        Unit::PerSec,
+        Goal::AtLeast(1e6),
+        "≥ 1,000,000",
+    )
+    .samples(ok.clone());
     if ok.len() < wins.len() {
-        f.note = format!("{} of {} windows had drops at the default ring", wins.len() - ok.len(), wins.len());
+        f.note = format!(
+            "{} of {} windows had drops at the default ring",
+            wins.len() - ok.len(),
+            wins.len()
+        );
     }
     s.figures.push(f);
     // Consumer capacity, computed from dynprof's CPU per event while the
     // window runs (drain, decode, keep), and the whole session's.
-    let drain_ns: Vec<f64> = wins.iter().filter(|w| w.events > 0).map(|w| w.drain_cpu_ns as f64 / w.events as f64).collect();
-    let total_ns: Vec<f64> = wins.iter().filter(|w| w.events > 0).map(|w| w.dp_cpu_ns as f64 / w.events as f64).collect();
+    let drain_ns: Vec<f64> = wins
+        .iter()
+        .filter(|w| w.events > 0)
+        .map(|w| w.drain_cpu_ns as f64 / w.events as f64)
+        .collect();
+    let total_ns: Vec<f64> = wins
+        .iter()
+        .filter(|w| w.events > 0)
+        .map(|w| w.dp_cpu_ns as f64 / w.events as f64)
+        .collect();
     if let Some(m) = stats::median(&drain_ns) {
         s.figures.push(
-            Figure::new("api_drain_ns_per_event", "dynprof CPU per API event while the window runs", Unit::Ns, Goal::Info, "")
-                .samples(drain_ns.clone()),
+            Figure::new(
+                "api_drain_ns_per_event",
+                "dynprof CPU per API event while the window runs",
+                Unit::Ns,
+                Goal::Info,
+                "",
+            )
+            .samples(drain_ns.clone()),
         );
         s.figures.push(
-            Figure::new("api_session_ns_per_event", "dynprof CPU per API event, whole session (incl. writing the window)", Unit::Ns, Goal::Info, "")
-                .samples(total_ns.clone()),
+            Figure::new(
+                "api_session_ns_per_event",
+                "dynprof CPU per API event, whole session (incl. writing the window)",
+                Unit::Ns,
+                Goal::Info,
+                "",
+            )
+            .samples(total_ns.clone()),
         );
         s.figures.push(
             Figure::new("api_consumer_capacity", "consumer capacity, one core, while the window runs", Unit::PerSec, Goal::Info, "")
@@ -206,10 +293,24 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 .note("1 s ÷ dynprof's CPU time per event during the window (ring drain, decode, buffering); writing trace.json etc. comes after the window"),
         );
     }
-    let onset = sweep.iter().filter(|(_, w)| w.api_drops > 0).map(|(kb, _)| *kb).max();
-    let clean = sweep.iter().filter(|(_, w)| w.api_drops == 0).map(|(kb, _)| *kb).min();
+    let onset = sweep
+        .iter()
+        .filter(|(_, w)| w.api_drops > 0)
+        .map(|(kb, _)| *kb)
+        .max();
+    let clean = sweep
+        .iter()
+        .filter(|(_, w)| w.api_drops == 0)
+        .map(|(kb, _)| *kb)
+        .min();
     let rate = stats::median(&ok).unwrap_or(0.0);
-    let mut f = Figure::new("api_drop_onset", "ring size (KiB) where drops begin, at that rate", Unit::Count, Goal::Info, "");
+    let mut f = Figure::new(
+        "api_drop_onset",
+        "ring size (KiB) where drops begin, at that rate",
+        Unit::Count,
+        Goal::Info,
+        "",
+    );
     f = match onset {
         Some(kb) => f.value(kb as f64).note(format!(
             "no drops at the default 4096 KiB ring up to the highest rate the probed target reaches ({:.0}k events/s); drops appear with a ring of {kb} KiB or less{}",
@@ -227,13 +328,39 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         ("calls_per_step", Json::int(calls_per_step)),
         ("window_steps", Json::int(win_steps)),
         ("off_steps_per_s", Json::nums(&bare)),
-        ("on_steps_per_s", Json::nums(&wins.iter().map(|w| w.steps_per_s).collect::<Vec<_>>())),
-        ("on_events", Json::nums(&wins.iter().map(|w| w.events as f64).collect::<Vec<_>>())),
-        ("on_window_s", Json::nums(&wins.iter().map(|w| w.window_s).collect::<Vec<_>>())),
-        ("on_drops", Json::nums(&wins.iter().map(|w| w.drops as f64).collect::<Vec<_>>())),
-        ("dynprof_cpu_ns", Json::nums(&wins.iter().map(|w| w.dp_cpu_ns as f64).collect::<Vec<_>>())),
-        ("dynprof_drain_cpu_ns", Json::nums(&wins.iter().map(|w| w.drain_cpu_ns as f64).collect::<Vec<_>>())),
-        ("dynprof_vmhwm_kb", Json::nums(&wins.iter().map(|w| w.hwm_kb as f64).collect::<Vec<_>>())),
+        (
+            "on_steps_per_s",
+            Json::nums(&wins.iter().map(|w| w.steps_per_s).collect::<Vec<_>>()),
+        ),
+        (
+            "on_events",
+            Json::nums(&wins.iter().map(|w| w.events as f64).collect::<Vec<_>>()),
+        ),
+        (
+            "on_window_s",
+            Json::nums(&wins.iter().map(|w| w.window_s).collect::<Vec<_>>()),
+        ),
+        (
+            "on_drops",
+            Json::nums(&wins.iter().map(|w| w.drops as f64).collect::<Vec<_>>()),
+        ),
+        (
+            "dynprof_cpu_ns",
+            Json::nums(&wins.iter().map(|w| w.dp_cpu_ns as f64).collect::<Vec<_>>()),
+        ),
+        (
+            "dynprof_drain_cpu_ns",
+            Json::nums(
+                &wins
+                    .iter()
+                    .map(|w| w.drain_cpu_ns as f64)
+                    .collect::<Vec<_>>(),
+            ),
+        ),
+        (
+            "dynprof_vmhwm_kb",
+            Json::nums(&wins.iter().map(|w| w.hwm_kb as f64).collect::<Vec<_>>()),
+        ),
         (
             "ring_sweep",
             Json::Arr(
@@ -256,9 +383,15 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
 
 /// Total `calls` in an api_summary.csv (`api,calls,total_ns,...`).
 fn api_calls(path: &Path) -> Result<u64> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut lines = text.lines();
     let head: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
-    let col = head.iter().position(|h| *h == "calls").context("api_summary.csv has no calls column")?;
-    Ok(lines.filter_map(|l| l.split(',').nth(col)?.parse::<u64>().ok()).sum())
+    let col = head
+        .iter()
+        .position(|h| *h == "calls")
+        .context("api_summary.csv has no calls column")?;
+    Ok(lines
+        .filter_map(|l| l.split(',').nth(col)?.parse::<u64>().ok())
+        .sum())
 }

@@ -1,4 +1,4 @@
-//! 4. Attach time on real PyTorch: from starting `dynprof attach` to its
+//! Section 4: Attach time on real PyTorch: from starting `dynprof attach` to its
 //! first step event, p50 over ≥ 5 runs against one running
 //! tests/fixtures/torch_train.py. When dynprof reports the phases (opt-in
 //! `DYNPROF_ATTACH_TIMINGS=1` adds `timings_ms` to the `attached` line) the

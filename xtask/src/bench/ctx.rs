@@ -26,6 +26,8 @@ pub struct Ctx {
     pub git: String,
     /// PyTorch bare steps/s measured by the overhead section (0 = not yet).
     pub torch_sps: std::cell::Cell<f64>,
+    /// Marker program cost per hit in ns, from section 6 (0 = not yet).
+    pub marker_hit_ns: std::cell::Cell<f64>,
 }
 
 impl Ctx {
@@ -92,6 +94,7 @@ impl Ctx {
             version,
             git,
             torch_sps: Default::default(),
+            marker_hit_ns: Default::default(),
         })
     }
 
@@ -154,7 +157,7 @@ impl Ctx {
             .ok()
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
             .unwrap_or_default();
-        let rustc = stdout_of(&mut Command::new("rustc").arg("--version")).unwrap_or_default();
+        let rustc = stdout_of(Command::new("rustc").arg("--version")).unwrap_or_default();
         Json::obj(vec![
             ("cpu_model", Json::s(m.cpu)),
             ("cores", Json::int(m.cores as u64)),

@@ -17,7 +17,6 @@ pub enum Goal {
 pub enum Unit {
     Ratio,
     Ms,
-    Us,
     Ns,
     MiB,
     /// Percent of one core.
@@ -32,7 +31,6 @@ impl Unit {
         match self {
             Unit::Ratio => format!("{x:.4}"),
             Unit::Ms => format!("{x:.3} ms"),
-            Unit::Us => format!("{x:.1} µs"),
             Unit::Ns => format!("{x:.0} ns"),
             Unit::MiB => format!("{x:.1} MiB"),
             Unit::PctCore => format!("{x:.3}%"),
@@ -45,7 +43,6 @@ impl Unit {
         match self {
             Unit::Ratio => "ratio",
             Unit::Ms => "ms",
-            Unit::Us => "us",
             Unit::Ns => "ns",
             Unit::MiB => "MiB",
             Unit::PctCore => "percent_of_one_core",
@@ -81,6 +78,9 @@ pub struct Figure {
     pub note: String,
     /// "measured", "computed", or "not measured".
     pub kind: &'static str,
+    /// The samples' spread is wider than the target's margin: the
+    /// measurement cannot say met or missed (status "noisy").
+    pub unresolved: bool,
 }
 
 impl Figure {
@@ -95,6 +95,7 @@ impl Figure {
             value: None,
             note: String::new(),
             kind: "measured",
+            unresolved: false,
         }
     }
     pub fn samples(mut self, s: Vec<f64>) -> Self {
@@ -107,6 +108,18 @@ impl Figure {
     }
     pub fn note(mut self, n: impl Into<String>) -> Self {
         self.note = n.into();
+        self
+    }
+    /// Marks the figure "noisy" when min..max of its samples straddles the
+    /// target by more than `margin` (relative) on both sides.
+    pub fn resolve(mut self, margin: f64) -> Self {
+        if let (Some(s), Goal::AtLeast(t) | Goal::AtMost(t)) = (self.summary(), self.goal)
+            && s.n > 1
+            && s.min < t * (1.0 - margin)
+            && s.max > t * (1.0 + margin)
+        {
+            self.unresolved = true;
+        }
         self
     }
     pub fn computed(mut self) -> Self {
@@ -131,6 +144,7 @@ impl Figure {
     pub fn status(&self) -> &'static str {
         match (self.headline(), self.goal) {
             (None, _) => "n/a",
+            (Some(_), Goal::AtLeast(_) | Goal::AtMost(_)) if self.unresolved => "noisy",
             (_, Goal::Info) => "",
             (Some(v), Goal::AtLeast(t)) => {
                 if v >= t {
@@ -180,6 +194,7 @@ impl Figure {
             ("unit", Json::s(self.unit.name())),
             ("target", Json::s(&self.goal_text)),
             ("status", Json::s(self.status())),
+            ("unresolved", Json::Bool(self.unresolved)),
         ]);
         match self.headline() {
             Some(v) => o.push("value", Json::num(v)),
@@ -220,6 +235,7 @@ pub fn table(sections: &[(String, Vec<Figure>)]) -> String {
             let status = match f.status() {
                 "MISS" => "✗ MISS".to_string(),
                 "ok" => "✓".to_string(),
+                "noisy" => "~ noisy".to_string(),
                 s => s.to_string(),
             };
             rows.push([name, f.shown(), f.goal_text.clone(), status]);
@@ -281,6 +297,7 @@ pub fn markdown(sections: &[(String, Vec<Figure>)]) -> String {
             let status = match f.status() {
                 "MISS" => "**MISS**",
                 "ok" => "ok",
+                "noisy" => "noisy",
                 s => s,
             };
             out.push_str(&format!(

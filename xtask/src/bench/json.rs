@@ -48,12 +48,6 @@ impl Json {
             _ => None,
         }
     }
-    pub fn bool(&self, key: &str) -> Option<bool> {
-        match self.get(key)? {
-            Json::Bool(b) => Some(*b),
-            _ => None,
-        }
-    }
 
     pub fn num(x: f64) -> Json {
         if x.is_finite() {
@@ -315,7 +309,7 @@ mod tests {
         assert_eq!(v.str("event"), Some("step"));
         assert_eq!(v.u64("ts_ns"), Some(1234567890123456789));
         assert_eq!(v.str("s"), Some("a\"bé"));
-        assert_eq!(v.bool("t"), Some(true));
+        assert_eq!(v.get("t"), Some(&Json::Bool(true)));
         assert_eq!(parse(&v.pretty()).unwrap(), v);
         assert!(parse("{\"a\":").is_none());
     }

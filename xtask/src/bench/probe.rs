@@ -1,4 +1,4 @@
-//! 6. The step-marker program's cost per hit ÷ an empty uprobe's.
+//! Section 6: The step-marker program's cost per hit ÷ an empty uprobe's.
 //!
 //! bench/hitloop.c calls the noinline `bench_hit(const char*)` N times per
 //! `go N`. The same loop is timed bare, with the empty uprobe
@@ -76,7 +76,13 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             }
             target.send(&format!("go {n}"))?;
             let done = target.wait_prefix(t, "done")?;
-            let field = |k: usize| -> f64 { done.text.split_whitespace().nth(k).and_then(|v| v.parse().ok()).unwrap_or(f64::NAN) };
+            let field = |k: usize| -> f64 {
+                done.text
+                    .split_whitespace()
+                    .nth(k)
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(f64::NAN)
+            };
             // The thread's CPU time: it holds the probe's kernel work (no
             // IRQ time accounting on this kernel, so the irq_work too) but
             // not the time other processes hold the CPU.
@@ -130,6 +136,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         String::new()
     };
 
+    ctx.marker_hit_ns.set(stats::median(&marker).unwrap_or(0.0));
     let mr = ratio(&marker);
     let lr = ratio(&lagging);
     let mut why = drop_note;
@@ -251,7 +258,13 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         ),
         (
             "loop_wall_ns",
-            Json::Obj(CONDS.iter().enumerate().map(|(i, c)| (c.0.to_string(), Json::nums(&wall[i]))).collect()),
+            Json::Obj(
+                CONDS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (c.0.to_string(), Json::nums(&wall[i])))
+                    .collect(),
+            ),
         ),
         ("helpers", Json::Arr(helper_raw)),
     ]);

@@ -22,8 +22,6 @@ pub enum Stream {
 #[derive(Clone, Debug)]
 pub struct Line {
     pub at: Instant,
-    /// CLOCK_MONOTONIC when the line was read.
-    pub mono_ns: u64,
     pub stream: Stream,
     pub text: String,
 }
@@ -71,7 +69,6 @@ unsafe extern "C" {
 
 pub const SIGINT: i32 = 2;
 pub const SIGKILL: i32 = 9;
-pub const SIGTERM: i32 = 15;
 
 impl Proc {
     pub fn spawn(name: &str, cmd: &mut Command) -> Result<Proc> {
@@ -94,7 +91,6 @@ impl Proc {
                     let Ok(text) = line else { break };
                     let l = Line {
                         at: Instant::now(),
-                        mono_ns: monotonic_ns(),
                         stream,
                         text,
                     };
@@ -288,15 +284,14 @@ pub fn cpu_ns(pid: u32) -> Option<u64> {
     let mut any = false;
     if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
         for e in rd.flatten() {
-            if let Ok(s) = std::fs::read_to_string(e.path().join("schedstat")) {
-                if let Some(v) = s
+            if let Ok(s) = std::fs::read_to_string(e.path().join("schedstat"))
+                && let Some(v) = s
                     .split_whitespace()
                     .next()
                     .and_then(|v| v.parse::<u64>().ok())
-                {
-                    total += v;
-                    any = true;
-                }
+            {
+                total += v;
+                any = true;
             }
         }
     }

@@ -1,4 +1,4 @@
-//! 3. Trigger precision and latency.
+//! Section 3: Trigger precision and latency.
 //!
 //! - 100 windows requested with an explicit start step; count those whose
 //!   first recorded step differs from the request (goal 0).
@@ -55,22 +55,40 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     if let Err(e) = latency(ctx, &mut s, &mut raw) {
         say(format!("trigger latency: {e:#}"));
         s.figures.push(
-            Figure::new("boundary_to_user_p99_ms", "boundary → user space, p99", Unit::Ms, Goal::AtMost(1.0), "≤ 1 ms")
-                .missing(format!("could not run: {e:#}")),
+            Figure::new(
+                "boundary_to_user_p99_ms",
+                "boundary → user space, p99",
+                Unit::Ms,
+                Goal::AtMost(1.0),
+                "≤ 1 ms",
+            )
+            .missing(format!("could not run: {e:#}")),
         );
     }
     if ctx.has_flag("--msprof") {
         if let Err(e) = msprof(ctx, &mut s, &mut raw) {
             say(format!("trigger msprof: {e:#}"));
             s.figures.push(
-                Figure::new("boundary_to_msprof_start_p99_ms", "boundary → msprof `start` written, p99", Unit::Ms, Goal::AtMost(5.0), "≤ 5 ms")
-                    .missing(format!("could not run: {e:#}")),
+                Figure::new(
+                    "boundary_to_msprof_start_p99_ms",
+                    "boundary → msprof `start` written, p99",
+                    Unit::Ms,
+                    Goal::AtMost(5.0),
+                    "≤ 5 ms",
+                )
+                .missing(format!("could not run: {e:#}")),
             );
         }
     } else {
         s.figures.push(
-            Figure::new("boundary_to_msprof_start_p99_ms", "boundary → msprof `start` written, p99", Unit::Ms, Goal::AtMost(5.0), "≤ 5 ms")
-                .missing("this dynprof has no msprof collector yet"),
+            Figure::new(
+                "boundary_to_msprof_start_p99_ms",
+                "boundary → msprof `start` written, p99",
+                Unit::Ms,
+                Goal::AtMost(5.0),
+                "≤ 5 ms",
+            )
+            .missing("this dynprof has no msprof collector yet"),
         );
     }
     poll_figures(ctx, &mut s, &mut raw);
@@ -129,10 +147,11 @@ fn read_log(path: &std::path::Path) -> Result<HashMap<u64, (u64, u64)>> {
     let mut m = HashMap::new();
     for l in text.lines() {
         let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() == 4 && f[0] == "step" {
-            if let (Ok(i), Ok(a), Ok(b)) = (f[1].parse(), f[2].parse(), f[3].parse()) {
-                m.insert(i, (a, b));
-            }
+        if f.len() == 4
+            && f[0] == "step"
+            && let (Ok(i), Ok(a), Ok(b)) = (f[1].parse(), f[2].parse(), f[3].parse())
+        {
+            m.insert(i, (a, b));
         }
     }
     Ok(m)
@@ -181,7 +200,9 @@ fn windows(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     }
     let mut dp = Proc::spawn("dynprof attach --interactive", &mut cmd)?;
     dp.wait_event(Duration::from_secs(60), "attached")?;
-    dp.wait_for(Duration::from_secs(30), |l| l.text.contains("console ready"))?;
+    dp.wait_for(Duration::from_secs(30), |l| {
+        l.text.contains("console ready")
+    })?;
     let mut requests: Vec<(u64, Json)> = Vec::new();
     let mut late = 0u64;
     let t = Duration::from_secs(30);
@@ -198,7 +219,9 @@ fn windows(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             .context("could not read the current step from `status`")?;
         let want = last + ahead;
         dp.send(&format!("capture 1 at {want}"))?;
-        let reply = dp.wait_for(t, |l| l.text.starts_with("window records") || l.text.starts_with("error"))?;
+        let reply = dp.wait_for(t, |l| {
+            l.text.starts_with("window records") || l.text.starts_with("error")
+        })?;
         if reply.text.contains("already begun") {
             late += 1;
         }
@@ -234,10 +257,10 @@ fn windows(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
                 .find(|(_, (a, b))| *a <= ts && ts <= *b)
                 .map(|(i, _)| *i)
         });
-        if offset.is_none() {
-            if let Some(ti) = target_step {
-                offset = Some(ti as i64 - *want as i64);
-            }
+        if offset.is_none()
+            && let Some(ti) = target_step
+        {
+            offset = Some(ti as i64 - *want as i64);
         }
         let expect_target = offset.map(|o| (*want as i64 + o) as u64);
         let ok = first == Some(*want) && target_step.is_some() && target_step == expect_target;
@@ -320,7 +343,10 @@ fn msprof(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin)?;
-    std::os::unix::fs::symlink(crate::util::workspace_root().join("tests/fixtures/msprof_standin.py"), bin.join("msprof"))?;
+    std::os::unix::fs::symlink(
+        crate::util::workspace_root().join("tests/fixtures/msprof_standin.py"),
+        bin.join("msprof"),
+    )?;
     let out = dir.join("out");
     let mut tr = Proc::spawn(
         "trainer",
@@ -330,19 +356,41 @@ fn msprof(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     )?;
     tr.wait_prefix(Duration::from_secs(30), "ready")?;
     let mut cmd = ctx.dynprof_cmd();
-    cmd.args(["attach", "--pid", &tr.pid().to_string(), "--marker", "exe:optimizer_step", "--json"])
-        .args(["--start-step", "3", "--active", "1", "--repeat", &(windows - 1).to_string(), "--gap", "10"])
-        .args(["--collect", "cpu", "--collector", "msprof", "--msprof"])
-        .arg(bin.join("msprof"))
-        .arg("--msprof-output")
-        .arg(dir.join("msprof_out"))
-        .arg("--output")
-        .arg(&out);
+    cmd.args([
+        "attach",
+        "--pid",
+        &tr.pid().to_string(),
+        "--marker",
+        "exe:optimizer_step",
+        "--json",
+    ])
+    .args([
+        "--start-step",
+        "3",
+        "--active",
+        "1",
+        "--repeat",
+        &(windows - 1).to_string(),
+        "--gap",
+        "10",
+    ])
+    .args(["--collect", "cpu", "--collector", "msprof", "--msprof"])
+    .arg(bin.join("msprof"))
+    .arg("--msprof-output")
+    .arg(dir.join("msprof_out"))
+    .arg("--output")
+    .arg(&out);
     let mut dp = Proc::spawn("dynprof attach --collector msprof", &mut cmd)?;
     let st = dp.wait_exit(Duration::from_secs(600))?;
     let _ = tr.stop(Duration::from_secs(10));
     if !st.success() {
-        let tail: Vec<String> = dp.seen.iter().rev().take(5).map(|l| l.text.clone()).collect();
+        let tail: Vec<String> = dp
+            .seen
+            .iter()
+            .rev()
+            .take(5)
+            .map(|l| l.text.clone())
+            .collect();
         bail!("dynprof exited with {st}: {}", tail.join(" | "));
     }
     let mut lat = Vec::new();
@@ -350,16 +398,29 @@ fn msprof(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let mut write_share = Vec::new();
     let mut missing = 0;
     for e in std::fs::read_dir(&out)?.flatten() {
-        let Some(m) = std::fs::read_to_string(e.path().join("meta.json")).ok().and_then(|t| json::parse(&t)) else { continue };
-        match m.get("hooks").and_then(|h| h.get("msprof")).and_then(|h| h.u64("start_latency_ns")) {
+        let Some(m) = std::fs::read_to_string(e.path().join("meta.json"))
+            .ok()
+            .and_then(|t| json::parse(&t))
+        else {
+            continue;
+        };
+        match m
+            .get("hooks")
+            .and_then(|h| h.get("msprof"))
+            .and_then(|h| h.u64("start_latency_ns"))
+        {
             Some(ns) => lat.push(ns as f64 / 1e6),
             None => missing += 1,
         }
-        if let Some(h) = m.get("hooks").and_then(|h| h.get("msprof")) {
-            if let (Some(b), Some(c), Some(w)) = (h.u64("boundary_ts_ns"), h.u64("hook_called_ns"), h.u64("start_written_ns")) {
-                loop_share.push(c.saturating_sub(b) as f64 / 1e6);
-                write_share.push(w.saturating_sub(c) as f64 / 1e6);
-            }
+        if let Some(h) = m.get("hooks").and_then(|h| h.get("msprof"))
+            && let (Some(b), Some(c), Some(w)) = (
+                h.u64("boundary_ts_ns"),
+                h.u64("hook_called_ns"),
+                h.u64("start_written_ns"),
+            )
+        {
+            loop_share.push(c.saturating_sub(b) as f64 / 1e6);
+            write_share.push(w.saturating_sub(c) as f64 / 1e6);
         }
     }
     if lat.is_empty() {
@@ -394,7 +455,12 @@ fn msprof(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
 /// loop waiting for a CPU.
 fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let script = crate::util::workspace_root().join("tests/fixtures/torch_train.py");
-    let mut py = Proc::spawn("torch_train.py", Command::new(&ctx.python).arg(&script).args(["--steps", "0"]))?;
+    let mut py = Proc::spawn(
+        "torch_train.py",
+        Command::new(&ctx.python)
+            .arg(&script)
+            .args(["--steps", "0"]),
+    )?;
     py.wait_prefix(Duration::from_secs(180), "ready")?;
     let secs = if ctx.quick() { 1.0 } else { 4.0 };
     let mut normal: Vec<f64> = Vec::new();
@@ -409,14 +475,22 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             } else {
                 ctx.dynprof_cmd()
             };
-            cmd.env("DYNPROF_RECV_NS", "1")
-                .args(["attach", "--pid", &py.pid().to_string(), "--json", "--duration", &secs.to_string()]);
+            cmd.env("DYNPROF_RECV_NS", "1").args([
+                "attach",
+                "--pid",
+                &py.pid().to_string(),
+                "--json",
+                "--duration",
+                &secs.to_string(),
+            ]);
             let mut dp = Proc::spawn("dynprof attach (latency)", &mut cmd)?;
             dp.wait_exit(Duration::from_secs(120))?;
             let v: Vec<f64> = dp
                 .events("step")
                 .iter()
-                .filter_map(|(_, j)| Some(j.u64("recv_ns")?.saturating_sub(j.u64("ts_ns")?) as f64 / 1e6))
+                .filter_map(|(_, j)| {
+                    Some(j.u64("recv_ns")?.saturating_sub(j.u64("ts_ns")?) as f64 / 1e6)
+                })
                 .collect();
             if v.is_empty() {
                 bail!("no step line carried recv_ns");
@@ -431,10 +505,25 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     }
     let _ = py.stop(Duration::from_secs(10));
     let p = |v: &[f64], q: f64| stats::percentile(v, q).unwrap_or(f64::NAN);
-    s.figures.push(Figure::new("boundary_to_user_p50_ms", "boundary → user space, p50", Unit::Ms, Goal::Info, "").value(p(&normal, 50.0)));
-    let mut f = Figure::new("boundary_to_user_p99_ms", "boundary → user space, p99", Unit::Ms, Goal::AtMost(1.0), "≤ 1 ms")
-        .value(p(&normal, 99.0))
-        .samples(per_run_p99.clone());
+    s.figures.push(
+        Figure::new(
+            "boundary_to_user_p50_ms",
+            "boundary → user space, p50",
+            Unit::Ms,
+            Goal::Info,
+            "",
+        )
+        .value(p(&normal, 50.0)),
+    );
+    let mut f = Figure::new(
+        "boundary_to_user_p99_ms",
+        "boundary → user space, p99",
+        Unit::Ms,
+        Goal::AtMost(1.0),
+        "≤ 1 ms",
+    )
+    .value(p(&normal, 99.0))
+    .samples(per_run_p99.clone());
     let mut note = format!(
         "{} step events on real PyTorch over {} runs (samples: each run's p99); ts_ns = bpf_ktime_get_ns at the hit, recv_ns = CLOCK_MONOTONIC in the printer",
         normal.len(),
@@ -451,10 +540,25 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     }
     f = f.note(note);
     s.figures.push(f);
-    s.figures.push(Figure::new("boundary_to_user_max_ms", "boundary → user space, max", Unit::Ms, Goal::Info, "").value(p(&normal, 100.0)));
     s.figures.push(
-        Figure::new("boundary_to_user_fifo_p99_ms", "boundary → user space p99, dynprof under SCHED_FIFO (diagnostic)", Unit::Ms, Goal::Info, "")
-            .value(p(&fifo, 99.0)),
+        Figure::new(
+            "boundary_to_user_max_ms",
+            "boundary → user space, max",
+            Unit::Ms,
+            Goal::Info,
+            "",
+        )
+        .value(p(&normal, 100.0)),
+    );
+    s.figures.push(
+        Figure::new(
+            "boundary_to_user_fifo_p99_ms",
+            "boundary → user space p99, dynprof under SCHED_FIFO (diagnostic)",
+            Unit::Ms,
+            Goal::Info,
+            "",
+        )
+        .value(p(&fifo, 99.0)),
     );
     raw.push("boundary_to_user_ms", Json::nums(&normal));
     raw.push("boundary_to_user_fifo_ms", Json::nums(&fifo));
