@@ -17,9 +17,14 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Attach to a running job and follow its training steps.
-    ///
-    /// Example: sudo dynprof attach --pid 4242
-    ///          sudo dynprof attach --pid 4242 --marker exe:train_step --steps 100 --json
+    #[command(after_help = "\
+Examples:
+  sudo dynprof attach --pid 4242                                   # live steps (auto markers)
+  sudo dynprof attach --pid 4242 --marker exe:train_step --steps 100 --json
+  sudo dynprof attach --pid 7 --in-pidns 3f2a9c1b7d4e              # PID 7 inside that container
+  sudo dynprof attach --pid 4242 --start-step 100 --warmup 1 --active 3 -o out
+  sudo dynprof attach --pid 4242 --interactive                     # dynprof> start / stop / quit
+  sudo dynprof attach --pid 4242 --config-dir /tmp/dp              # watch profiler_config.json")]
     Attach(AttachArgs),
     /// Start a program and attach to it at once (markers in libraries it
     /// loads later are attached when they appear).
@@ -27,9 +32,10 @@ enum Command {
     /// Example: sudo dynprof launch --start-step 10 --active 5 -o out -- python train.py
     Launch(dynprof::commands::launch::LaunchArgs),
     /// Summarize one PROF_* window directory, or compare several side by side.
-    ///
-    /// Example: dynprof report out/PROF_20261202120000123_4242_1
-    ///          dynprof report before/PROF_* after/PROF_* --json
+    #[command(after_help = "\
+Examples:
+  dynprof report out/PROF_20261202120000123_4242_1
+  dynprof report before/PROF_* after/PROF_* --json")]
     Report(dynprof::output::report::ReportArgs),
     /// Bench helper (`cargo xtask bench`): one program on one marker, drained silently.
     #[command(name = "__probe-cost", hide = true)]
@@ -38,9 +44,7 @@ enum Command {
     /// load CANN, PyTorch or CUDA, with host and container PIDs, container,
     /// rank, runtimes and the step markers `attach` would use. Launchers
     /// (torchrun, mpirun, ...) are marked: profile their workers instead.
-    ///
-    /// Example: sudo dynprof ps
-    ///          sudo dynprof ps --json
+    #[command(after_help = "Examples:\n  sudo dynprof ps\n  sudo dynprof ps --all --json")]
     Ps(dynprof::commands::ps::PsArgs),
 }
 
