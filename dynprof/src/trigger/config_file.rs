@@ -504,6 +504,12 @@ impl ConfigFileTrigger {
                     if now == last || now.is_none() {
                         continue;
                     }
+                    // An empty file is a save caught between its truncate and
+                    // its write (the check above runs without an event); its
+                    // IN_CLOSE_WRITE follows, so wait for that.
+                    if now.as_ref().is_some_and(|(_, len, _)| *len == 0) {
+                        continue;
+                    }
                     last = now.clone();
                     let content = fs::read_to_string(&path).map_err(|e| e.to_string());
                     if tx.send(Box::new(ConfigChanged { content })).is_err() {
