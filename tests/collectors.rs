@@ -197,7 +197,14 @@ fn record_window(
 ) -> Run {
     let target = Target::open(HostPid(pid)).unwrap();
     let resolved = probes::resolve_markers(&target, &markers).unwrap();
-    let mut kernel = Kernel::load(target.host_pid, ring_kb * 1024).unwrap();
+    // Only step boundaries wake the reader: with thousands of calls per step,
+    // a small ring then overflows for certain, whatever the machine's speed.
+    let wake_bytes = if ring_kb <= 4 {
+        u64::MAX
+    } else {
+        u64::from(ring_kb) * 256
+    };
+    let mut kernel = Kernel::load_with_wake(target.host_pid, ring_kb * 1024, wake_bytes).unwrap();
     for p in &resolved {
         kernel.attach_marker(p).unwrap();
     }
@@ -220,6 +227,8 @@ fn record_window(
             end,
             span,
             period: span,
+            warmup: 0,
+            lead: 0,
         })
         .unwrap();
     let drops_at_arm = kernel.drops().unwrap();
@@ -515,7 +524,8 @@ fn collectors_acl_host_bound_flamegraph() {
         exe_marker("optimizer_step"),
         Collectors::ALL,
         opts,
-        (3, 13),
+        // ~1 ms steps: 50 of them give ~50 samples at 999 Hz.
+        (3, 53),
         4096,
         &dir,
         None,
@@ -654,7 +664,8 @@ fn collectors_pytorch_cpu_flamegraph() {
         vec![MarkerArg::Auto],
         which,
         opts,
-        (3, 13),
+        // ~1 ms steps: 50 of them give ~50 samples at 999 Hz.
+        (3, 53),
         4096,
         &dir,
         None,

@@ -547,8 +547,22 @@ fn msprof_follows_profiler_config_switches_in_config_mode() {
     hook.on_window_start(&w, &target).unwrap();
     write_cfg("Level1"); // an edit during the window applies to the next one
     let m1 = hook.on_window_end(&w, &target).unwrap();
-    assert!(m1["collection_args"].as_array().unwrap().iter().any(|a| a == "--task-time=l0"), "{m1:#}");
-    assert!(m1["collection_args_change"]["to"].as_array().unwrap().iter().any(|a| a == "--task-time=l1"), "{m1:#}");
+    assert!(
+        m1["collection_args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "--task-time=l0"),
+        "{m1:#}"
+    );
+    assert!(
+        m1["collection_args_change"]["to"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "--task-time=l1"),
+        "{m1:#}"
+    );
     let w = window(2, 5, 0, &scratch);
     hook.on_window_start(&w, &target).unwrap();
     let m2 = hook.on_window_end(&w, &target).unwrap();

@@ -19,7 +19,9 @@ fn trainer_env(tag: &str, step_ms: &str, env: &[(&str, &str)]) -> (Proc, PathBuf
     let dir = scratch_dir(tag);
     let log = dir.join("trainer.log");
     let mut c = Command::new(&fixtures().trainer);
-    c.args(["--steps", "0", "--step-ms", step_ms]).arg("--log").arg(&log);
+    c.args(["--steps", "0", "--step-ms", step_ms])
+        .arg("--log")
+        .arg(&log);
     for (k, v) in env {
         c.env(k, v);
     }
@@ -39,7 +41,11 @@ fn wait_file_contains(p: &Path, needle: &str, timeout: Duration) -> String {
         if t.contains(needle) {
             return t;
         }
-        assert!(Instant::now() < until, "{}: no {needle:?} within {timeout:?}; it has:\n{t}", p.display());
+        assert!(
+            Instant::now() < until,
+            "{}: no {needle:?} within {timeout:?}; it has:\n{t}",
+            p.display()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -58,7 +64,19 @@ fn console_piped_stdin_drives_windows() {
     let (mut p, log, dir) = trainer("console_piped", "10");
     let out = dir.join("out");
     let pid = p.pid.to_string();
-    let mut d = spawn(&["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--interactive", "-o", out.to_str().unwrap()], true);
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--interactive",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        true,
+    );
     d.wait_for("console ready", T);
     d.send("status");
     let i = d.wait_for("steps seen", T);
@@ -91,7 +109,11 @@ fn console_piped_stdin_drives_windows() {
     assert_eq!(m1["complete"], true);
     let r1 = recorded(&m1);
     assert_eq!(r1.len(), 2);
-    assert_eq!(m1["first_step"].as_u64().unwrap() + 1, r1[0], "warmup 1 step");
+    assert_eq!(
+        m1["first_step"].as_u64().unwrap() + 1,
+        r1[0],
+        "warmup 1 step"
+    );
     let m2 = meta(&dirs[1]);
     assert_eq!(m2["complete"], true, "{m2}");
     assert_eq!(m2["plan"]["until_stop"], true);
@@ -106,7 +128,19 @@ fn console_piped_eof_quits_and_idle_timeout_detaches() {
     let pid = p.pid.to_string();
     let out = dir.join("out");
     // EOF on stdin = quit.
-    let mut d = spawn(&["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--interactive", "-o", out.to_str().unwrap()], true);
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--interactive",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        true,
+    );
     d.wait_for("console ready", T);
     d.close_stdin();
     d.wait_for("detaching", T);
@@ -114,7 +148,18 @@ fn console_piped_eof_quits_and_idle_timeout_detaches() {
     drop(d);
     // Idle timeout: stdin stays open, no command is sent.
     let mut d = spawn(
-        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--interactive", "--idle-timeout", "1", "-o", out.to_str().unwrap()],
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--interactive",
+            "--idle-timeout",
+            "1",
+            "-o",
+            out.to_str().unwrap(),
+        ],
         true,
     );
     d.wait_for("console ready", T);
@@ -138,18 +183,24 @@ fn console_through_a_real_pty() {
         out.display()
     );
     let mut c = Command::new("script");
-    c.args(["-qfec", &inner, "/dev/null"]).env("TERM", "xterm").env("RUST_LOG", "warn");
+    c.args(["-qfec", &inner, "/dev/null"])
+        .env("TERM", "xterm")
+        .env("RUST_LOG", "warn");
     let mut d = spawn_cmd(&mut c, true, vec![inner.clone()]);
+    // Type only at a prompt, as a user does: rustyline reads keys in raw
+    // mode, which it enters before drawing the prompt and leaves after each
+    // line; a line typed in between reaches it in cooked mode, mangled.
     d.wait_for("console ready", T);
-    // Keys go through the pty; the echo shows the prompt and the line.
-    d.send("status\r");
-    // The echo: the prompt (amid rustyline's escape sequences) and the line.
     let i = d.wait_for("dynprof> ", T);
+    // Keys go through the pty; the echo shows the line after the prompt.
+    d.send("status\r");
     d.wait_for_from(i, "status", T);
-    d.wait_for_from(i, "steps seen", T);
+    let i = d.wait_for_from(i, "steps seen", T);
+    d.wait_for_from(i, "dynprof> ", T);
     d.send("capture 1\r");
-    d.wait_for("window records steps", T);
-    d.wait_for("window 1 written", T);
+    let i = d.wait_for_from(i, "window records steps", T);
+    let i = d.wait_for_from(i, "window 1 written", T);
+    d.wait_for_from(i, "dynprof> ", T);
     d.send("quit\r");
     d.wait_for("detaching", T);
     assert!(d.wait_exit(T).success(), "{}", d.transcript());
@@ -195,7 +246,11 @@ const TORCH_NPU_DEFAULT: &str = r#"{
 fn key_paths(v: &Value, prefix: &str, out: &mut Vec<String>) {
     if let Value::Object(o) = v {
         for (k, val) in o {
-            let p = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+            let p = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
             out.push(p.clone());
             key_paths(val, &p, out);
         }
@@ -209,7 +264,11 @@ fn write_config(dir: &Path, changes: Value) {
         v[k] = val.clone();
     }
     // Written in place (open/truncate/write/close), as an editor would.
-    std::fs::write(dir.join("profiler_config.json"), serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("profiler_config.json"),
+        serde_json::to_string_pretty(&v).unwrap(),
+    )
+    .unwrap();
 }
 
 fn log_file(cfg: &Path, prefix: &str) -> PathBuf {
@@ -233,13 +292,25 @@ fn config_file_template_edit_invalid_and_unknown_fields() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--config-dir", cfg.to_str().unwrap(), "-o", out.to_str().unwrap()],
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--config-dir",
+            cfg.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
         false,
     );
     d.wait_for("edit it to start a window", T);
 
     // The template has exactly torch_npu's keys (and values).
-    let tmpl: Value = serde_json::from_str(&std::fs::read_to_string(cfg.join("profiler_config.json")).unwrap()).unwrap();
+    let tmpl: Value =
+        serde_json::from_str(&std::fs::read_to_string(cfg.join("profiler_config.json")).unwrap())
+            .unwrap();
     let want: Value = serde_json::from_str(TORCH_NPU_DEFAULT).unwrap();
     let (mut a, mut b) = (Vec::new(), Vec::new());
     key_paths(&tmpl, "", &mut a);
@@ -250,11 +321,22 @@ fn config_file_template_edit_invalid_and_unknown_fields() {
     assert_eq!(tmpl, want);
     let dp = log_file(&cfg, "dp_");
     let monitor = log_file(&cfg, "monitor_dp_");
-    assert!(dp.file_name().unwrap().to_str().unwrap().ends_with(&format!("_{pid}_rank_-1.log")), "{}", dp.display());
+    assert!(
+        dp.file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .ends_with(&format!("_{pid}_rank_-1.log")),
+        "{}",
+        dp.display()
+    );
     wait_file_contains(&dp, "[INFO]", T);
 
     // An edit triggers a window; prof_dir and metadata are honoured.
-    write_config(&cfg, json!({"start_step": -1, "warmup": 1, "active": 2, "prof_dir": out.to_str().unwrap(), "metadata": {"run": "first"}}));
+    write_config(
+        &cfg,
+        json!({"start_step": -1, "warmup": 1, "active": 2, "prof_dir": out.to_str().unwrap(), "metadata": {"run": "first"}}),
+    );
     let dirs = wait_prof_dirs(&out, 1, T);
     let m = meta(&dirs[0]);
     assert_eq!(m["trigger"], "config_file");
@@ -265,22 +347,40 @@ fn config_file_template_edit_invalid_and_unknown_fields() {
     wait_file_contains(&monitor, "change 1 took effect", T);
 
     // Invalid JSON: logged with the reason; the last good config stays.
-    std::fs::write(cfg.join("profiler_config.json"), "{ \"start_step\": -1, oops").unwrap();
+    std::fs::write(
+        cfg.join("profiler_config.json"),
+        "{ \"start_step\": -1, oops",
+    )
+    .unwrap();
     let t = wait_file_contains(&dp, "invalid JSON", T);
     assert!(t.contains("the last good config stays in force"), "{t}");
     wait_file_contains(&monitor, "change 2 did not take effect", T);
     // An invalid field likewise.
     write_config(&cfg, json!({"start_step": -1, "active": "three"}));
     wait_file_contains(&dp, "invalid field `active`", T);
-    assert_eq!(prof_dirs(&out).len(), 1, "invalid configs must not start windows");
+    assert_eq!(
+        prof_dirs(&out).len(),
+        1,
+        "invalid configs must not start windows"
+    );
 
     // Unknown and no-effect fields: accepted, one warning each.
-    write_config(&cfg, json!({"start_step": -1, "active": 1, "prof_dir": out.to_str().unwrap(), "my_field": 1, "analyse": true}));
+    write_config(
+        &cfg,
+        json!({"start_step": -1, "active": 1, "prof_dir": out.to_str().unwrap(), "my_field": 1, "analyse": true}),
+    );
     wait_prof_dirs(&out, 2, T);
-    write_config(&cfg, json!({"start_step": -1, "active": 1, "prof_dir": out.to_str().unwrap(), "my_field": 2, "analyse": true}));
+    write_config(
+        &cfg,
+        json!({"start_step": -1, "active": 1, "prof_dir": out.to_str().unwrap(), "my_field": 2, "analyse": true}),
+    );
     wait_prof_dirs(&out, 3, T);
     let t = std::fs::read_to_string(&dp).unwrap();
-    assert_eq!(t.matches("field `my_field` is not part of").count(), 1, "{t}");
+    assert_eq!(
+        t.matches("field `my_field` is not part of").count(),
+        1,
+        "{t}"
+    );
     assert_eq!(t.matches("field `analyse` has no effect").count(), 1, "{t}");
 
     unsafe { libc::kill(d.child.id() as i32, libc::SIGINT) };
@@ -297,26 +397,53 @@ fn config_file_edit_during_window_is_deferred_and_last_wins() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--config-dir", cfg.to_str().unwrap(), "-o", out.to_str().unwrap()],
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--config-dir",
+            cfg.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
         false,
     );
     d.wait_for("edit it to start a window", T);
     let monitor = log_file(&cfg, "monitor_dp_");
     // A long window (500 steps of 10 ms).
-    write_config(&cfg, json!({"start_step": -1, "active": 500, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "A"}}));
+    write_config(
+        &cfg,
+        json!({"start_step": -1, "active": 500, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "A"}}),
+    );
     let until = Instant::now() + T;
     while tmp_dirs(&out).is_empty() {
-        assert!(Instant::now() < until, "window A never opened:\n{}", d.transcript());
+        assert!(
+            Instant::now() < until,
+            "window A never opened:\n{}",
+            d.transcript()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
-    write_config(&cfg, json!({"start_step": -1, "active": 2, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "B"}}));
+    write_config(
+        &cfg,
+        json!({"start_step": -1, "active": 2, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "B"}}),
+    );
     wait_file_contains(&monitor, "change 2 deferred", T);
-    write_config(&cfg, json!({"start_step": -1, "active": 3, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "C"}}));
+    write_config(
+        &cfg,
+        json!({"start_step": -1, "active": 3, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "C"}}),
+    );
     wait_file_contains(&monitor, "change 3 deferred", T);
     let dirs = wait_prof_dirs(&out, 2, T);
     let a = meta(&dirs[0]);
     assert_eq!(a["metadata"]["tag"], "A");
-    assert_eq!(recorded(&a).len(), 500, "the deferred edits must not cut window A short");
+    assert_eq!(
+        recorded(&a).len(),
+        500,
+        "the deferred edits must not cut window A short"
+    );
     let c = meta(&dirs[1]);
     assert_eq!(c["metadata"]["tag"], "C", "the last edit wins");
     assert_eq!(recorded(&c).len(), 3);
@@ -336,21 +463,45 @@ fn config_file_rank_filter() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--config-dir", cfg.to_str().unwrap(), "-o", out.to_str().unwrap()],
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--config-dir",
+            cfg.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
         false,
     );
     d.wait_for("edit it to start a window", T);
     let monitor = log_file(&cfg, "monitor_dp_");
-    assert!(monitor.to_str().unwrap().ends_with("_rank_3.log"), "{}", monitor.display());
-    write_config(&cfg, json!({"start_step": -1, "is_rank": true, "rank_list": [0, 1], "prof_dir": out.to_str().unwrap()}));
+    assert!(
+        monitor.to_str().unwrap().ends_with("_rank_3.log"),
+        "{}",
+        monitor.display()
+    );
+    write_config(
+        &cfg,
+        json!({"start_step": -1, "is_rank": true, "rank_list": [0, 1], "prof_dir": out.to_str().unwrap()}),
+    );
     let t = wait_file_contains(&monitor, "change 1 did not take effect", T);
     assert!(t.contains("rank 3 is not in rank_list"), "{t}");
-    write_config(&cfg, json!({"start_step": -1, "is_rank": true, "rank_list": [1, 3], "prof_dir": out.to_str().unwrap()}));
+    write_config(
+        &cfg,
+        json!({"start_step": -1, "is_rank": true, "rank_list": [1, 3], "prof_dir": out.to_str().unwrap()}),
+    );
     let dirs = wait_prof_dirs(&out, 1, T);
     assert_eq!(meta(&dirs[0])["target"]["rank"], 3);
     unsafe { libc::kill(d.child.id() as i32, libc::SIGINT) };
     assert!(d.wait_exit(T).success());
-    assert_eq!(prof_dirs(&out).len(), 1, "only the matching change made a window");
+    assert_eq!(
+        prof_dirs(&out).len(),
+        1,
+        "only the matching change made a window"
+    );
 }
 
 #[test]
@@ -359,10 +510,16 @@ fn config_dir_symlink_or_bad_name_is_refused() {
     let pid = std::process::id().to_string();
     let locks = dir.join("locks");
     let run = |cfg: &Path| {
-        let o = dynprof_cmd(&["attach", "--pid", &pid, "--config-dir", cfg.to_str().unwrap()])
-            .env("DYNPROF_LOCK_DIR", &locks)
-            .output()
-            .unwrap();
+        let o = dynprof_cmd(&[
+            "attach",
+            "--pid",
+            &pid,
+            "--config-dir",
+            cfg.to_str().unwrap(),
+        ])
+        .env("DYNPROF_LOCK_DIR", &locks)
+        .output()
+        .unwrap();
         assert!(!o.status.success());
         String::from_utf8_lossy(&o.stderr).into_owned()
     };
@@ -372,7 +529,10 @@ fn config_dir_symlink_or_bad_name_is_refused() {
     std::os::unix::fs::symlink(dir.join("real"), dir.join("link")).unwrap();
     let e = run(&dir.join("link").join("cfg"));
     assert!(e.contains("symbolic link"), "{e}");
-    assert!(!dir.join("real").join("cfg").exists(), "nothing may be created through the symlink");
+    assert!(
+        !dir.join("real").join("cfg").exists(),
+        "nothing may be created through the symlink"
+    );
 }
 
 // --------------------------------------------------------------------- lock
@@ -382,17 +542,53 @@ fn lock_refuses_a_second_controller_and_survives_sigkill() {
     require_privileges!();
     let (mut p, _log, _dir) = trainer("lock_contention", "10");
     let pid = p.pid.to_string();
-    let mut a = spawn(&["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--interactive"], true);
+    let mut a = spawn(
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--interactive",
+        ],
+        true,
+    );
     a.wait_for("console ready", T);
-    let o = dynprof_cmd(&["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--steps", "2"]).output().unwrap();
+    let o = dynprof_cmd(&[
+        "attach",
+        "--pid",
+        &pid,
+        "--marker",
+        "exe:optimizer_step",
+        "--steps",
+        "2",
+    ])
+    .output()
+    .unwrap();
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{e}");
-    assert!(e.contains(&format!("already controlled by another dynprof (PID {}", a.child.id())), "{e}");
+    assert!(
+        e.contains(&format!(
+            "already controlled by another dynprof (PID {}",
+            a.child.id()
+        )),
+        "{e}"
+    );
     assert!(e.contains("mode attach") && e.contains("since "), "{e}");
     // SIGKILL the holder: the kernel drops its flock; the next attach works.
     unsafe { libc::kill(a.child.id() as i32, libc::SIGKILL) };
     let _ = a.child.wait();
-    let o = dynprof_cmd(&["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--steps", "2"]).output().unwrap();
+    let o = dynprof_cmd(&[
+        "attach",
+        "--pid",
+        &pid,
+        "--marker",
+        "exe:optimizer_step",
+        "--steps",
+        "2",
+    ])
+    .output()
+    .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(p.is_running());
 }
@@ -408,9 +604,28 @@ fn launch_attaches_a_marker_library_dlopened_later() {
     let fx = fixtures();
     let mut d = spawn(
         &[
-            "launch", "--marker", "libfixture_marker:lib_step", "--start-step", "3", "--warmup", "1", "--active", "2", "-o",
-            out.to_str().unwrap(), "--json", "--", fx.dlopen_trainer.to_str().unwrap(), "--log", log.to_str().unwrap(), "--steps", "30",
-            "--step-ms", "10", "--delay-ms", "2000",
+            "launch",
+            "--marker",
+            "libfixture_marker:lib_step",
+            "--start-step",
+            "3",
+            "--warmup",
+            "1",
+            "--active",
+            "2",
+            "-o",
+            out.to_str().unwrap(),
+            "--json",
+            "--",
+            fx.dlopen_trainer.to_str().unwrap(),
+            "--log",
+            log.to_str().unwrap(),
+            "--steps",
+            "30",
+            "--step-ms",
+            "10",
+            "--delay-ms",
+            "2000",
         ],
         false,
     );
@@ -429,10 +644,14 @@ fn launch_attaches_a_marker_library_dlopened_later() {
     let steps = d.json_steps();
     assert_eq!(steps.first().map(|s| s.0), Some(1));
     let dl = log_lines_of(&log, "dlopen");
-    assert!(steps[0].1 > dl[0].after, "the first step follows the dlopen");
+    assert!(
+        steps[0].1 > dl[0].after,
+        "the first step follows the dlopen"
+    );
     let j1 = call_containing(&calls, steps[0].1).expect("hit 1 inside a call");
     for k in 3..=6u64 {
-        let j = call_containing(&calls, boundary(&m, k)).unwrap_or_else(|| panic!("boundary {k} inside no call"));
+        let j = call_containing(&calls, boundary(&m, k))
+            .unwrap_or_else(|| panic!("boundary {k} inside no call"));
         assert_eq!(j as u64, j1 as u64 + k - 1);
     }
 }

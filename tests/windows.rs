@@ -30,7 +30,8 @@ fn calls_and_offset(d: &Running, log: &std::path::Path, last_hit: u64) -> (Vec<L
     let steps = d.json_steps();
     let (k1, ts1) = steps[0];
     let calls = log_lines_of(log, "step");
-    let j1 = call_containing(&calls, ts1).unwrap_or_else(|| panic!("hit {k1} at {ts1} is inside no logged call"));
+    let j1 = call_containing(&calls, ts1)
+        .unwrap_or_else(|| panic!("hit {k1} at {ts1} is inside no logged call"));
     let offset = j1 as i64 - k1 as i64;
     let need = (last_hit as i64 + offset + 1) as usize;
     let calls = wait_for_log_lines(log, "step", need, T);
@@ -45,8 +46,20 @@ fn windows_plan_records_exactly_the_planned_steps() {
     let pid = p.pid.to_string();
     let mut d = spawn(
         &[
-            "attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "5", "--warmup", "1", "--active", "3",
-            "--output", out.to_str().unwrap(), "--json",
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "5",
+            "--warmup",
+            "1",
+            "--active",
+            "3",
+            "--output",
+            out.to_str().unwrap(),
+            "--json",
         ],
         false,
     );
@@ -67,7 +80,11 @@ fn windows_plan_records_exactly_the_planned_steps() {
     assert_eq!(m["plan"]["active"], 3);
     assert_eq!(m["first_recorded_step"], 6);
     assert_eq!(m["last_recorded_step"], 8);
-    assert_eq!(recorded(&m), vec![6, 7, 8], "warmup step 5 must not be recorded");
+    assert_eq!(
+        recorded(&m),
+        vec![6, 7, 8],
+        "warmup step 5 must not be recorded"
+    );
     assert_eq!(m["target"]["host_pid"], p.pid);
     assert!(m["dynprof_version"].is_string());
     assert!(m["target"]["ns_pids"].is_array());
@@ -90,14 +107,28 @@ fn windows_plan_records_exactly_the_planned_steps() {
     let (calls, off) = calls_and_offset(&d, &log, 9);
     for k in 5..=9u64 {
         let ts = boundary(&m, k);
-        let j = call_containing(&calls, ts).unwrap_or_else(|| panic!("boundary {k} ({ts}) is inside no logged call"));
-        assert_eq!(j as i64, k as i64 + off, "boundary {k} is in the wrong call");
+        let j = call_containing(&calls, ts)
+            .unwrap_or_else(|| panic!("boundary {k} ({ts}) is inside no logged call"));
+        assert_eq!(
+            j as i64,
+            k as i64 + off,
+            "boundary {k} is in the wrong call"
+        );
     }
-    let warm: Vec<bool> = m["boundaries"].as_array().unwrap().iter().map(|b| b["warmup"].as_bool().unwrap()).collect();
+    let warm: Vec<bool> = m["boundaries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["warmup"].as_bool().unwrap())
+        .collect();
     assert!(warm[0]);
     assert!(warm[1..].iter().all(|w| !w));
     // The window line in the JSON stream names the directory.
-    let w: Vec<_> = d.stdout_json().into_iter().filter(|v| v["event"] == "window").collect();
+    let w: Vec<_> = d
+        .stdout_json()
+        .into_iter()
+        .filter(|v| v["event"] == "window")
+        .collect();
     assert_eq!(w.len(), 1);
     assert_eq!(w[0]["window"]["dir"], dirs[0].to_str().unwrap());
     assert!(p.is_running(), "the target must survive");
@@ -110,7 +141,20 @@ fn windows_next_boundary_start() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "-1", "--active", "2", "-o", out.to_str().unwrap(), "--json"],
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "-1",
+            "--active",
+            "2",
+            "-o",
+            out.to_str().unwrap(),
+            "--json",
+        ],
         false,
     );
     assert!(d.wait_exit(T).success(), "{}", d.transcript());
@@ -138,8 +182,21 @@ fn windows_repeat_with_gap() {
     let pid = p.pid.to_string();
     let mut d = spawn(
         &[
-            "attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "3", "--active", "2", "--repeat", "2", "--gap",
-            "1", "-o", out.to_str().unwrap(),
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "3",
+            "--active",
+            "2",
+            "--repeat",
+            "2",
+            "--gap",
+            "1",
+            "-o",
+            out.to_str().unwrap(),
         ],
         false,
     );
@@ -165,14 +222,30 @@ fn windows_target_exit_mid_window_keeps_incomplete_output() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "2", "--active", "100000", "-o", out.to_str().unwrap()],
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "2",
+            "--active",
+            "100000",
+            "-o",
+            out.to_str().unwrap(),
+        ],
         false,
     );
     // The window is open once its hidden directory exists; let a few more
     // steps pass, then kill the target.
     let until = std::time::Instant::now() + T;
     while tmp_dirs(&out).is_empty() {
-        assert!(std::time::Instant::now() < until, "no window opened:\n{}", d.transcript());
+        assert!(
+            std::time::Instant::now() < until,
+            "no window opened:\n{}",
+            d.transcript()
+        );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let n = log_lines_of(&log, "step").len();
@@ -180,7 +253,10 @@ fn windows_target_exit_mid_window_keeps_incomplete_output() {
     unsafe { libc::kill(p.pid as i32, libc::SIGKILL) };
     let _ = p.child.wait();
     assert!(d.wait_exit(T).success(), "{}", d.transcript());
-    assert!(tmp_dirs(&out).is_empty(), "the hidden directory must be renamed");
+    assert!(
+        tmp_dirs(&out).is_empty(),
+        "the hidden directory must be renamed"
+    );
     let dirs = prof_dirs(&out);
     assert_eq!(dirs.len(), 1);
     let m = meta(&dirs[0]);
@@ -191,9 +267,14 @@ fn windows_target_exit_mid_window_keeps_incomplete_output() {
     assert_eq!(steps[0], 2);
     assert_eq!(steps_csv(&dirs[0]).len(), steps.len());
     // `dynprof report` flags it.
-    let r = dynprof_cmd(&["report", dirs[0].to_str().unwrap()]).output().unwrap();
+    let r = dynprof_cmd(&["report", dirs[0].to_str().unwrap()])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
-    assert!(text.contains("INCOMPLETE") && text.contains("target exited"), "{text}");
+    assert!(
+        text.contains("INCOMPLETE") && text.contains("target exited"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -203,12 +284,28 @@ fn windows_interrupted_mid_window_keeps_incomplete_output() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &["attach", "--pid", &pid, "--marker", "exe:optimizer_step", "--start-step", "-1", "--active", "100000", "-o", out.to_str().unwrap()],
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "-1",
+            "--active",
+            "100000",
+            "-o",
+            out.to_str().unwrap(),
+        ],
         false,
     );
     let until = std::time::Instant::now() + T;
     while tmp_dirs(&out).is_empty() {
-        assert!(std::time::Instant::now() < until, "no window opened:\n{}", d.transcript());
+        assert!(
+            std::time::Instant::now() < until,
+            "no window opened:\n{}",
+            d.transcript()
+        );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let n = log_lines_of(&log, "step").len();
@@ -222,7 +319,10 @@ fn windows_interrupted_mid_window_keeps_incomplete_output() {
     assert_eq!(m["complete"], false);
     assert_eq!(m["incomplete_reason"], "interrupted");
     assert!(!recorded(&m).is_empty());
-    assert!(p.is_running(), "an interrupted dynprof leaves the target running");
+    assert!(
+        p.is_running(),
+        "an interrupted dynprof leaves the target running"
+    );
 }
 
 /// Real PyTorch, launch mode: `libtorch_cpu` is loaded by `import torch`,
@@ -238,12 +338,33 @@ fn windows_launch_pytorch_auto_marker() {
     let out = dir.join("out");
     let mut d = spawn(
         &[
-            "launch", "--start-step", "3", "--warmup", "1", "--active", "2", "-o", out.to_str().unwrap(), "--json", "--", PYTHON3,
-            fx.torch_train_py.to_str().unwrap(), "--steps", "10", "--accum", "2", "--log", log.to_str().unwrap(),
+            "launch",
+            "--start-step",
+            "3",
+            "--warmup",
+            "1",
+            "--active",
+            "2",
+            "-o",
+            out.to_str().unwrap(),
+            "--json",
+            "--",
+            PYTHON3,
+            fx.torch_train_py.to_str().unwrap(),
+            "--steps",
+            "10",
+            "--accum",
+            "2",
+            "--log",
+            log.to_str().unwrap(),
         ],
         false,
     );
-    assert!(d.wait_exit(std::time::Duration::from_secs(300)).success(), "{}", d.transcript());
+    assert!(
+        d.wait_exit(std::time::Duration::from_secs(300)).success(),
+        "{}",
+        d.transcript()
+    );
     let dirs = prof_dirs(&out);
     assert_eq!(dirs.len(), 1, "{}", d.transcript());
     let m = meta(&dirs[0]);
@@ -253,12 +374,16 @@ fn windows_launch_pytorch_auto_marker() {
     assert_eq!(calls.len(), 10);
     // Attached before training began: dynprof's step k is the script's step k.
     for k in 3..=6u64 {
-        let j = call_containing(&calls, boundary(&m, k)).unwrap_or_else(|| panic!("boundary {k} inside no optimizer.step"));
+        let j = call_containing(&calls, boundary(&m, k))
+            .unwrap_or_else(|| panic!("boundary {k} inside no optimizer.step"));
         assert_eq!(calls[j].index, k);
     }
     let csv = std::fs::read_to_string(dirs[0].join("steps.csv")).unwrap();
     let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
-    let col = header.iter().position(|h| h.contains("backward")).unwrap_or_else(|| panic!("no backward column: {csv}"));
+    let col = header
+        .iter()
+        .position(|h| h.contains("backward"))
+        .unwrap_or_else(|| panic!("no backward column: {csv}"));
     for row in csv.lines().skip(1) {
         assert_eq!(row.split(',').nth(col), Some("2"), "{csv}");
     }

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
+    io::Write as _,
     path::{Path, PathBuf},
     process::{Child, ChildStdin, Command, ExitStatus, Stdio},
     sync::mpsc,
@@ -37,29 +37,66 @@ pub fn dynprof_cmd(args: &[&str]) -> Command {
 
 pub fn spawn(args: &[&str], piped_stdin: bool) -> Running {
     let mut c = dynprof_cmd(args);
-    spawn_cmd(&mut c, piped_stdin, args.iter().map(|s| s.to_string()).collect())
+    spawn_cmd(
+        &mut c,
+        piped_stdin,
+        args.iter().map(|s| s.to_string()).collect(),
+    )
 }
 
 pub fn spawn_cmd(c: &mut Command, piped_stdin: bool, args: Vec<String>) -> Running {
     c.stdout(Stdio::piped()).stderr(Stdio::piped());
-    c.stdin(if piped_stdin { Stdio::piped() } else { Stdio::null() });
+    c.stdin(if piped_stdin {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
     let mut child = c.spawn().expect("spawning dynprof");
     let (tx, rx) = mpsc::channel();
     let out = child.stdout.take().unwrap();
     let err = child.stderr.take().unwrap();
     let tx2 = tx.clone();
-    std::thread::spawn(move || {
-        for l in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send((false, l));
-        }
-    });
-    std::thread::spawn(move || {
-        for l in BufReader::new(err).lines().map_while(Result::ok) {
-            let _ = tx2.send((true, l));
-        }
-    });
+    std::thread::spawn(move || follow(out, false, tx));
+    std::thread::spawn(move || follow(err, true, tx2));
     let stdin = child.stdin.take();
-    Running { child, stdin, rx, lines: Vec::new(), args }
+    Running {
+        child,
+        stdin,
+        rx,
+        lines: Vec::new(),
+        args,
+    }
+}
+
+/// Forwards `r` line by line. A console prompt is an unfinished line that
+/// the program waits on: it is forwarded as soon as it is drawn, so that a
+/// test can type only once the console is reading.
+fn follow(mut r: impl std::io::Read, is_err: bool, tx: mpsc::Sender<(bool, String)>) {
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = match r.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        pending.extend_from_slice(&buf[..n]);
+        while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=nl).collect();
+            let line = String::from_utf8_lossy(&line[..nl])
+                .trim_end_matches('\r')
+                .to_string();
+            if tx.send((is_err, line)).is_err() {
+                return;
+            }
+        }
+        if String::from_utf8_lossy(&pending).contains("dynprof> ") {
+            let _ = tx.send((is_err, String::from_utf8_lossy(&pending).to_string()));
+            pending.clear();
+        }
+    }
+    if !pending.is_empty() {
+        let _ = tx.send((is_err, String::from_utf8_lossy(&pending).to_string()));
+    }
 }
 
 impl Running {
@@ -90,7 +127,11 @@ impl Running {
                 i += 1;
             }
             if !self.pump(until) {
-                panic!("no line containing {needle:?} within {timeout:?}; dynprof {:?} said:\n{}", self.args, self.transcript());
+                panic!(
+                    "no line containing {needle:?} within {timeout:?}; dynprof {:?} said:\n{}",
+                    self.args,
+                    self.transcript()
+                );
             }
         }
     }
@@ -119,18 +160,29 @@ impl Running {
                 return st;
             }
             if Instant::now() >= until {
-                panic!("dynprof {:?} did not exit within {timeout:?}:\n{}", self.args, self.transcript());
+                panic!(
+                    "dynprof {:?} did not exit within {timeout:?}:\n{}",
+                    self.args,
+                    self.transcript()
+                );
             }
             self.pump(Instant::now() + Duration::from_millis(20).min(until - Instant::now()));
         }
     }
 
     pub fn transcript(&self) -> String {
-        self.lines.iter().map(|(e, l)| format!("{} {l}\n", if *e { "E|" } else { "O|" })).collect()
+        self.lines
+            .iter()
+            .map(|(e, l)| format!("{} {l}\n", if *e { "E|" } else { "O|" }))
+            .collect()
     }
 
     pub fn stdout_json(&self) -> Vec<Value> {
-        self.lines.iter().filter(|(e, _)| !e).filter_map(|(_, l)| serde_json::from_str(l).ok()).collect()
+        self.lines
+            .iter()
+            .filter(|(e, _)| !e)
+            .filter_map(|(_, l)| serde_json::from_str(l).ok())
+            .collect()
     }
 
     /// (step, ts_ns) of the `--json` step lines.
@@ -156,7 +208,14 @@ pub fn prof_dirs(out: &Path) -> Vec<PathBuf> {
         .map(|rd| {
             rd.flatten()
                 .map(|e| e.path())
-                .filter(|p| p.is_dir() && p.file_name().unwrap().to_str().unwrap().starts_with("PROF_"))
+                .filter(|p| {
+                    p.is_dir()
+                        && p.file_name()
+                            .unwrap()
+                            .to_str()
+                            .unwrap()
+                            .starts_with("PROF_")
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -170,14 +229,28 @@ pub fn tmp_dirs(out: &Path) -> Vec<PathBuf> {
         .map(|rd| {
             rd.flatten()
                 .map(|e| e.path())
-                .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with(".PROF_"))
+                .filter(|p| {
+                    p.file_name()
+                        .unwrap()
+                        .to_str()
+                        .unwrap()
+                        .starts_with(".PROF_")
+                })
                 .collect()
         })
         .unwrap_or_default()
 }
 
 pub fn window_number(p: &Path) -> u32 {
-    p.file_name().unwrap().to_str().unwrap().rsplit('_').next().unwrap().parse().unwrap()
+    p.file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .rsplit('_')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 /// Polls until `out` holds at least `n` finished windows.
@@ -188,13 +261,18 @@ pub fn wait_prof_dirs(out: &Path, n: usize, timeout: Duration) -> Vec<PathBuf> {
         if v.len() >= n {
             return v;
         }
-        assert!(Instant::now() < until, "{}: wanted {n} PROF_* dirs within {timeout:?}, have {v:?}", out.display());
+        assert!(
+            Instant::now() < until,
+            "{}: wanted {n} PROF_* dirs within {timeout:?}, have {v:?}",
+            out.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 pub fn meta(dir: &Path) -> Value {
-    let t = std::fs::read_to_string(dir.join("meta.json")).unwrap_or_else(|e| panic!("{}/meta.json: {e}", dir.display()));
+    let t = std::fs::read_to_string(dir.join("meta.json"))
+        .unwrap_or_else(|e| panic!("{}/meta.json: {e}", dir.display()));
     serde_json::from_str(&t).unwrap()
 }
 
@@ -203,7 +281,10 @@ pub fn steps_csv(dir: &Path) -> Vec<(u64, u64, u64, u64)> {
     let t = std::fs::read_to_string(dir.join("steps.csv")).unwrap();
     let mut lines = t.lines();
     let header = lines.next().unwrap();
-    assert!(header.starts_with("step,start_ts_ns,end_ts_ns,duration_ns"), "{header}");
+    assert!(
+        header.starts_with("step,start_ts_ns,end_ts_ns,duration_ns"),
+        "{header}"
+    );
     lines
         .map(|l| {
             let f: Vec<u64> = l.split(',').take(4).map(|x| x.parse().unwrap()).collect();
@@ -219,7 +300,12 @@ pub fn call_containing(calls: &[LogLine], ts: u64) -> Option<usize> {
 
 /// Recorded steps of a window as numbers.
 pub fn recorded(m: &Value) -> Vec<u64> {
-    m["steps"].as_array().unwrap().iter().map(|s| s["step"].as_u64().unwrap()).collect()
+    m["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["step"].as_u64().unwrap())
+        .collect()
 }
 
 /// Boundary ts of hit `k` from meta.json.

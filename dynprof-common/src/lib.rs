@@ -6,6 +6,17 @@
 //! space's marker or API table.
 #![no_std]
 
+/// `bpf_ringbuf_submit`/`query` flags (include/uapi/linux/bpf.h).
+pub mod ringbuf {
+    /// Do not notify the consumer: it reads the record on its next tick.
+    pub const NO_WAKEUP: u64 = 1;
+    /// Notify even when older records are still unread (the default
+    /// notifies only when the ring was empty).
+    pub const FORCE_WAKEUP: u64 = 2;
+    /// `bpf_ringbuf_query`: bytes not yet consumed.
+    pub const AVAIL_DATA: u64 = 0;
+}
+
 /// Markers (step and aux probes) user space can configure at once.
 pub const MAX_MARKERS: u32 = 64;
 /// Runtime APIs the `api` collector can trace at once.
@@ -137,6 +148,62 @@ pub struct PlanConfig {
     pub span: u64,
     /// Steps per cycle (span + gap); never 0.
     pub period: u64,
+    /// Steps per cycle inside the gate but not recorded; only used to decide
+    /// which hits wake user space ([`PlanConfig::wakes`]).
+    pub warmup: u64,
+    /// Hits this many steps before a cycle starts wake user space, so that
+    /// it arms the collectors ahead of the window.
+    pub lead: u64,
+}
+
+impl PlanConfig {
+    /// No plan: the gate closes at the next hit and stays closed.
+    pub const DISARMED: PlanConfig = PlanConfig {
+        armed: 0,
+        _pad: 0,
+        start: 0,
+        end: 0,
+        span: 0,
+        period: 1,
+        warmup: 0,
+        lead: 0,
+    };
+
+    /// The gate at step hit `k`: inside a cycle's first `span` steps.
+    #[inline(always)]
+    pub fn gate(&self, k: u64) -> bool {
+        self.armed != 0
+            && k >= self.start
+            && k < self.end
+            && self.period != 0
+            && (k - self.start) % self.period < self.span
+    }
+
+    /// Does step hit `k` need user space *now*? True at the hits where it
+    /// has work: the lead-in that arms collectors, a cycle's first hit
+    /// (window opens), its first recorded step (start hooks, msprof
+    /// `start`) and the hit that closes it. Every other step event is
+    /// batched: written without a wakeup and read on user space's next
+    /// tick, which is what makes an attached-but-idle dynprof cost nothing
+    /// per step.
+    #[inline(always)]
+    pub fn wakes(&self, k: u64) -> bool {
+        if self.armed == 0 || self.period == 0 {
+            return false;
+        }
+        if k < self.start {
+            return self.start - k <= self.lead;
+        }
+        if k > self.end {
+            return false;
+        }
+        let r = (k - self.start) % self.period;
+        let to_next = self.period - r;
+        r == 0
+            || r == self.warmup
+            || r == self.span
+            || (to_next <= self.lead && k.saturating_add(to_next) < self.end)
+    }
 }
 
 /// Kernel-owned state, `STATE[0]`: the step counter and the gate that the

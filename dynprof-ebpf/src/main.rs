@@ -22,17 +22,24 @@ use aya_ebpf::{
     },
     macros::{map, perf_event, tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
-    programs::{PerfEventContext, ProbeContext, RetProbeContext, TracePointContext, tracing::StackIdContext},
+    programs::{
+        PerfEventContext, ProbeContext, RetProbeContext, TracePointContext, tracing::StackIdContext,
+    },
 };
 use dynprof_common::{
-    ApiEvent, ApiKey, EventHeader, KernelState, MAX_APIS, MAX_MARKERS, MarkerConfig,
-    OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY, SampleEvent, StepEvent, arg_mode,
-    drop_slot, kind, reg, role,
+    ApiEvent, ApiKey, EventHeader, KernelState, MAX_APIS, MAX_MARKERS, MarkerConfig, OffCpuEvent,
+    OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY, SampleEvent, StepEvent, arg_mode, drop_slot,
+    kind, reg, ringbuf, role,
 };
 
 /// Host tgid of the target, set by user space before load.
 #[unsafe(no_mangle)]
 static TARGET_TGID: u32 = 0;
+/// Unread bytes in `EVENTS` above which a batched event still wakes user
+/// space (a quarter of the ring, set at load), so a burst never fills the
+/// ring while the consumer sleeps until its next tick.
+#[unsafe(no_mangle)]
+static WAKE_BYTES: u64 = 1024 * 1024;
 
 #[map]
 static MARKERS: Array<MarkerConfig> = Array::with_max_entries(MAX_MARKERS, 0);
@@ -82,12 +89,23 @@ fn gate_open() -> bool {
     }
 }
 
+/// Submit flags of a batched event: no wakeup, unless the ring is filling.
 #[inline(always)]
-fn emit<T: 'static>(ev: T, slot: u32) {
+fn batched() -> u64 {
+    let wake_bytes = unsafe { core::ptr::read_volatile(&WAKE_BYTES) };
+    if EVENTS.query(ringbuf::AVAIL_DATA) >= wake_bytes {
+        ringbuf::FORCE_WAKEUP
+    } else {
+        ringbuf::NO_WAKEUP
+    }
+}
+
+#[inline(always)]
+fn emit<T: 'static>(ev: T, slot: u32, flags: u64) {
     match EVENTS.reserve::<T>(0) {
         Some(mut e) => {
             e.write(ev);
-            e.submit(0);
+            e.submit(flags);
         }
         None => count_drop(slot),
     }
@@ -108,7 +126,9 @@ fn read_reg(regs: *const pt_regs, r: u32) -> Option<u64> {
 /// Does the marker's string argument start with its prefix?
 #[inline(always)]
 fn prefix_matches(regs: *const pt_regs, cfg: &MarkerConfig) -> bool {
-    let Some(mut value) = read_reg(regs, cfg.arg_reg) else { return false };
+    let Some(mut value) = read_reg(regs, cfg.arg_reg) else {
+        return false;
+    };
     if cfg.arg_in_memory != 0 {
         let addr = (value as i64).wrapping_add(cfg.arg_offset) as *const u64;
         value = match unsafe { bpf_probe_read_user(addr) } {
@@ -131,7 +151,11 @@ fn prefix_matches(regs: *const pt_regs, cfg: &MarkerConfig) -> bool {
     // and a prefix that ends in NUL (user space's `eq=`) tests equality.
     let mut buf = core::mem::MaybeUninit::<[u8; PREFIX_LEN]>::uninit();
     let got = unsafe {
-        generated::bpf_probe_read_user_str(buf.as_mut_ptr().cast(), PREFIX_LEN as u32, value as *const _)
+        generated::bpf_probe_read_user_str(
+            buf.as_mut_ptr().cast(),
+            PREFIX_LEN as u32,
+            value as *const _,
+        )
     };
     if got < 0 {
         return false;
@@ -152,17 +176,14 @@ fn prefix_matches(regs: *const pt_regs, cfg: &MarkerConfig) -> bool {
     true
 }
 
-#[inline(always)]
-fn in_window(p: &PlanConfig, k: u64) -> bool {
-    p.armed != 0 && k >= p.start && k < p.end && p.period != 0 && (k - p.start) % p.period < p.span
-}
-
 /// Attached at every step and aux marker; the cookie is the marker index.
 #[uprobe]
 pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let marker = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
-    let Some(cfg) = MARKERS.get(marker) else { return 0 };
+    let Some(cfg) = MARKERS.get(marker) else {
+        return 0;
+    };
     if cfg.arg_mode != arg_mode::NONE && !prefix_matches(ctx.regs, cfg) {
         return 0;
     }
@@ -170,8 +191,10 @@ pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
     if let Some(h) = HITS.get_ptr_mut(marker) {
         unsafe { *h += 1 };
     }
-    let Some(state) = STATE.get_ptr_mut(0) else { return 0 };
-    let (step, gate) = if cfg.role == role::STEP {
+    let Some(state) = STATE.get_ptr_mut(0) else {
+        return 0;
+    };
+    let (step, gate, wake) = if cfg.role == role::STEP {
         // Several threads may hit step markers; the counter must not lose one.
         // aya-build links for BPF cpu v1, whose XADD cannot return the old
         // value: add atomically (no hit is ever lost), then read back. Two
@@ -180,18 +203,23 @@ pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
             atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*state).step_hits, 1);
             core::ptr::read_volatile(&raw const (*state).step_hits)
         };
-        let open = match PLAN.get(0) {
-            Some(p) => in_window(p, k),
-            None => false,
+        let (open, wake) = match PLAN.get(0) {
+            Some(p) => (p.gate(k), p.wakes(k)),
+            None => (false, false),
         };
+        let was_open = unsafe { (*state).gate != 0 };
         unsafe { (*state).gate = open as u64 };
-        (k, open)
+        (k, open, wake || open != was_open)
     } else {
-        unsafe { ((*state).step_hits, (*state).gate != 0) }
+        unsafe { ((*state).step_hits, (*state).gate != 0, false) }
     };
     emit(
         StepEvent {
-            hdr: EventHeader { kind: kind::STEP, tid, ts_ns },
+            hdr: EventHeader {
+                kind: kind::STEP,
+                tid,
+                ts_ns,
+            },
             marker,
             role: cfg.role,
             step,
@@ -199,6 +227,11 @@ pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
             _pad: 0,
         },
         drop_slot::STEP,
+        if wake {
+            ringbuf::FORCE_WAKEUP
+        } else {
+            batched()
+        },
     );
     0
 }
@@ -235,19 +268,26 @@ pub fn dynprof_api_exit(ctx: RetProbeContext) -> u32 {
     let api = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let key = ApiKey { tid, api };
     // Only calls that began inside the window have a start record.
-    let Some(start) = (unsafe { API_START.get(&key) }).copied() else { return 0 };
+    let Some(start) = (unsafe { API_START.get(&key) }).copied() else {
+        return 0;
+    };
     let _ = API_START.remove(&key);
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i64 = ctx.ret();
     emit(
         ApiEvent {
-            hdr: EventHeader { kind: kind::API, tid, ts_ns: start },
+            hdr: EventHeader {
+                kind: kind::API,
+                tid,
+                ts_ns: start,
+            },
             api,
             _pad: 0,
             dur_ns: now.saturating_sub(start),
             ret,
         },
         drop_slot::API,
+        batched(),
     );
     0
 }
@@ -263,13 +303,18 @@ pub fn dynprof_cpu(ctx: PerfEventContext) -> u32 {
     let kernel_stack = stack_id(&ctx, 0, drop_slot::CPU_STACK);
     emit(
         SampleEvent {
-            hdr: EventHeader { kind: kind::SAMPLE, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
+            hdr: EventHeader {
+                kind: kind::SAMPLE,
+                tid,
+                ts_ns: unsafe { bpf_ktime_get_ns() },
+            },
             user_stack,
             kernel_stack,
             cpu: unsafe { bpf_get_smp_processor_id() },
             _pad: 0,
         },
         drop_slot::CPU,
+        batched(),
     );
     0
 }
@@ -323,12 +368,17 @@ pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
         let _ = OFFCPU_START.remove(&next);
         emit(
             OffCpuEvent {
-                hdr: EventHeader { kind: kind::OFFCPU, tid: next, ts_ns: start.ts_ns },
+                hdr: EventHeader {
+                    kind: kind::OFFCPU,
+                    tid: next,
+                    ts_ns: start.ts_ns,
+                },
                 dur_ns: now.saturating_sub(start.ts_ns),
                 user_stack: start.user_stack,
                 kernel_stack: start.kernel_stack,
             },
             drop_slot::OFFCPU,
+            batched(),
         );
     }
     0

@@ -15,7 +15,9 @@ use aya::{
     maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf, StackTraceMap},
     programs::{
         PerfEvent, TracePoint, UProbe,
-        perf_event::{PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent},
+        perf_event::{
+            PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent,
+        },
         trace_point::TracePointLinkId,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
@@ -36,7 +38,8 @@ pub const SCHED_PROG: &str = "dynprof_sched_switch";
 /// Checks the kernel and our privileges before touching bpf(2), so the
 /// user gets one actionable line instead of an EPERM from deep inside aya.
 pub fn preflight() -> Result<()> {
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let cap_eff = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
@@ -85,7 +88,8 @@ mod preflight_tests {
     use super::*;
 
     fn root(tag: &str, uprobe: bool, btf: bool) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("dynprof-preflight-{}-{tag}", std::process::id()));
+        let d =
+            std::env::temp_dir().join(format!("dynprof-preflight-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         if uprobe {
             std::fs::create_dir_all(d.join("sys/bus/event_source/devices/uprobe")).unwrap();
@@ -109,16 +113,28 @@ mod preflight_tests {
     fn each_missing_piece_gets_one_line_with_a_hint() {
         let all = u64::MAX;
         let e = err(&root("none", false, true), all);
-        assert!(e.contains("no uprobe support") && e.contains("CONFIG_UPROBE_EVENTS"), "{e}");
+        assert!(
+            e.contains("no uprobe support") && e.contains("CONFIG_UPROBE_EVENTS"),
+            "{e}"
+        );
         let e = err(&root("nobtf", true, false), all);
-        assert!(e.contains("no BTF") && e.contains("CONFIG_DEBUG_INFO_BTF"), "{e}");
+        assert!(
+            e.contains("no BTF") && e.contains("CONFIG_DEBUG_INFO_BTF"),
+            "{e}"
+        );
         let ok = root("ok", true, true);
         let e = err(&ok, 0);
         assert!(e.contains("CAP_BPF and CAP_PERFMON"), "{e}");
         let e = err(&ok, 1 << 39);
         assert!(e.contains("missing privileges: CAP_PERFMON ("), "{e}");
-        assert!(preflight_at(&ok, 1 << 21).is_ok(), "CAP_SYS_ADMIN is enough");
-        assert!(preflight_at(&ok, (1 << 38) | (1 << 39)).is_ok(), "CAP_BPF+CAP_PERFMON is enough");
+        assert!(
+            preflight_at(&ok, 1 << 21).is_ok(),
+            "CAP_SYS_ADMIN is enough"
+        );
+        assert!(
+            preflight_at(&ok, (1 << 38) | (1 << 39)).is_ok(),
+            "CAP_BPF+CAP_PERFMON is enough"
+        );
         for t in ["none", "nobtf", "ok"] {
             let _ = std::fs::remove_dir_all(root(t, false, false));
         }
@@ -144,22 +160,41 @@ impl Kernel {
     /// Loads the object for one target. `ring_bytes` must be a power of two
     /// multiple of the page size.
     pub fn load(pid: HostPid, ring_bytes: u32) -> Result<Self> {
+        Self::load_with_wake(pid, ring_bytes, u64::from(ring_bytes / 4))
+    }
+
+    /// [`Kernel::load`], choosing how full the ring may get before a
+    /// batched event wakes the reader (`u64::MAX`: only step boundaries do).
+    pub fn load_with_wake(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
         preflight()?;
         let tgid = pid.0;
         let ebpf = EbpfLoader::new()
             .override_global("TARGET_TGID", &tgid, true)
+            .override_global("WAKE_BYTES", &wake_bytes, true)
             .map_max_entries("EVENTS", ring_bytes)
             .load(OBJECT)
             .map_err(|e| anyhow!("loading dynprof's eBPF programs: {e:#}"))?;
-        let mut k = Self { ebpf, pid, markers: Vec::new(), api_links: Vec::new(), cpu_links: Vec::new(), sched_link: None };
+        let mut k = Self {
+            ebpf,
+            pid,
+            markers: Vec::new(),
+            api_links: Vec::new(),
+            cpu_links: Vec::new(),
+            sched_link: None,
+        };
         for name in [MARKER_PROG, API_ENTER_PROG, API_EXIT_PROG] {
-            k.uprobe(name)?.load().with_context(|| format!("verifying eBPF program {name}"))?;
+            k.uprobe(name)?
+                .load()
+                .with_context(|| format!("verifying eBPF program {name}"))?;
         }
         Ok(k)
     }
 
     fn uprobe(&mut self, name: &str) -> Result<&mut UProbe> {
-        let prog = self.ebpf.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?;
+        let prog = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
         Ok(prog.try_into()?)
     }
 
@@ -168,23 +203,36 @@ impl Kernel {
         if p.index >= MAX_MARKERS {
             bail!("too many markers (at most {MAX_MARKERS})");
         }
-        let mut markers: Array<_, MarkerConfig> = Array::try_from(self.ebpf.map_mut("MARKERS").expect("MARKERS"))?;
+        let mut markers: Array<_, MarkerConfig> =
+            Array::try_from(self.ebpf.map_mut("MARKERS").expect("MARKERS"))?;
         markers.set(p.index, p.config, 0)?;
         let pid = NonZeroU32::new(self.pid.0).expect("non-zero pid");
         let link = self
             .uprobe(MARKER_PROG)?
             .attach(
-                UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(p.file_offset), cookie: Some(p.index as u64) },
+                UProbeAttachPoint {
+                    location: UProbeAttachLocation::AbsoluteOffset(p.file_offset),
+                    cookie: Some(p.index as u64),
+                },
                 &p.attach_path,
                 UProbeScope::OneProcess(pid),
             )
-            .with_context(|| format!("attaching uprobe to {} in {} (offset {:#x})", p.symbol, p.object, p.file_offset))?;
+            .with_context(|| {
+                format!(
+                    "attaching uprobe to {} in {} (offset {:#x})",
+                    p.symbol, p.object, p.file_offset
+                )
+            })?;
         // The semaphore goes up after the probe exists, so the first enabled
         // probe site already fires into our program.
         let semaphore = match &p.semaphore {
             Some(s) => {
-                adjust_semaphore(self.pid, s.runtime_addr, 1)
-                    .with_context(|| format!("raising the USDT semaphore of {} in PID {}", p.symbol, self.pid))?;
+                adjust_semaphore(self.pid, s.runtime_addr, 1).with_context(|| {
+                    format!(
+                        "raising the USDT semaphore of {} in PID {}",
+                        p.symbol, self.pid
+                    )
+                })?;
                 Some((self.pid, s.runtime_addr))
             }
             None => None,
@@ -198,7 +246,10 @@ impl Kernel {
         let pid = NonZeroU32::new(self.pid.0).expect("non-zero pid");
         for (ret, name) in [(false, API_ENTER_PROG), (true, API_EXIT_PROG)] {
             let link = self.uprobe(name)?.attach(
-                UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(file_offset), cookie: Some(api as u64) },
+                UProbeAttachPoint {
+                    location: UProbeAttachLocation::AbsoluteOffset(file_offset),
+                    cookie: Some(api as u64),
+                },
                 path,
                 UProbeScope::OneProcess(pid),
             )?;
@@ -218,11 +269,17 @@ impl Kernel {
 
     /// System-wide per-CPU sampling at `hz`; the program keeps the target's samples.
     pub fn attach_cpu_sampler(&mut self, hz: u64) -> Result<()> {
-        let prog: &mut PerfEvent = self.ebpf.program_mut(CPU_PROG).expect("cpu prog").try_into()?;
+        let prog: &mut PerfEvent = self
+            .ebpf
+            .program_mut(CPU_PROG)
+            .expect("cpu prog")
+            .try_into()?;
         if prog.fd().is_err() {
             prog.load().context("verifying the CPU sampling program")?;
         }
-        let cpus = aya::util::online_cpus().map_err(|(_, e)| e).context("reading online CPUs")?;
+        let cpus = aya::util::online_cpus()
+            .map_err(|(_, e)| e)
+            .context("reading online CPUs")?;
         for cpu in cpus {
             let link = prog
                 .attach(
@@ -238,7 +295,11 @@ impl Kernel {
     }
 
     pub fn detach_cpu_sampler(&mut self) {
-        if let Some(Ok(prog)) = self.ebpf.program_mut(CPU_PROG).map(<&mut PerfEvent>::try_from) {
+        if let Some(Ok(prog)) = self
+            .ebpf
+            .program_mut(CPU_PROG)
+            .map(<&mut PerfEvent>::try_from)
+        {
             for l in std::mem::take(&mut self.cpu_links) {
                 let _ = prog.detach(l);
             }
@@ -246,17 +307,28 @@ impl Kernel {
     }
 
     pub fn attach_offcpu(&mut self) -> Result<()> {
-        let prog: &mut TracePoint = self.ebpf.program_mut(SCHED_PROG).expect("sched prog").try_into()?;
+        let prog: &mut TracePoint = self
+            .ebpf
+            .program_mut(SCHED_PROG)
+            .expect("sched prog")
+            .try_into()?;
         if prog.fd().is_err() {
             prog.load().context("verifying the off-CPU program")?;
         }
-        self.sched_link = Some(prog.attach("sched", "sched_switch").context("attaching to sched:sched_switch")?);
+        self.sched_link = Some(
+            prog.attach("sched", "sched_switch")
+                .context("attaching to sched:sched_switch")?,
+        );
         Ok(())
     }
 
     pub fn detach_offcpu(&mut self) {
         if let Some(l) = self.sched_link.take() {
-            if let Some(Ok(prog)) = self.ebpf.program_mut(SCHED_PROG).map(<&mut TracePoint>::try_from) {
+            if let Some(Ok(prog)) = self
+                .ebpf
+                .program_mut(SCHED_PROG)
+                .map(<&mut TracePoint>::try_from)
+            {
                 let _ = prog.detach(l);
             }
         }
@@ -264,13 +336,19 @@ impl Kernel {
 
     /// Takes the event ring buffer; call once.
     pub fn take_events(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self.ebpf.take_map("EVENTS").ok_or_else(|| anyhow!("EVENTS ring buffer already taken"))?;
+        let map = self
+            .ebpf
+            .take_map("EVENTS")
+            .ok_or_else(|| anyhow!("EVENTS ring buffer already taken"))?;
         Ok(RingBuf::try_from(map)?)
     }
 
     /// Takes the stack-trace map (for symbolization off the event loop).
     pub fn take_stacks(&mut self) -> Result<StackTraceMap<MapData>> {
-        let map = self.ebpf.take_map("STACKS").ok_or_else(|| anyhow!("STACKS already taken"))?;
+        let map = self
+            .ebpf
+            .take_map("STACKS")
+            .ok_or_else(|| anyhow!("STACKS already taken"))?;
         Ok(StackTraceMap::try_from(map)?)
     }
 
@@ -278,7 +356,10 @@ impl Kernel {
     /// `Symbolizer::user_stack`/`kernel_stack` take). The map stays in the
     /// `Kernel`, so every collector can read it.
     pub fn stack(&self, id: u32) -> Result<Vec<u64>> {
-        let map = self.ebpf.map("STACKS").ok_or_else(|| anyhow!("STACKS was taken"))?;
+        let map = self
+            .ebpf
+            .map("STACKS")
+            .ok_or_else(|| anyhow!("STACKS was taken"))?;
         let st: StackTraceMap<&MapData> = StackTraceMap::try_from(map)?;
         Ok(st.get(&id, 0)?.frames().iter().map(|f| f.ip).collect())
     }
@@ -286,7 +367,10 @@ impl Kernel {
     /// Empties `STACKS`; returns how many entries were removed. Only safe
     /// when no event that refers to a stack id is still unread.
     pub fn clear_stacks(&mut self) -> Result<usize> {
-        let map = self.ebpf.map_mut("STACKS").ok_or_else(|| anyhow!("STACKS was taken"))?;
+        let map = self
+            .ebpf
+            .map_mut("STACKS")
+            .ok_or_else(|| anyhow!("STACKS was taken"))?;
         let mut st: StackTraceMap<&mut MapData> = StackTraceMap::try_from(map)?;
         let ids: Vec<u32> = st.stack_ids().filter_map(|r| r.ok()).collect();
         let mut n = 0;
@@ -301,7 +385,8 @@ impl Kernel {
     /// Target threads that are off-CPU right now, as the off-CPU program
     /// recorded them at switch-out (host tid, record).
     pub fn offcpu_pending(&self) -> Result<Vec<(u32, OffCpuStart)>> {
-        let m: BpfHashMap<_, u32, OffCpuStart> = BpfHashMap::try_from(self.ebpf.map("OFFCPU_START").expect("OFFCPU_START"))?;
+        let m: BpfHashMap<_, u32, OffCpuStart> =
+            BpfHashMap::try_from(self.ebpf.map("OFFCPU_START").expect("OFFCPU_START"))?;
         Ok(m.iter().filter_map(|r| r.ok()).collect())
     }
 
@@ -311,7 +396,8 @@ impl Kernel {
     }
 
     pub fn set_plan(&mut self, plan: PlanConfig) -> Result<()> {
-        let mut a: Array<_, PlanConfig> = Array::try_from(self.ebpf.map_mut("PLAN").expect("PLAN"))?;
+        let mut a: Array<_, PlanConfig> =
+            Array::try_from(self.ebpf.map_mut("PLAN").expect("PLAN"))?;
         a.set(0, plan, 0)?;
         Ok(())
     }
@@ -364,12 +450,18 @@ impl Drop for Kernel {
 /// kernel's ref_ctr_offset would do this too, but aya does not expose it.
 pub fn adjust_semaphore(pid: HostPid, addr: u64, delta: i32) -> Result<()> {
     let path = format!("/proc/{pid}/mem");
-    let mut f = OpenOptions::new().read(true).write(true).open(&path).with_context(|| format!("opening {path}"))?;
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {path}"))?;
     let mut buf = [0u8; 2];
     f.seek(SeekFrom::Start(addr))?;
-    f.read_exact(&mut buf).with_context(|| format!("reading semaphore at {addr:#x}"))?;
+    f.read_exact(&mut buf)
+        .with_context(|| format!("reading semaphore at {addr:#x}"))?;
     let v = (u16::from_le_bytes(buf) as i32 + delta).clamp(0, u16::MAX as i32) as u16;
     f.seek(SeekFrom::Start(addr))?;
-    f.write_all(&v.to_le_bytes()).with_context(|| format!("writing semaphore at {addr:#x}"))?;
+    f.write_all(&v.to_le_bytes())
+        .with_context(|| format!("writing semaphore at {addr:#x}"))?;
     Ok(())
 }

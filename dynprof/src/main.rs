@@ -60,7 +60,9 @@ fn main() {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     match cli.command {
         Command::Attach(a) => rt.block_on(attach::run(a)),
         Command::Launch(a) => rt.block_on(dynprof::commands::launch::run(a)),

@@ -8,12 +8,12 @@
 //! - [`WindowHook`]: things driven at the boundaries themselves (msprof,
 //!   torch_npu dynamic_profile, user hooks). They get the boundary as soon as
 //!   user space learns of it and report metadata for `meta.json`.
-pub mod hooks;
-pub mod msprof;
 pub mod api;
 pub mod apis;
 pub mod builtin;
 pub mod cpu;
+pub mod hooks;
+pub mod msprof;
 pub mod offcpu;
 pub mod stacks;
 pub mod symbolize;
@@ -57,7 +57,13 @@ pub trait Collector {
     fn on_event(&mut self, ev: &Decoded);
     /// Moves what was gathered between `start_ts_ns` and `end_ts_ns` (the
     /// recorded steps' bounds) into `data`, dropping the rest (warmup).
-    fn drain_into(&mut self, start_ts_ns: u64, end_ts_ns: u64, data: &mut WindowData, kernel: &mut Kernel) -> Result<()>;
+    fn drain_into(
+        &mut self,
+        start_ts_ns: u64,
+        end_ts_ns: u64,
+        data: &mut WindowData,
+        kernel: &mut Kernel,
+    ) -> Result<()>;
 }
 
 pub trait WindowHook {

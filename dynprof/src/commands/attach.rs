@@ -120,12 +120,21 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
         return;
     }
     if s.end == EndReason::TargetExited {
-        eprintln!("dynprof: target PID {} exited; keeping what was counted", target.host_pid);
+        eprintln!(
+            "dynprof: target PID {} exited; keeping what was counted",
+            target.host_pid
+        );
     }
     let st = &s.steps;
     eprintln!(
         "dynprof: {} steps ({} complete) in {:.1} s; step time mean {:.3} ms, p50 {:.3} ms, p99 {:.3} ms; ended: {}",
-        st.steps, st.completed_steps, s.elapsed_s, st.mean_ms, st.p50_ms, st.p99_ms, s.end.describe()
+        st.steps,
+        st.completed_steps,
+        s.elapsed_s,
+        st.mean_ms,
+        st.p50_ms,
+        st.p99_ms,
+        s.end.describe()
     );
     for (k, v) in &st.aux_per_step {
         eprintln!("dynprof: {k}: {v:.2} per step");
@@ -138,14 +147,22 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
 
 /// The built-in collectors the window scheduler may arm (`--collect`
 /// chooses among them; config files choose through `activities`).
-pub fn collectors(w: &crate::window::args::WindowArgs) -> Result<Vec<Box<dyn crate::collect::Collector>>> {
+pub fn collectors(
+    w: &crate::window::args::WindowArgs,
+) -> Result<Vec<Box<dyn crate::collect::Collector>>> {
     let opts = w.collector_opts.options()?;
-    Ok(crate::collect::build_collectors(&crate::output::Collectors::ALL, &opts))
+    Ok(crate::collect::build_collectors(
+        &crate::output::Collectors::ALL,
+        &opts,
+    ))
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
     let markers = parse_markers(&args.markers)?;
-    let target = Target::open(crate::target::resolve_pid(args.pid, args.in_pidns.as_deref())?)?;
+    let target = Target::open(crate::target::resolve_pid(
+        args.pid,
+        args.in_pidns.as_deref(),
+    )?)?;
     // Before anything reads the target's maps or takes the lock: without
     // privileges those fail with a bare EACCES that names no capability.
     crate::bpf::preflight()?;
@@ -165,5 +182,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
         collectors: collectors(&args.window)?,
         hooks: crate::collect::vendor_args::build_hooks_for(&args.window, &target)?,
     };
-    super::launch::drive(d, target, None, lock, wait).await.map(|_| ())
+    super::launch::drive(d, target, None, lock, wait)
+        .await
+        .map(|_| ())
 }

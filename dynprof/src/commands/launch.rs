@@ -115,7 +115,13 @@ fn freeze(pid: HostPid) -> Frozen {
     // Wait (briefly) until it is really stopped.
     for _ in 0..200 {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat.rsplit(')').next().unwrap_or("").trim_start().chars().next();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .chars()
+            .next();
         if matches!(state, Some('T') | Some('t') | Some('Z') | Some('X') | None) {
             break;
         }
@@ -129,19 +135,28 @@ fn freeze(pid: HostPid) -> Frozen {
 /// mode: our own child), a re-resolution after a maps change runs with the
 /// program stopped, and the returned guard keeps it stopped until the
 /// caller has attached the probes, so no step slips by in between.
-pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait, freeze_target: bool) -> Result<(Vec<ResolvedProbe>, Option<Frozen>)> {
+pub fn resolve_waiting(
+    target: &Target,
+    markers: &[MarkerArg],
+    wait: MarkerWait,
+    freeze_target: bool,
+) -> Result<(Vec<ResolvedProbe>, Option<Frozen>)> {
     let started = Instant::now();
     let mut said = false;
     let mut last_maps = String::new();
     loop {
-        let maps = std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)).unwrap_or_default();
+        let maps =
+            std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)).unwrap_or_default();
         if maps != last_maps {
             last_maps = maps;
             let frozen = freeze_target.then(|| freeze(target.host_pid));
             match probes::resolve_markers(target, markers) {
                 Ok(v) => {
                     if said {
-                        eprintln!("dynprof: step marker found after {:.1} s", started.elapsed().as_secs_f64());
+                        eprintln!(
+                            "dynprof: step marker found after {:.1} s",
+                            started.elapsed().as_secs_f64()
+                        );
                     }
                     return Ok((v, frozen));
                 }
@@ -169,7 +184,10 @@ pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait,
             }
         }
         if !target.is_alive() {
-            bail!("PID {} exited before its step marker was loaded", target.host_pid);
+            bail!(
+                "PID {} exited before its step marker was loaded",
+                target.host_pid
+            );
         }
         if let MarkerWait::For(d) = wait
             && started.elapsed() >= d
@@ -182,9 +200,18 @@ pub fn resolve_waiting(target: &Target, markers: &[MarkerArg], wait: MarkerWait,
 
 /// Runs one session against `target` with the trigger `d.window` selects.
 /// `kernel` may be preloaded (launch); otherwise it is loaded here.
-pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, lock: lock::TargetLock, wait: MarkerWait) -> Result<SessionSummary> {
+pub async fn drive(
+    mut d: Drive<'_>,
+    target: Target,
+    kernel: Option<Kernel>,
+    lock: lock::TargetLock,
+    wait: MarkerWait,
+) -> Result<SessionSummary> {
     let stdin_tty = std::io::stdin().is_terminal();
-    let mode = d.window.mode(stdin_tty, d.steps.is_some() || d.duration.is_some() || d.json)?;
+    let mode = d.window.mode(
+        stdin_tty,
+        d.steps.is_some() || d.duration.is_some() || d.json,
+    )?;
     let config = match &mode {
         Mode::ConfigFile(dir) => Some(ConfigFileTrigger::setup(dir, &target, &d.window.output)?),
         _ => None,
@@ -247,7 +274,10 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
         println!("{line}");
     } else {
         for p in &session.probes {
-            eprintln!("dynprof: attached {} marker `{}` at {}+{:#x} ({})", p.role, p.label, p.object, p.file_offset, p.symbol);
+            eprintln!(
+                "dynprof: attached {} marker `{}` at {}+{:#x} ({})",
+                p.role, p.label, p.object, p.file_offset, p.symbol
+            );
         }
     }
 
@@ -260,7 +290,14 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
             }
             eprintln!(
                 "dynprof: watching {}; edit it to start a window",
-                d.window.config_dir.as_ref().map(|p| p.join(crate::trigger::config_file::CONFIG_FILE).display().to_string()).unwrap_or_default()
+                d.window
+                    .config_dir
+                    .as_ref()
+                    .map(|p| p
+                        .join(crate::trigger::config_file::CONFIG_FILE)
+                        .display()
+                        .to_string())
+                    .unwrap_or_default()
             );
         }
         _ => {}
@@ -268,14 +305,21 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
     let mut observers: Vec<Box<dyn Observer>> = Vec::new();
     // Live steps, except where they would drown the console or a
     // long-running config-file session (unless asked for with --json).
-    if matches!(mode, Mode::None | Mode::Flags) || (d.json && !matches!(mode, Mode::Console { .. })) {
+    if matches!(mode, Mode::None | Mode::Flags) || (d.json && !matches!(mode, Mode::Console { .. }))
+    {
         observers.push(Box::new(StepPrinter { json: d.json }));
     }
     if let Some(s) = sched {
         observers.push(Box::new(s));
     }
-    let limits = Limits { steps: d.steps, duration: d.duration.map(Duration::from_secs_f64) };
-    let summary = session.run(&mut observers, limits, Some(rx)).await.context("event loop")?;
+    let limits = Limits {
+        steps: d.steps,
+        duration: d.duration.map(Duration::from_secs_f64),
+    };
+    let summary = session
+        .run(&mut observers, limits, Some(rx))
+        .await
+        .context("event loop")?;
     drop(tx);
     print_summary(d.json, &session.target, &summary);
     drop(lock);
@@ -284,7 +328,10 @@ pub async fn drive(mut d: Drive<'_>, target: Target, kernel: Option<Kernel>, loc
 
 /// Spawns `cmd` gated before exec: returns its PID while it waits, and a
 /// function that lets it exec and returns the `Child`.
-fn spawn_gated(cmd: &[String], stdin_null: bool) -> Result<(HostPid, impl FnOnce() -> Result<Child>)> {
+fn spawn_gated(
+    cmd: &[String],
+    stdin_null: bool,
+) -> Result<(HostPid, impl FnOnce() -> Result<Child>)> {
     let (mut pid_r, pid_w) = std::io::pipe().context("pipe")?;
     let (gate_r, mut gate_w) = std::io::pipe().context("pipe")?;
     let mut c = std::process::Command::new(&cmd[0]);
@@ -318,8 +365,16 @@ fn spawn_gated(cmd: &[String], stdin_null: bool) -> Result<(HostPid, impl FnOnce
     });
     let mut b = [0u8; 4];
     if pid_r.read_exact(&mut b).is_err() {
-        let e = handle.join().map_err(|_| anyhow!("spawn thread panicked"))?.err();
-        bail!("starting {}: {}", cmd[0], e.map(|e| e.to_string()).unwrap_or_else(|| "no PID reported".into()));
+        let e = handle
+            .join()
+            .map_err(|_| anyhow!("spawn thread panicked"))?
+            .err();
+        bail!(
+            "starting {}: {}",
+            cmd[0],
+            e.map(|e| e.to_string())
+                .unwrap_or_else(|| "no PID reported".into())
+        );
     }
     let pid = HostPid(i32::from_ne_bytes(b) as u32);
     let name = cmd[0].clone();
@@ -327,7 +382,9 @@ fn spawn_gated(cmd: &[String], stdin_null: bool) -> Result<(HostPid, impl FnOnce
         use std::io::Write as _;
         let _ = gate_w.write_all(&[1]);
         drop(gate_w);
-        let child = handle.join().map_err(|_| anyhow!("spawn thread panicked"))?;
+        let child = handle
+            .join()
+            .map_err(|_| anyhow!("spawn thread panicked"))?;
         child.with_context(|| format!("starting {name}"))
     };
     Ok((pid, release))
@@ -336,7 +393,10 @@ fn spawn_gated(cmd: &[String], stdin_null: bool) -> Result<(HostPid, impl FnOnce
 pub async fn run(args: LaunchArgs) -> Result<()> {
     let markers = parse_markers(&args.markers)?;
     let stdin_tty = std::io::stdin().is_terminal();
-    let mode = args.window.mode(stdin_tty, args.steps.is_some() || args.duration.is_some() || args.json)?;
+    let mode = args.window.mode(
+        stdin_tty,
+        args.steps.is_some() || args.duration.is_some() || args.json,
+    )?;
     // Validate what can fail before the program starts.
     if let Mode::Flags = mode {
         args.window.flags_request()?;

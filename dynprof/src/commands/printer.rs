@@ -14,7 +14,12 @@ pub struct StepPrinter {
 }
 
 impl Observer for StepPrinter {
-    fn on_event(&mut self, ev: &Decoded, completed: Option<&CompletedStep>, ctx: &mut Ctx) -> Result<()> {
+    fn on_event(
+        &mut self,
+        ev: &Decoded,
+        completed: Option<&CompletedStep>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
         let Decoded::Step(s) = ev else { return Ok(()) };
         // Opt-in for `cargo xtask bench` (boundary → user-space latency).
         let recv_ns = recv_ns_enabled().then(monotonic_ns);
@@ -47,7 +52,11 @@ impl Observer for StepPrinter {
         } else {
             let mut line = format!("step {:>6}", s.step);
             if let Some(c) = completed {
-                line.push_str(&format!("  prev {:>9.3} ms  {:>7.2} steps/s", c.duration_ns() as f64 / 1e6, ctx.clock.rate()));
+                line.push_str(&format!(
+                    "  prev {:>9.3} ms  {:>7.2} steps/s",
+                    c.duration_ns() as f64 / 1e6,
+                    ctx.clock.rate()
+                ));
                 for (k, v) in &c.aux {
                     line.push_str(&format!("  {k}={v}"));
                 }
@@ -69,7 +78,10 @@ fn recv_ns_enabled() -> bool {
 }
 
 fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64

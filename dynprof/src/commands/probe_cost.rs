@@ -6,12 +6,7 @@
 //! is divided by. It drains the ring buffer (counting, not printing) until
 //! its stdin closes, then prints one JSON line with hits, events and drops.
 //! The bench times a loop in the target bare / with each program attached.
-use std::{
-    io::Read as _,
-    num::NonZeroU32,
-    os::fd::AsRawFd,
-    time::Instant,
-};
+use std::{io::Read as _, num::NonZeroU32, os::fd::AsRawFd, time::Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
@@ -61,7 +56,9 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
     let target = Target::open(HostPid(a.pid))?;
     let spec = probes::spec::parse(&a.marker)?;
     let resolved = probes::resolve_markers(&target, &[spec])?;
-    let p = resolved.first().ok_or_else(|| anyhow!("marker did not resolve"))?;
+    let p = resolved
+        .first()
+        .ok_or_else(|| anyhow!("marker did not resolve"))?;
     let t_resolved = t0.elapsed();
     let prog_name = match a.prog.as_str() {
         "marker" => MARKER_PROG,
@@ -75,15 +72,23 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
         .load(OBJECT)
         .map_err(|e| anyhow!("loading the eBPF object: {e:#}"))?;
     {
-        let mut markers: Array<_, MarkerConfig> = Array::try_from(ebpf.map_mut("MARKERS").expect("MARKERS"))?;
+        let mut markers: Array<_, MarkerConfig> =
+            Array::try_from(ebpf.map_mut("MARKERS").expect("MARKERS"))?;
         markers.set(0, p.config, 0)?;
     }
-    let prog: &mut UProbe = ebpf.program_mut(prog_name).ok_or_else(|| anyhow!("{prog_name} missing"))?.try_into()?;
-    prog.load().with_context(|| format!("verifying {prog_name}"))?;
+    let prog: &mut UProbe = ebpf
+        .program_mut(prog_name)
+        .ok_or_else(|| anyhow!("{prog_name} missing"))?
+        .try_into()?;
+    prog.load()
+        .with_context(|| format!("verifying {prog_name}"))?;
     let t_loaded = t0.elapsed();
     let pid = NonZeroU32::new(a.pid).expect("non-zero pid");
     let _link = prog.attach(
-        UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(p.file_offset), cookie: Some(0) },
+        UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(p.file_offset),
+            cookie: Some(0),
+        },
         &p.attach_path,
         UProbeScope::OneProcess(pid),
     )?;
@@ -101,8 +106,16 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
     let mut events: u64 = 0;
     let stdin = std::io::stdin();
     let mut fds = [
-        libc::pollfd { fd: ring.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        libc::pollfd { fd: stdin.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd {
+            fd: ring.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: stdin.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
     ];
     'outer: loop {
         while let Some(item) = ring.next() {
@@ -111,7 +124,11 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
         }
         fds[0].revents = 0;
         fds[1].revents = 0;
-        let (nfds, timeout) = if a.drain_every_ms > 0 { (1, a.drain_every_ms as i32) } else { (2, 100) };
+        let (nfds, timeout) = if a.drain_every_ms > 0 {
+            (1, a.drain_every_ms as i32)
+        } else {
+            (2, 100)
+        };
         // With drain_every_ms, poll only stdin (fds[1]) as the sleep.
         let rc = if a.drain_every_ms > 0 {
             unsafe { libc::poll(fds.as_mut_ptr().add(1), nfds, timeout) }
@@ -144,6 +161,9 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
         let a: PerCpuArray<_, u64> = PerCpuArray::try_from(ebpf.map("DROPS").expect("DROPS"))?;
         a.get(&drop_slot::STEP, 0)?.iter().sum()
     };
-    println!("{}", json!({"event": "summary", "prog": prog_name, "hits": hits, "events": events, "drops": drops}));
+    println!(
+        "{}",
+        json!({"event": "summary", "prog": prog_name, "hits": hits, "events": events, "drops": drops})
+    );
     Ok(())
 }

@@ -67,11 +67,17 @@ pub fn auto_markers(maps: &[Mapping]) -> Result<Vec<Vec<MarkerSpec>>> {
     let rt = detect(maps);
     if rt.torch {
         let aux = parse(TORCH_AUX);
-        return Ok(TORCH_STEP.iter().map(|s| vec![parse(s), aux.clone()]).collect());
+        return Ok(TORCH_STEP
+            .iter()
+            .map(|s| vec![parse(s), aux.clone()])
+            .collect());
     }
     let mut looked = vec!["libtorch_cpu (PyTorch optimizer step)".to_string()];
     if rt.python {
-        looked.push("a Python interpreter was found: name the step function with `--marker python:FUNC`".into());
+        looked.push(
+            "a Python interpreter was found: name the step function with `--marker python:FUNC`"
+                .into(),
+        );
     }
     if rt.cann || rt.cuda {
         looked.push(

@@ -67,10 +67,12 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
     let mut misses: Vec<Miss> = Vec::new();
     for arg in args {
         match arg {
-            MarkerArg::Spec(spec) => match resolve_spec_cached(target, &maps, spec, out.len() as u32, &mut images) {
-                Ok(mut v) => out.append(&mut v),
-                Err(m) => misses.push(m),
-            },
+            MarkerArg::Spec(spec) => {
+                match resolve_spec_cached(target, &maps, spec, out.len() as u32, &mut images) {
+                    Ok(mut v) => out.append(&mut v),
+                    Err(m) => misses.push(m),
+                }
+            }
             MarkerArg::Auto => {
                 let groups = presets::auto_markers(&maps)?;
                 let mut step_found = false;
@@ -82,7 +84,13 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
                         if spec.role == Role::Aux && out.iter().any(|p| p.spec == spec.raw) {
                             continue;
                         }
-                        match resolve_spec_cached(target, &maps, &spec, out.len() as u32, &mut images) {
+                        match resolve_spec_cached(
+                            target,
+                            &maps,
+                            &spec,
+                            out.len() as u32,
+                            &mut images,
+                        ) {
                             Ok(mut v) => {
                                 step_found |= spec.role == Role::Step;
                                 out.append(&mut v);
@@ -106,7 +114,11 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
         bail!(msg);
     }
     for m in misses {
-        log::warn!("marker `{}` did not resolve: {}", m.spec, m.tried.join("; "));
+        log::warn!(
+            "marker `{}` did not resolve: {}",
+            m.spec,
+            m.tried.join("; ")
+        );
     }
     Ok(out)
 }
@@ -126,7 +138,11 @@ fn candidates<'a>(target: &Target, maps: &'a [Mapping], obj: &ObjectRef) -> Vec<
     let mut seen: Vec<&str> = Vec::new();
     let mut out = Vec::new();
     let exe = std::fs::read_link(format!("/proc/{}/exe", target.host_pid))
-        .map(|p| p.to_string_lossy().trim_end_matches(" (deleted)").to_string())
+        .map(|p| {
+            p.to_string_lossy()
+                .trim_end_matches(" (deleted)")
+                .to_string()
+        })
         .unwrap_or_default();
     for m in maps {
         let base = m.path.rsplit('/').next().unwrap_or("");
@@ -155,7 +171,12 @@ pub fn host_path_for(target: &Target, m: &Mapping) -> PathBuf {
 /// (the torch presets) look into the same large library.
 pub type ImageCache = HashMap<PathBuf, Rc<ElfImage>>;
 
-pub fn resolve_spec(target: &Target, maps: &[Mapping], spec: &MarkerSpec, first_index: u32) -> Result<Vec<ResolvedProbe>, Miss> {
+pub fn resolve_spec(
+    target: &Target,
+    maps: &[Mapping],
+    spec: &MarkerSpec,
+    first_index: u32,
+) -> Result<Vec<ResolvedProbe>, Miss> {
     resolve_spec_cached(target, maps, spec, first_index, &mut ImageCache::new())
 }
 
@@ -177,12 +198,21 @@ pub fn resolve_spec_cached(
             ObjectRef::Path(p) => format!("`{p}`"),
             ObjectRef::Lib(f) => format!("a library matching `{f}`"),
         };
-        return Err(Miss { spec: spec.raw.clone(), tried: vec![format!("{obj} is not mapped by PID {}", target.host_pid)], not_mapped: true });
+        return Err(Miss {
+            spec: spec.raw.clone(),
+            tried: vec![format!("{obj} is not mapped by PID {}", target.host_pid)],
+            not_mapped: true,
+        });
     }
     let mut tried = Vec::new();
     for m in objects {
         let host = host_path_for(target, m);
-        let img = match images.get(&host).cloned().map(Ok).unwrap_or_else(|| ElfImage::open(&host).map(Rc::new)) {
+        let img = match images
+            .get(&host)
+            .cloned()
+            .map(Ok)
+            .unwrap_or_else(|| ElfImage::open(&host).map(Rc::new))
+        {
             Ok(i) => {
                 images.insert(host.clone(), i.clone());
                 i
@@ -199,7 +229,10 @@ pub fn resolve_spec_cached(
                     tried.push(format!(
                         "{}: {what} is ambiguous, write the full signature; candidates: {}",
                         m.path,
-                        hits.iter().map(|h| h.demangled.as_str()).collect::<Vec<_>>().join(" | ")
+                        hits.iter()
+                            .map(|h| h.demangled.as_str())
+                            .collect::<Vec<_>>()
+                            .join(" | ")
                     ));
                     continue;
                 }
@@ -215,7 +248,12 @@ pub fn resolve_spec_cached(
                         let sem = (p.semaphore_vaddr != 0)
                             .then(|| semaphore_addr(&img, maps, &m.path, p.semaphore_vaddr))
                             .flatten();
-                        (format!("{provider}:{name}"), p.file_offset, Some(p.args), sem)
+                        (
+                            format!("{provider}:{name}"),
+                            p.file_offset,
+                            Some(p.args),
+                            sem,
+                        )
                     })
                     .collect(),
                 Err(e) => {
@@ -255,7 +293,11 @@ pub fn resolve_spec_cached(
             return Ok(out);
         }
     }
-    Err(Miss { spec: spec.raw.clone(), tried, not_mapped: false })
+    Err(Miss {
+        spec: spec.raw.clone(),
+        tried,
+        not_mapped: false,
+    })
 }
 
 /// Runtime address of a USDT semaphore: its file offset located in one of
@@ -267,7 +309,10 @@ fn semaphore_addr(img: &ElfImage, maps: &[Mapping], path: &str, vaddr: u64) -> O
         .map(|m| m.start + (off - m.offset))
 }
 
-fn kernel_config(spec: &MarkerSpec, usdt_args: Option<&[(i32, usdt::ArgLoc)]>) -> Result<MarkerConfig, String> {
+fn kernel_config(
+    spec: &MarkerSpec,
+    usdt_args: Option<&[(i32, usdt::ArgLoc)]>,
+) -> Result<MarkerConfig, String> {
     let mut c = MarkerConfig::zeroed();
     c.role = match spec.role {
         Role::Step => role::STEP,
@@ -287,7 +332,12 @@ fn kernel_config(spec: &MarkerSpec, usdt_args: Option<&[(i32, usdt::ArgLoc)]>) -
                 c.arg_in_memory = 1;
                 c.arg_offset = *offset;
             }
-            Some((_, usdt::ArgLoc::Const(_))) => return Err(format!("USDT argument {} is a constant, not a string", f.arg)),
+            Some((_, usdt::ArgLoc::Const(_))) => {
+                return Err(format!(
+                    "USDT argument {} is a constant, not a string",
+                    f.arg
+                ));
+            }
             None => return Err(format!("the USDT probe has no argument {}", f.arg)),
         },
     }

@@ -125,15 +125,31 @@ pub fn parse(raw: &str) -> Result<MarkerArg> {
         return Ok(MarkerArg::Auto);
     }
     if let Some(func) = s.strip_prefix("python:") {
-        if func.is_empty() || !func.chars().all(|c| c.is_alphanumeric() || c == '_' || c == '.') {
-            return Err(bad(raw, 7, "expected a Python function name after `python:`"));
+        if func.is_empty()
+            || !func
+                .chars()
+                .all(|c| c.is_alphanumeric() || c == '_' || c == '.')
+        {
+            return Err(bad(
+                raw,
+                7,
+                "expected a Python function name after `python:`",
+            ));
         }
         return Ok(MarkerArg::Spec(MarkerSpec {
             raw: raw.to_string(),
             object: ObjectRef::Lib("python".into()),
-            location: Location::Usdt { provider: "python".into(), name: "function__return".into() },
+            location: Location::Usdt {
+                provider: "python".into(),
+                name: "function__return".into(),
+            },
             role: Role::Step,
-            filter: Some(StrFilter { arg: 1, kind: StrKind::CStr, text: func.to_string(), exact: true }),
+            filter: Some(StrFilter {
+                arg: 1,
+                kind: StrKind::CStr,
+                text: func.to_string(),
+                exact: true,
+            }),
             label: Some(format!("python:{func}")),
         }));
     }
@@ -142,7 +158,10 @@ pub fn parse(raw: &str) -> Result<MarkerArg> {
     let mut cuts: Vec<usize> = Vec::new();
     for (i, _) in s.match_indices(',') {
         let rest = &s[i + 1..];
-        if KEYS.iter().any(|k| rest.starts_with(k) && rest[k.len()..].starts_with('=')) {
+        if KEYS
+            .iter()
+            .any(|k| rest.starts_with(k) && rest[k.len()..].starts_with('='))
+        {
             cuts.push(i);
         }
     }
@@ -169,12 +188,19 @@ pub fn parse(raw: &str) -> Result<MarkerArg> {
     let loc_at = head_off + obj.len() + 1;
     let location = if usdt {
         let Some((provider, name)) = loc.split_once(':') else {
-            return Err(bad(raw, loc_at, "expected PROVIDER:NAME after the USDT object"));
+            return Err(bad(
+                raw,
+                loc_at,
+                "expected PROVIDER:NAME after the USDT object",
+            ));
         };
         if provider.is_empty() || name.is_empty() {
             return Err(bad(raw, loc_at, "empty USDT provider or probe name"));
         }
-        Location::Usdt { provider: provider.into(), name: name.into() }
+        Location::Usdt {
+            provider: provider.into(),
+            name: name.into(),
+        }
     } else {
         if loc.is_empty() {
             return Err(bad(raw, loc_at, "missing SYMBOL after `:`"));
@@ -185,15 +211,33 @@ pub fn parse(raw: &str) -> Result<MarkerArg> {
             Some(p) => {
                 let p = tail_start + p;
                 let off_str = &loc[p + 1..];
-                let offset = parse_int(off_str)
-                    .ok_or_else(|| bad(raw, loc_at + p + 1, "OFFSET must be a number (decimal or 0x hex)"))?;
-                Location::Symbol { name: loc[..p].to_string(), offset }
+                let offset = parse_int(off_str).ok_or_else(|| {
+                    bad(
+                        raw,
+                        loc_at + p + 1,
+                        "OFFSET must be a number (decimal or 0x hex)",
+                    )
+                })?;
+                Location::Symbol {
+                    name: loc[..p].to_string(),
+                    offset,
+                }
             }
-            None => Location::Symbol { name: loc.to_string(), offset: 0 },
+            None => Location::Symbol {
+                name: loc.to_string(),
+                offset: 0,
+            },
         }
     };
 
-    let mut spec = MarkerSpec { raw: raw.to_string(), object, location, role: Role::Step, filter: None, label: None };
+    let mut spec = MarkerSpec {
+        raw: raw.to_string(),
+        object,
+        location,
+        role: Role::Step,
+        filter: None,
+        label: None,
+    };
     let mut arg: Option<(u32, StrKind)> = None;
     let mut text: Option<(String, bool, usize)> = None;
     for (n, &start) in cuts.iter().enumerate() {
@@ -211,19 +255,31 @@ pub fn parse(raw: &str) -> Result<MarkerArg> {
             }
             "arg" => {
                 let (n, kind) = value.split_once(':').unwrap_or((value, "cstr"));
-                let n: u32 = n.parse().map_err(|_| bad(raw, vat, "arg=N:KIND needs a number N"))?;
+                let n: u32 = n
+                    .parse()
+                    .map_err(|_| bad(raw, vat, "arg=N:KIND needs a number N"))?;
                 if !usdt && n > 5 {
                     return Err(bad(raw, vat, "only register arguments 0..=5 can be read"));
                 }
                 let kind = match kind {
                     "cstr" => StrKind::CStr,
                     "str" | "stdstring" => StrKind::StdString,
-                    _ => return Err(bad(raw, vat + value.find(':').unwrap_or(0) + 1, "KIND must be `cstr` or `str`")),
+                    _ => {
+                        return Err(bad(
+                            raw,
+                            vat + value.find(':').unwrap_or(0) + 1,
+                            "KIND must be `cstr` or `str`",
+                        ));
+                    }
                 };
                 arg = Some((n, kind));
             }
             "prefix" | "eq" => {
-                let limit = if key == "eq" { PREFIX_LEN - 1 } else { PREFIX_LEN };
+                let limit = if key == "eq" {
+                    PREFIX_LEN - 1
+                } else {
+                    PREFIX_LEN
+                };
                 if value.is_empty() || value.len() > limit {
                     return Err(bad(raw, vat, &format!("{key}= needs 1..={limit} bytes")));
                 }
@@ -235,9 +291,20 @@ pub fn parse(raw: &str) -> Result<MarkerArg> {
     }
     match (arg, text) {
         (Some((arg, kind)), Some((text, exact, _))) => {
-            spec.filter = Some(StrFilter { arg, kind, text, exact })
+            spec.filter = Some(StrFilter {
+                arg,
+                kind,
+                text,
+                exact,
+            })
         }
-        (None, Some((_, _, at))) => return Err(bad(raw, at, "prefix=/eq= needs arg=N:cstr|str to say which argument")),
+        (None, Some((_, _, at))) => {
+            return Err(bad(
+                raw,
+                at,
+                "prefix=/eq= needs arg=N:cstr|str to say which argument",
+            ));
+        }
         (Some(_), None) => return Err(bad(raw, head_end, "arg= needs prefix=TEXT or eq=TEXT")),
         (None, None) => {}
     }
@@ -266,19 +333,38 @@ mod tests {
     fn plain_symbol_in_exe() {
         let m = spec("exe:optimizer_step");
         assert_eq!(m.object, ObjectRef::Exe);
-        assert_eq!(m.location, Location::Symbol { name: "optimizer_step".into(), offset: 0 });
+        assert_eq!(
+            m.location,
+            Location::Symbol {
+                name: "optimizer_step".into(),
+                offset: 0
+            }
+        );
         assert_eq!(m.role, Role::Step);
     }
 
     #[test]
     fn demangled_with_commas_offset_and_filter() {
-        let m = spec("libtorch_cpu:f(int, long)+0x10,role=aux,arg=1:str,prefix=Optimizer.step#,name=opt");
+        let m = spec(
+            "libtorch_cpu:f(int, long)+0x10,role=aux,arg=1:str,prefix=Optimizer.step#,name=opt",
+        );
         assert_eq!(m.object, ObjectRef::Lib("libtorch_cpu".into()));
-        assert_eq!(m.location, Location::Symbol { name: "f(int, long)".into(), offset: 16 });
+        assert_eq!(
+            m.location,
+            Location::Symbol {
+                name: "f(int, long)".into(),
+                offset: 16
+            }
+        );
         assert_eq!(m.role, Role::Aux);
         assert_eq!(
             m.filter,
-            Some(StrFilter { arg: 1, kind: StrKind::StdString, text: "Optimizer.step#".into(), exact: false })
+            Some(StrFilter {
+                arg: 1,
+                kind: StrKind::StdString,
+                text: "Optimizer.step#".into(),
+                exact: false
+            })
         );
         assert_eq!(m.label(), "opt");
     }
@@ -287,7 +373,13 @@ mod tests {
     fn usdt_and_python_shorthand() {
         let m = spec("usdt:/usr/bin/python3.11:python:function__return,arg=1:cstr,eq=train_step");
         assert_eq!(m.object, ObjectRef::Path("/usr/bin/python3.11".into()));
-        assert_eq!(m.location, Location::Usdt { provider: "python".into(), name: "function__return".into() });
+        assert_eq!(
+            m.location,
+            Location::Usdt {
+                provider: "python".into(),
+                name: "function__return".into()
+            }
+        );
         assert!(m.filter.unwrap().exact);
         let p = spec("python:train_step");
         assert_eq!(p.filter.unwrap().text, "train_step");
@@ -298,10 +390,30 @@ mod tests {
         let e = parse("exe:foo,role=bogus").unwrap_err().to_string();
         assert!(e.contains("role must be"), "{e}");
         assert!(e.contains("             ^"), "{e}");
-        assert!(parse("nosymbol").unwrap_err().to_string().contains("no `:` found"));
-        assert!(parse("exe:foo+zz").unwrap_err().to_string().contains("OFFSET"));
-        assert!(parse("exe:foo,prefix=x").unwrap_err().to_string().contains("needs arg="));
-        assert!(parse("exe:foo,arg=7:cstr,prefix=x").unwrap_err().to_string().contains("0..=5"));
+        assert!(
+            parse("nosymbol")
+                .unwrap_err()
+                .to_string()
+                .contains("no `:` found")
+        );
+        assert!(
+            parse("exe:foo+zz")
+                .unwrap_err()
+                .to_string()
+                .contains("OFFSET")
+        );
+        assert!(
+            parse("exe:foo,prefix=x")
+                .unwrap_err()
+                .to_string()
+                .contains("needs arg=")
+        );
+        assert!(
+            parse("exe:foo,arg=7:cstr,prefix=x")
+                .unwrap_err()
+                .to_string()
+                .contains("0..=5")
+        );
         assert!(parse("usdt:python3:justone").is_err());
         assert_eq!(parse("auto").unwrap(), MarkerArg::Auto);
     }

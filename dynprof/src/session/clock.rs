@@ -75,14 +75,22 @@ impl StepClock {
     /// Steps per second over the last 20 completed steps.
     pub fn rate(&self) -> f64 {
         let sum: u64 = self.recent.iter().sum();
-        if sum == 0 { 0.0 } else { self.recent.len() as f64 * 1e9 / sum as f64 }
+        if sum == 0 {
+            0.0
+        } else {
+            self.recent.len() as f64 * 1e9 / sum as f64
+        }
     }
 
     pub fn summary(&self) -> StepSummary {
         let mut d = self.durations_ns.clone();
         d.sort_unstable();
         let completed = d.len() as u64;
-        let mean = if d.is_empty() { 0.0 } else { d.iter().sum::<u64>() as f64 / d.len() as f64 };
+        let mean = if d.is_empty() {
+            0.0
+        } else {
+            d.iter().sum::<u64>() as f64 / d.len() as f64
+        };
         StepSummary {
             steps: self.steps_seen,
             completed_steps: completed,
@@ -92,7 +100,16 @@ impl StepClock {
             aux_per_step: self
                 .aux_totals
                 .iter()
-                .map(|(k, v)| (k.clone(), if completed == 0 { 0.0 } else { *v as f64 / completed as f64 }))
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        if completed == 0 {
+                            0.0
+                        } else {
+                            *v as f64 / completed as f64
+                        },
+                    )
+                })
                 .collect(),
         }
     }
@@ -130,7 +147,10 @@ mod tests {
         c.on_aux("backward");
         c.on_aux("backward");
         let s = c.on_step(StepIndex(2), 350, 7).unwrap();
-        assert_eq!((s.step, s.start_ts_ns, s.end_ts_ns), (StepIndex(1), 100, 350));
+        assert_eq!(
+            (s.step, s.start_ts_ns, s.end_ts_ns),
+            (StepIndex(1), 100, 350)
+        );
         assert_eq!(s.aux["backward"], 2);
         let sum = c.summary();
         assert_eq!((sum.steps, sum.completed_steps), (2, 1));

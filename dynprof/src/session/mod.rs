@@ -12,7 +12,11 @@ use std::{
 use anyhow::{Context as _, Result};
 use aya::maps::{MapData, RingBuf};
 use serde::Serialize;
-use tokio::{io::unix::AsyncFd, signal::unix::{SignalKind, signal}, sync::mpsc};
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+    sync::mpsc,
+};
 
 pub use clock::{CompletedStep, StepClock, StepSummary};
 pub use events::Decoded;
@@ -62,7 +66,12 @@ pub struct Ctx<'a> {
 pub trait Observer {
     /// Called for every event, after the step clock has seen it. `completed`
     /// is the step a step event just closed, if any.
-    fn on_event(&mut self, ev: &Decoded, completed: Option<&CompletedStep>, ctx: &mut Ctx) -> Result<()>;
+    fn on_event(
+        &mut self,
+        ev: &Decoded,
+        completed: Option<&CompletedStep>,
+        ctx: &mut Ctx,
+    ) -> Result<()>;
     /// Commands from triggers (console, config watcher), routed by type.
     fn on_command(&mut self, _cmd: &mut dyn Any, _ctx: &mut Ctx) -> Result<()> {
         Ok(())
@@ -82,6 +91,10 @@ pub trait Observer {
 }
 
 pub type Command = Box<dyn Any + Send>;
+
+/// How often batched events are read and observers get `on_tick`: the
+/// delay of the live step lines and status while no window is near.
+pub const TICK: Duration = Duration::from_millis(100);
 
 pub struct Limits {
     pub steps: Option<u64>,
@@ -115,7 +128,12 @@ pub struct Session {
 
 impl Session {
     pub fn new(kernel: Kernel, target: Target, probes: Vec<ResolvedProbe>) -> Self {
-        Self { kernel, target, probes, clock: StepClock::default() }
+        Self {
+            kernel,
+            target,
+            probes,
+            clock: StepClock::default(),
+        }
     }
 
     /// Runs until a limit, a signal, the target's exit or an observer ends it.
@@ -129,13 +147,21 @@ impl Session {
         let ring: RingBuf<MapData> = self.kernel.take_events()?;
         // SAFETY: both fds are owned by the values moved into the AsyncFd and
         // stay open exactly as long as it is registered.
-        let mut ring = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
-            .map_err(|e| anyhow::anyhow!("registering the ring buffer with tokio: {e}"))?;
-        let exit_fd = unsafe { AsyncFd::register_with_interest(pidfd(self.target.host_pid.0)?, tokio::io::Interest::READABLE) }
-            .map_err(|e| anyhow::anyhow!("watching the target's pidfd: {e}"))?;
+        let mut ring =
+            unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
+                .map_err(|e| anyhow::anyhow!("registering the ring buffer with tokio: {e}"))?;
+        let exit_fd = unsafe {
+            AsyncFd::register_with_interest(
+                pidfd(self.target.host_pid.0)?,
+                tokio::io::Interest::READABLE,
+            )
+        }
+        .map_err(|e| anyhow::anyhow!("watching the target's pidfd: {e}"))?;
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let mut tick = tokio::time::interval(TICK);
+        // A late tick is not worth catching up on: the next drain reads all.
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let deadline = limits.duration.map(|d| tokio::time::Instant::now() + d);
         let sleep_until = async move {
             match deadline {
@@ -149,26 +175,13 @@ impl Session {
             tokio::select! {
                 guard = ring.readable_mut() => {
                     let mut guard = guard?;
-                    let mut stop = None;
-                    while let Some(item) = guard.get_inner_mut().next() {
-                        let Some(ev) = events::decode(&item) else { continue };
-                        drop(item);
-                        if let Some(r) = self.dispatch(&ev, observers, &limits)? {
-                            stop = Some(r);
-                            break;
-                        }
-                    }
+                    let stop = self.drain(guard.get_inner_mut(), observers, &limits)?;
                     guard.clear_ready();
                     if let Some(r) = stop { break 'outer r; }
                 }
                 _ = exit_fd.readable() => {
                     // Drain what the target emitted before it died.
-                    let mut stop = None;
-                    while let Some(item) = ring.get_mut().next() {
-                        let Some(ev) = events::decode(&item) else { continue };
-                        drop(item);
-                        if let Some(r) = self.dispatch(&ev, observers, &limits)? { stop = Some(r); break; }
-                    }
+                    let stop = self.drain(ring.get_mut(), observers, &limits)?;
                     break stop.unwrap_or(EndReason::TargetExited);
                 }
                 Some(mut cmd) = async { match commands.as_mut() { Some(c) => c.recv().await, None => None } } => {
@@ -179,6 +192,9 @@ impl Session {
                     if !observers.is_empty() && observers.iter().all(|o| o.wants_exit()) { break EndReason::Done; }
                 }
                 _ = tick.tick() => {
+                    // Most events are written without a wakeup (see
+                    // `PlanConfig::wakes`): the tick is when they are read.
+                    if let Some(r) = self.drain(ring.get_mut(), observers, &limits)? { break 'outer r; }
                     let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
                     for o in observers.iter_mut() {
                         o.on_tick(&mut ctx)?;
@@ -190,26 +206,79 @@ impl Session {
                 _ = sigterm.recv() => break EndReason::Interrupted,
             }
         };
-        let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
+        let mut ctx = Ctx {
+            kernel: &mut self.kernel,
+            target: &self.target,
+            probes: &self.probes,
+            clock: &self.clock,
+        };
         for o in observers.iter_mut() {
             o.finish(&end, &mut ctx)?;
         }
         let drops = self.kernel.drops().unwrap_or_default();
         self.kernel.detach_all();
         let _ = ring.as_raw_fd();
-        Ok(SessionSummary { end, steps: self.clock.summary(), drops, elapsed_s: started.elapsed().as_secs_f64() })
+        Ok(SessionSummary {
+            end,
+            steps: self.clock.summary(),
+            drops,
+            elapsed_s: started.elapsed().as_secs_f64(),
+        })
     }
 
-    fn dispatch(&mut self, ev: &Decoded, observers: &mut [Box<dyn Observer>], limits: &Limits) -> Result<Option<EndReason>> {
-        let mut completed = None;
-        if let Decoded::Step(s) = ev {
-            let label = self.probes.iter().find(|p| p.index == s.marker).map(|p| p.label.as_str()).unwrap_or("?");
-            match self.probes.iter().find(|p| p.index == s.marker).map(|p| p.role) {
-                Some(Role::Aux) => self.clock.on_aux(label),
-                _ => completed = self.clock.on_step(StepIndex(s.step), s.hdr.ts_ns, s.hdr.tid),
+    /// Hands every event waiting in the ring to the observers.
+    fn drain(
+        &mut self,
+        ring: &mut RingBuf<MapData>,
+        observers: &mut [Box<dyn Observer>],
+        limits: &Limits,
+    ) -> Result<Option<EndReason>> {
+        while let Some(item) = ring.next() {
+            let Some(ev) = events::decode(&item) else {
+                continue;
+            };
+            drop(item);
+            if let Some(r) = self.dispatch(&ev, observers, limits)? {
+                return Ok(Some(r));
             }
         }
-        let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
+        Ok(None)
+    }
+
+    fn dispatch(
+        &mut self,
+        ev: &Decoded,
+        observers: &mut [Box<dyn Observer>],
+        limits: &Limits,
+    ) -> Result<Option<EndReason>> {
+        let mut completed = None;
+        if let Decoded::Step(s) = ev {
+            let label = self
+                .probes
+                .iter()
+                .find(|p| p.index == s.marker)
+                .map(|p| p.label.as_str())
+                .unwrap_or("?");
+            match self
+                .probes
+                .iter()
+                .find(|p| p.index == s.marker)
+                .map(|p| p.role)
+            {
+                Some(Role::Aux) => self.clock.on_aux(label),
+                _ => {
+                    completed = self
+                        .clock
+                        .on_step(StepIndex(s.step), s.hdr.ts_ns, s.hdr.tid)
+                }
+            }
+        }
+        let mut ctx = Ctx {
+            kernel: &mut self.kernel,
+            target: &self.target,
+            probes: &self.probes,
+            clock: &self.clock,
+        };
         for o in observers.iter_mut() {
             o.on_event(ev, completed.as_ref(), &mut ctx)?;
         }

@@ -1,5 +1,8 @@
 //! Symbol lookup in one ELF object, by mangled or demangled name.
-use std::{fs, path::{Path, PathBuf}};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context as _, Result, bail};
 use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
@@ -25,13 +28,18 @@ pub struct ElfImage {
 
 impl ElfImage {
     pub fn open(path: &Path) -> Result<Self> {
-        let file = fs::File::open(path).with_context(|| format!("opening ELF {}", path.display()))?;
+        let file =
+            fs::File::open(path).with_context(|| format!("opening ELF {}", path.display()))?;
         // SAFETY: a mapped library is not truncated while the target runs it;
         // dynprof only reads the mapping.
-        let data = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping ELF {}", path.display()))?;
+        let data = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("mapping ELF {}", path.display()))?;
         object::File::parse(&*data)
             .with_context(|| format!("{} is not a valid ELF object", path.display()))?;
-        Ok(Self { path: path.to_path_buf(), data })
+        Ok(Self {
+            path: path.to_path_buf(),
+            data,
+        })
     }
 
     pub fn file(&self) -> object::File<'_> {
@@ -168,7 +176,9 @@ mod tests {
 
     #[test]
     fn cold_fragments_are_not_entry_points() {
-        assert!(is_cold_fragment("_ZN5torch8autograd6Engine7executeERKSt6vector.cold"));
+        assert!(is_cold_fragment(
+            "_ZN5torch8autograd6Engine7executeERKSt6vector.cold"
+        ));
         assert!(is_cold_fragment("foo.cold.3"));
         assert!(!is_cold_fragment("foo.constprop.0"));
         assert!(!is_cold_fragment("coldstart"));

@@ -64,7 +64,9 @@ pub fn probes(img: &ElfImage) -> Result<Vec<UsdtProbe>> {
                     sema = sema.wrapping_add(actual).wrapping_sub(note_base);
                 }
             }
-            let mut strs = desc[24..].split(|b| *b == 0).map(|s| String::from_utf8_lossy(s).into_owned());
+            let mut strs = desc[24..]
+                .split(|b| *b == 0)
+                .map(|s| String::from_utf8_lossy(s).into_owned());
             let provider = strs.next().unwrap_or_default();
             let name = strs.next().unwrap_or_default();
             let raw_args = strs.next().unwrap_or_default();
@@ -98,7 +100,10 @@ pub fn parse_args(spec: &str) -> Result<Vec<(i32, ArgLoc)>> {
             } else if let Some((off, rest)) = loc.split_once('(') {
                 let r = rest.trim_end_matches(')').trim_start_matches('%');
                 let offset = if off.is_empty() { 0 } else { off.parse()? };
-                ArgLoc::Mem { base: register(r)?, offset }
+                ArgLoc::Mem {
+                    base: register(r)?,
+                    offset,
+                }
             } else {
                 bail!("unsupported USDT argument operand `{a}`")
             };
@@ -139,9 +144,27 @@ mod tests {
         let a = parse_args("8@%r14 -4@%eax 8@-24(%rbp) 4@$5 8@(%rbx)").unwrap();
         assert_eq!(a[0], (8, ArgLoc::Reg(reg::R14)));
         assert_eq!(a[1], (-4, ArgLoc::Reg(reg::RAX)));
-        assert_eq!(a[2], (8, ArgLoc::Mem { base: reg::RBP, offset: -24 }));
+        assert_eq!(
+            a[2],
+            (
+                8,
+                ArgLoc::Mem {
+                    base: reg::RBP,
+                    offset: -24
+                }
+            )
+        );
         assert_eq!(a[3], (4, ArgLoc::Const(5)));
-        assert_eq!(a[4], (8, ArgLoc::Mem { base: reg::RBX, offset: 0 }));
+        assert_eq!(
+            a[4],
+            (
+                8,
+                ArgLoc::Mem {
+                    base: reg::RBX,
+                    offset: 0
+                }
+            )
+        );
     }
 
     #[test]

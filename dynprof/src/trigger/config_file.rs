@@ -94,7 +94,14 @@ const KNOWN: &[&str] = &[
 
 /// torch_npu fields dynprof accepts but cannot act on (a non-default value
 /// gets one warning).
-const NO_EFFECT: &[&str] = &["analyse", "record_shapes", "profile_memory", "with_flops", "with_modules", "async_mode"];
+const NO_EFFECT: &[&str] = &[
+    "analyse",
+    "record_shapes",
+    "profile_memory",
+    "with_flops",
+    "with_modules",
+    "async_mode",
+];
 
 /// A file change seen by the watcher: the new content, or why it could not be read.
 #[derive(Clone, Debug)]
@@ -120,10 +127,18 @@ pub struct Parsed {
 /// Validates a `profiler_config.json` text. Missing fields take the
 /// torch_npu defaults.
 pub fn parse(text: &str) -> Result<Parsed> {
-    let raw: Value = serde_json::from_str(text).map_err(|e| anyhow::anyhow!("invalid JSON: {e}"))?;
-    let Some(obj) = raw.as_object() else { bail!("invalid config: the top level must be a JSON object") };
+    let raw: Value =
+        serde_json::from_str(text).map_err(|e| anyhow::anyhow!("invalid JSON: {e}"))?;
+    let Some(obj) = raw.as_object() else {
+        bail!("invalid config: the top level must be a JSON object")
+    };
     let defaults = template();
-    let get = |k: &str| obj.get(k).or_else(|| defaults.get(k)).cloned().unwrap_or(Value::Null);
+    let get = |k: &str| {
+        obj.get(k)
+            .or_else(|| defaults.get(k))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
     let boolean = |k: &str| -> Result<bool> {
         match get(k) {
             Value::Bool(b) => Ok(b),
@@ -145,7 +160,11 @@ pub fn parse(text: &str) -> Result<Parsed> {
     let rank_list = match get("rank_list") {
         Value::Array(a) => a
             .iter()
-            .map(|v| v.as_i64().filter(|r| *r >= 0).ok_or_else(|| anyhow::anyhow!("invalid field `rank_list`: {v} is not a rank number")))
+            .map(|v| {
+                v.as_i64().filter(|r| *r >= 0).ok_or_else(|| {
+                    anyhow::anyhow!("invalid field `rank_list`: {v} is not a rank number")
+                })
+            })
             .collect::<Result<Vec<_>>>()?,
         v => bail!("invalid field `rank_list`: expected a list of rank numbers, got {v}"),
     };
@@ -157,7 +176,9 @@ pub fn parse(text: &str) -> Result<Parsed> {
                 _ => bail!("invalid field `activities`: {v} is not \"CPU\" or \"NPU\""),
             })
             .collect::<Result<Vec<_>>>()?,
-        v => bail!("invalid field `activities`: expected a list such as [\"CPU\", \"NPU\"], got {v}"),
+        v => {
+            bail!("invalid field `activities`: expected a list such as [\"CPU\", \"NPU\"], got {v}")
+        }
     };
     let prof_dir = match get("prof_dir") {
         Value::String(s) if !s.is_empty() => s,
@@ -188,12 +209,25 @@ pub fn parse(text: &str) -> Result<Parsed> {
     }
     let no_effect = NO_EFFECT
         .iter()
-        .filter(|k| obj.get(**k).is_some_and(|v| v != &defaults.get(**k).cloned().unwrap_or(Value::Bool(false))))
+        .filter(|k| {
+            obj.get(**k)
+                .is_some_and(|v| v != &defaults.get(**k).cloned().unwrap_or(Value::Bool(false)))
+        })
         .map(|k| k.to_string())
         .collect();
-    let unknown = obj.keys().filter(|k| !KNOWN.contains(&k.as_str())).cloned().collect();
+    let unknown = obj
+        .keys()
+        .filter(|k| !KNOWN.contains(&k.as_str()))
+        .cloned()
+        .collect();
     Ok(Parsed {
-        plan: Plan { start_step, warmup, active, repeat: 0, gap: 0 },
+        plan: Plan {
+            start_step,
+            warmup,
+            active,
+            repeat: 0,
+            gap: 0,
+        },
         collect,
         prof_dir,
         is_rank,
@@ -208,7 +242,11 @@ pub fn parse(text: &str) -> Result<Parsed> {
 /// DIR's own name may hold only `[A-Za-z0-9_-]`, and no component of its
 /// absolute path may be a symlink (the torch_npu PROF_CONFIG_PATH rules).
 pub fn check_dir(dir: &Path) -> Result<PathBuf> {
-    let abs = if dir.is_absolute() { dir.to_path_buf() } else { std::env::current_dir()?.join(dir) };
+    let abs = if dir.is_absolute() {
+        dir.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(dir)
+    };
     let mut clean = PathBuf::new();
     for c in abs.components() {
         match c {
@@ -220,7 +258,11 @@ pub fn check_dir(dir: &Path) -> Result<PathBuf> {
         }
     }
     let name = clean.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
         bail!(
             "--config-dir {}: the directory name `{name}` may contain only letters, digits, `_` and `-` (torch_npu's PROF_CONFIG_PATH rule)",
             dir.display()
@@ -235,7 +277,11 @@ pub fn check_dir(dir: &Path) -> Result<PathBuf> {
                 dir.display(),
                 p.display()
             ),
-            Ok(m) if !m.is_dir() => bail!("--config-dir {}: {} is not a directory", dir.display(), p.display()),
+            Ok(m) if !m.is_dir() => bail!(
+                "--config-dir {}: {} is not a directory",
+                dir.display(),
+                p.display()
+            ),
             Ok(_) => {}
             Err(_) => break, // not created yet; nothing below can be a symlink
         }
@@ -251,7 +297,10 @@ pub struct RotatingLog {
 
 impl RotatingLog {
     pub fn new(path: PathBuf) -> Self {
-        let max = std::env::var("DYNPROF_CONFIG_LOG_MAX_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(LOG_MAX_BYTES);
+        let max = std::env::var("DYNPROF_CONFIG_LOG_MAX_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(LOG_MAX_BYTES);
         Self { path, max }
     }
 
@@ -260,13 +309,23 @@ impl RotatingLog {
     }
 
     pub fn write(&self, level: &str, msg: &str) {
-        if fs::metadata(&self.path).map(|m| m.len() >= self.max).unwrap_or(false) {
+        if fs::metadata(&self.path)
+            .map(|m| m.len() >= self.max)
+            .unwrap_or(false)
+        {
             let mut rotated = self.path.as_os_str().to_owned();
             rotated.push(".1");
             let _ = fs::rename(&self.path, PathBuf::from(rotated));
         }
-        let line = format!("[{}] [{level}] {msg}\n", crate::window::profdir::local_timestamp_human());
-        if let Ok(mut f) = OpenOptions::new().create(true).append(true).open(&self.path) {
+        let line = format!(
+            "[{}] [{level}] {msg}\n",
+            crate::window::profdir::local_timestamp_human()
+        );
+        if let Ok(mut f) = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+        {
             let _ = f.write_all(line.as_bytes());
         }
     }
@@ -305,7 +364,8 @@ impl ConfigFileTrigger {
     /// file does not exist yet.
     pub fn setup(dir: &Path, target: &Target, output: &Path) -> Result<Self> {
         let dir = check_dir(dir)?;
-        fs::create_dir_all(dir.join("log")).with_context(|| format!("creating {}/log", dir.display()))?;
+        fs::create_dir_all(dir.join("log"))
+            .with_context(|| format!("creating {}/log", dir.display()))?;
         let rank = target.rank.map(i64::from).unwrap_or(-1);
         let stem = format!("dp_{}_{}_rank_{rank}.log", hostname(), target.host_pid);
         let log = RotatingLog::new(dir.join("log").join(&stem));
@@ -324,7 +384,10 @@ impl ConfigFileTrigger {
             initial: None,
         };
         if path.exists() {
-            t.info(&format!("{} exists; it takes effect when it is next saved", path.display()));
+            t.info(&format!(
+                "{} exists; it takes effect when it is next saved",
+                path.display()
+            ));
         } else {
             let text = serde_json::to_string_pretty(&template())? + "\n";
             crate::output::write_atomic(&path, text.as_bytes())?;
@@ -369,35 +432,61 @@ impl ConfigFileTrigger {
         let text = match &ev.content {
             Ok(t) => t,
             Err(e) => {
-                let m = format!("change {n}: cannot read {}: {e}; the last good config stays in force", self.path.display());
+                let m = format!(
+                    "change {n}: cannot read {}: {e}; the last good config stays in force",
+                    self.path.display()
+                );
                 self.error(&m);
-                self.monitor.write("ERROR", &format!("change {n} did not take effect: {e}"));
+                self.monitor
+                    .write("ERROR", &format!("change {n} did not take effect: {e}"));
                 return None;
             }
         };
         let parsed = match parse(text) {
             Ok(p) => p,
             Err(e) => {
-                let keep = if self.last_good.is_some() { "the last good config stays in force" } else { "no config in force" };
+                let keep = if self.last_good.is_some() {
+                    "the last good config stays in force"
+                } else {
+                    "no config in force"
+                };
                 self.error(&format!("change {n}: {e:#}; {keep}"));
-                self.monitor.write("ERROR", &format!("change {n} did not take effect: {e:#}; {keep}"));
+                self.monitor.write(
+                    "ERROR",
+                    &format!("change {n} did not take effect: {e:#}; {keep}"),
+                );
                 return None;
             }
         };
         for f in &parsed.unknown {
             if self.warned.insert(format!("unknown:{f}")) {
-                self.warn(&format!("field `{f}` is not part of the profiler_config.json schema; ignored"));
+                self.warn(&format!(
+                    "field `{f}` is not part of the profiler_config.json schema; ignored"
+                ));
             }
         }
         for f in &parsed.no_effect {
             if self.warned.insert(format!("noeffect:{f}")) {
-                self.warn(&format!("field `{f}` has no effect in dynprof (accepted, ignored)"));
+                self.warn(&format!(
+                    "field `{f}` has no effect in dynprof (accepted, ignored)"
+                ));
             }
         }
-        let ed = parsed.raw.get("experimental_config").and_then(Value::as_object).cloned().unwrap_or_default();
-        let tmpl_ed = template()["experimental_config"].as_object().cloned().unwrap_or_default();
-        let changed_ed: Vec<String> =
-            ed.iter().filter(|(k, v)| tmpl_ed.get(*k) != Some(*v)).map(|(k, _)| k.clone()).collect();
+        let ed = parsed
+            .raw
+            .get("experimental_config")
+            .and_then(Value::as_object)
+            .cloned()
+            .unwrap_or_default();
+        let tmpl_ed = template()["experimental_config"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+        let changed_ed: Vec<String> = ed
+            .iter()
+            .filter(|(k, v)| tmpl_ed.get(*k) != Some(*v))
+            .map(|(k, _)| k.clone())
+            .collect();
         if !changed_ed.is_empty() && self.warned.insert("experimental_config".into()) {
             self.warn(&format!(
                 "experimental_config fields {} have no effect in dynprof (device-side options of the Ascend profiler; use the msprof hook)",
@@ -405,12 +494,23 @@ impl ConfigFileTrigger {
             ));
         }
         self.last_good = Some(parsed.clone());
-        self.info(&format!("change {n}: valid config: {}", parsed.plan.describe()));
+        self.info(&format!(
+            "change {n}: valid config: {}",
+            parsed.plan.describe()
+        ));
         if parsed.is_rank {
-            let ok = self.rank.is_some_and(|r| parsed.rank_list.contains(&i64::from(r)));
+            let ok = self
+                .rank
+                .is_some_and(|r| parsed.rank_list.contains(&i64::from(r)));
             if !ok {
-                let r = self.rank.map(|r| r.to_string()).unwrap_or_else(|| "unknown (RANK not set)".into());
-                let m = format!("change {n} did not take effect: is_rank is set and this target's rank {r} is not in rank_list {:?}", parsed.rank_list);
+                let r = self
+                    .rank
+                    .map(|r| r.to_string())
+                    .unwrap_or_else(|| "unknown (RANK not set)".into());
+                let m = format!(
+                    "change {n} did not take effect: is_rank is set and this target's rank {r} is not in rank_list {:?}",
+                    parsed.rank_list
+                );
                 self.info(&m);
                 self.monitor.write("INFO", &m);
                 return None;
@@ -423,7 +523,11 @@ impl ConfigFileTrigger {
             // Still submitted: it cancels a pending plan.
         }
         let prof = PathBuf::from(&parsed.prof_dir);
-        let output = if prof.is_absolute() { prof } else { self.output.join(prof) };
+        let output = if prof.is_absolute() {
+            prof
+        } else {
+            self.output.join(prof)
+        };
         let mut req = PlanRequest::new(parsed.plan, Source::ConfigFile);
         req.collect = Some(parsed.collect.clone());
         req.output = Some(output);
@@ -436,17 +540,20 @@ impl ConfigFileTrigger {
     pub fn monitor_result(&mut self, change: Option<u64>, ok: bool, msg: &str) {
         let n = change.unwrap_or(0);
         if ok {
-            self.monitor.write("INFO", &format!("change {n} took effect: {msg}"));
+            self.monitor
+                .write("INFO", &format!("change {n} took effect: {msg}"));
             self.info(&format!("change {n}: {msg}"));
         } else {
-            self.monitor.write("ERROR", &format!("change {n} did not take effect: {msg}"));
+            self.monitor
+                .write("ERROR", &format!("change {n} did not take effect: {msg}"));
             self.error(&format!("change {n}: {msg}"));
         }
     }
 
     pub fn monitor_deferred(&mut self, change: Option<u64>, msg: &str) {
         let n = change.unwrap_or(0);
-        self.monitor.write("INFO", &format!("change {n} deferred: {msg}"));
+        self.monitor
+            .write("INFO", &format!("change {n} deferred: {msg}"));
         self.info(&format!("change {n} deferred: {msg}"));
     }
 
@@ -471,7 +578,9 @@ impl ConfigFileTrigger {
         let fd = inotify_watch(&dir);
         match &fd {
             Ok(_) => self.info("watching with inotify"),
-            Err(e) => self.warn(&format!("inotify unavailable ({e:#}); polling the file every second")),
+            Err(e) => self.warn(&format!(
+                "inotify unavailable ({e:#}); polling the file every second"
+            )),
         }
         std::thread::Builder::new()
             .name("dynprof-config".into())
@@ -525,7 +634,11 @@ impl ConfigFileTrigger {
 /// (mtime, size, content): two events of one save compare equal.
 fn stamp(p: &Path) -> Option<(SystemTime, u64, String)> {
     let m = fs::metadata(p).ok()?;
-    Some((m.modified().ok()?, m.len(), fs::read_to_string(p).unwrap_or_default()))
+    Some((
+        m.modified().ok()?,
+        m.len(),
+        fs::read_to_string(p).unwrap_or_default(),
+    ))
 }
 
 fn inotify_watch(dir: &Path) -> Result<i32> {
@@ -535,7 +648,13 @@ fn inotify_watch(dir: &Path) -> Result<i32> {
         return Err(std::io::Error::last_os_error()).context("inotify_init1");
     }
     let c = CString::new(dir.as_os_str().as_bytes())?;
-    let wd = unsafe { libc::inotify_add_watch(fd, c.as_ptr(), libc::IN_CLOSE_WRITE | libc::IN_MOVED_TO | libc::IN_CREATE) };
+    let wd = unsafe {
+        libc::inotify_add_watch(
+            fd,
+            c.as_ptr(),
+            libc::IN_CLOSE_WRITE | libc::IN_MOVED_TO | libc::IN_CREATE,
+        )
+    };
     if wd < 0 {
         let e = std::io::Error::last_os_error();
         unsafe { libc::close(fd) };
@@ -562,7 +681,8 @@ fn inotify_wait(fd: i32) -> std::io::Result<Vec<String>> {
     let hdr = std::mem::size_of::<libc::inotify_event>();
     while off + hdr <= n {
         // SAFETY: the kernel wrote whole events; read_unaligned copes with alignment.
-        let ev: libc::inotify_event = unsafe { std::ptr::read_unaligned(buf.as_ptr().add(off).cast()) };
+        let ev: libc::inotify_event =
+            unsafe { std::ptr::read_unaligned(buf.as_ptr().add(off).cast()) };
         let name_start = off + hdr;
         let name_end = (name_start + ev.len as usize).min(n);
         let raw = &buf[name_start..name_end];
@@ -577,7 +697,11 @@ fn inotify_wait(fd: i32) -> std::io::Result<Vec<String>> {
 pub fn key_paths(v: &Value) -> BTreeSet<String> {
     fn walk(prefix: &str, v: &Map<String, Value>, out: &mut BTreeSet<String>) {
         for (k, val) in v {
-            let p = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+            let p = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
             out.insert(p.clone());
             if let Value::Object(o) = val {
                 walk(&p, o, out);
@@ -606,15 +730,39 @@ mod tests {
     #[test]
     fn fields_map_and_validate() {
         let p = parse(r#"{"start_step": -1, "warmup": 2, "active": 3, "with_stack": true, "activities": ["CPU"], "metadata": {"a": 1}, "foo": 1, "analyse": true}"#).unwrap();
-        assert_eq!(p.plan, Plan { start_step: -1, warmup: 2, active: 3, repeat: 0, gap: 0 });
+        assert_eq!(
+            p.plan,
+            Plan {
+                start_step: -1,
+                warmup: 2,
+                active: 3,
+                repeat: 0,
+                gap: 0
+            }
+        );
         assert_eq!(p.collect, vec!["cpu", "offcpu"]);
         assert_eq!(p.unknown, vec!["foo"]);
         assert_eq!(p.no_effect, vec!["analyse"]);
         assert!(p.metadata.is_some());
         assert!(parse("{").unwrap_err().to_string().contains("invalid JSON"));
-        assert!(parse(r#"{"active": 0}"#).unwrap_err().to_string().contains("`active`"));
-        assert!(parse(r#"{"start_step": "5"}"#).unwrap_err().to_string().contains("`start_step`"));
-        assert!(parse(r#"{"activities": ["GPU"]}"#).unwrap_err().to_string().contains("activities"));
+        assert!(
+            parse(r#"{"active": 0}"#)
+                .unwrap_err()
+                .to_string()
+                .contains("`active`")
+        );
+        assert!(
+            parse(r#"{"start_step": "5"}"#)
+                .unwrap_err()
+                .to_string()
+                .contains("`start_step`")
+        );
+        assert!(
+            parse(r#"{"activities": ["GPU"]}"#)
+                .unwrap_err()
+                .to_string()
+                .contains("activities")
+        );
     }
 
     #[test]
@@ -622,10 +770,20 @@ mod tests {
         let base = std::env::temp_dir().join(format!("dynprof-cfgdir-{}", std::process::id()));
         fs::create_dir_all(&base).unwrap();
         assert!(check_dir(&base.join("good_dir-1")).is_ok());
-        assert!(check_dir(&base.join("bad.dir")).unwrap_err().to_string().contains("letters, digits"));
+        assert!(
+            check_dir(&base.join("bad.dir"))
+                .unwrap_err()
+                .to_string()
+                .contains("letters, digits")
+        );
         fs::create_dir_all(base.join("real")).unwrap();
         let _ = std::os::unix::fs::symlink(base.join("real"), base.join("link"));
-        assert!(check_dir(&base.join("link").join("cfg")).unwrap_err().to_string().contains("symbolic link"));
+        assert!(
+            check_dir(&base.join("link").join("cfg"))
+                .unwrap_err()
+                .to_string()
+                .contains("symbolic link")
+        );
         let _ = fs::remove_dir_all(&base);
     }
 
@@ -633,9 +791,15 @@ mod tests {
     fn log_rotates() {
         let base = std::env::temp_dir().join(format!("dynprof-cfglog-{}", std::process::id()));
         fs::create_dir_all(&base).unwrap();
-        let l = RotatingLog { path: base.join("x.log"), max: 100 };
+        let l = RotatingLog {
+            path: base.join("x.log"),
+            max: 100,
+        };
         for i in 0..10 {
-            l.write("INFO", &format!("line {i} with some padding to grow the file"));
+            l.write(
+                "INFO",
+                &format!("line {i} with some padding to grow the file"),
+            );
         }
         assert!(base.join("x.log.1").is_file());
         assert!(fs::metadata(base.join("x.log")).unwrap().len() < 200);

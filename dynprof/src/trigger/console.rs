@@ -43,10 +43,16 @@ fn num(word: Option<&str>, what: &str) -> Result<u64> {
 
 pub fn parse_line(line: &str) -> Result<Line> {
     let mut w = line.split_whitespace();
-    let Some(cmd) = w.next() else { return Ok(Line::Empty) };
+    let Some(cmd) = w.next() else {
+        return Ok(Line::Empty);
+    };
     let rest: Vec<&str> = w.collect();
     let no_args = |r: ConsoleRequest| -> Result<Line> {
-        if rest.is_empty() { Ok(Line::Req(r)) } else { bail!("`{cmd}` takes no arguments") }
+        if rest.is_empty() {
+            Ok(Line::Req(r))
+        } else {
+            bail!("`{cmd}` takes no arguments")
+        }
     };
     match cmd.to_ascii_lowercase().as_str() {
         "start" => no_args(ConsoleRequest::Start),
@@ -60,7 +66,13 @@ pub fn parse_line(line: &str) -> Result<Line> {
             if active == 0 {
                 bail!("capture A: A must be at least 1");
             }
-            let mut plan = Plan { start_step: -1, warmup: 0, active, repeat: 0, gap: 0 };
+            let mut plan = Plan {
+                start_step: -1,
+                warmup: 0,
+                active,
+                repeat: 0,
+                gap: 0,
+            };
             while let Some(k) = it.next() {
                 match k {
                     "warmup" => plan.warmup = num(it.next(), "warmup W")?,
@@ -71,7 +83,9 @@ pub fn parse_line(line: &str) -> Result<Line> {
                         }
                         plan.start_step = s as i64;
                     }
-                    other => bail!("capture: unexpected `{other}` (usage: capture A [warmup W] [at S])"),
+                    other => {
+                        bail!("capture: unexpected `{other}` (usage: capture A [warmup W] [at S])")
+                    }
                 }
             }
             Ok(Line::Req(ConsoleRequest::Capture(plan)))
@@ -200,20 +214,40 @@ mod tests {
     #[test]
     fn parses_commands() {
         assert_eq!(parse_line("  ").unwrap(), Line::Empty);
-        assert_eq!(parse_line("start").unwrap(), Line::Req(ConsoleRequest::Start));
+        assert_eq!(
+            parse_line("start").unwrap(),
+            Line::Req(ConsoleRequest::Start)
+        );
         assert_eq!(parse_line("STOP").unwrap(), Line::Req(ConsoleRequest::Stop));
         assert_eq!(
             parse_line("capture 3 warmup 1 at 20").unwrap(),
-            Line::Req(ConsoleRequest::Capture(Plan { start_step: 20, warmup: 1, active: 3, repeat: 0, gap: 0 }))
+            Line::Req(ConsoleRequest::Capture(Plan {
+                start_step: 20,
+                warmup: 1,
+                active: 3,
+                repeat: 0,
+                gap: 0
+            }))
         );
         assert_eq!(
             parse_line("capture 2").unwrap(),
-            Line::Req(ConsoleRequest::Capture(Plan { start_step: -1, warmup: 0, active: 2, repeat: 0, gap: 0 }))
+            Line::Req(ConsoleRequest::Capture(Plan {
+                start_step: -1,
+                warmup: 0,
+                active: 2,
+                repeat: 0,
+                gap: 0
+            }))
         );
         assert!(parse_line("capture").is_err());
         assert!(parse_line("capture x").is_err());
         assert!(parse_line("capture 2 at").is_err());
-        assert!(parse_line("frobnicate").unwrap_err().to_string().contains("help"));
+        assert!(
+            parse_line("frobnicate")
+                .unwrap_err()
+                .to_string()
+                .contains("help")
+        );
         assert!(parse_line("start now").is_err());
     }
 }

@@ -44,7 +44,15 @@ pub struct PlanRequest {
 
 impl PlanRequest {
     pub fn new(plan: Plan, source: Source) -> Self {
-        Self { plan, source, collect: None, output: None, metadata: None, config: None, change: None }
+        Self {
+            plan,
+            source,
+            collect: None,
+            output: None,
+            metadata: None,
+            config: None,
+            change: None,
+        }
     }
 }
 

@@ -80,19 +80,32 @@ pub enum Mode {
     /// No windows: follow steps only (the attach issue's behaviour).
     None,
     Flags,
-    Console { plain: bool },
+    Console {
+        plain: bool,
+    },
     ConfigFile(PathBuf),
 }
 
 impl WindowArgs {
     pub fn has_plan_flags(&self) -> bool {
-        self.start_step.is_some() || self.warmup.is_some() || self.active.is_some() || self.repeat.is_some() || self.gap.is_some()
+        self.start_step.is_some()
+            || self.warmup.is_some()
+            || self.active.is_some()
+            || self.repeat.is_some()
+            || self.gap.is_some()
     }
 
     /// Picks the trigger. `other_limits`: --steps/--duration/--json given,
     /// which keep the plain step-following mode on a TTY.
     pub fn mode(&self, stdin_tty: bool, other_limits: bool) -> Result<Mode> {
-        let n = [self.has_plan_flags(), self.interactive, self.config_dir.is_some()].iter().filter(|b| **b).count();
+        let n = [
+            self.has_plan_flags(),
+            self.interactive,
+            self.config_dir.is_some(),
+        ]
+        .iter()
+        .filter(|b| **b)
+        .count();
         if n > 1 {
             bail!("choose one trigger: plan flags (--start-step …), --interactive or --config-dir");
         }
@@ -113,7 +126,9 @@ impl WindowArgs {
     pub fn plan(&self) -> Result<Plan> {
         let start = self.start_step.unwrap_or(-1);
         if start == 0 {
-            bail!("--start-step 0 means no collection; use -1 (next boundary) or a step number >= 1");
+            bail!(
+                "--start-step 0 means no collection; use -1 (next boundary) or a step number >= 1"
+            );
         }
         let plan = Plan {
             start_step: start,
@@ -130,7 +145,10 @@ impl WindowArgs {
         if let Some(c) = &self.collect {
             for n in c {
                 if !COLLECTORS.contains(&n.as_str()) {
-                    bail!("--collect: unknown collector `{n}` (known: {})", COLLECTORS.join(","));
+                    bail!(
+                        "--collect: unknown collector `{n}` (known: {})",
+                        COLLECTORS.join(",")
+                    );
                 }
             }
         }

@@ -18,7 +18,9 @@ use crate::types::HostPid;
 /// Where the locks live; `DYNPROF_LOCK_DIR` overrides it (for unprivileged
 /// runs and tests).
 pub fn lock_dir() -> PathBuf {
-    std::env::var_os("DYNPROF_LOCK_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/run/dynprof"))
+    std::env::var_os("DYNPROF_LOCK_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/run/dynprof"))
 }
 
 /// Held while it lives; dropping it (or dying) releases the target.
@@ -66,7 +68,11 @@ pub fn acquire(target: HostPid, mode: &str) -> Result<TargetLock> {
             path.display()
         );
     }
-    let content = format!("pid={}\nmode={mode}\nsince={}\n", std::process::id(), super::profdir::local_timestamp_human());
+    let content = format!(
+        "pid={}\nmode={mode}\nsince={}\n",
+        std::process::id(),
+        super::profdir::local_timestamp_human()
+    );
     file.set_len(0)?;
     file.seek(SeekFrom::Start(0))?;
     file.write_all(content.as_bytes())?;
@@ -84,7 +90,9 @@ mod tests {
         // SAFETY: tests in this module are the only users of the variable.
         unsafe { std::env::set_var("DYNPROF_LOCK_DIR", &dir) };
         let a = acquire(HostPid(4_000_001), "attach").unwrap();
-        let e = acquire(HostPid(4_000_001), "launch").unwrap_err().to_string();
+        let e = acquire(HostPid(4_000_001), "launch")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&format!("PID {}", std::process::id())), "{e}");
         assert!(e.contains("mode attach"), "{e}");
         drop(a);

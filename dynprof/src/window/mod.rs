@@ -21,6 +21,11 @@ use crate::bpf::Kernel;
 
 pub use scheduler::{Scheduler, SchedulerOptions, WindowRecord};
 
+/// Step events this many hits before a window wake user space at once (the
+/// rest are batched), so that the scheduler arms collectors in time even
+/// when steps are slow. At fast rates it arms earlier, from its tick.
+pub const WAKE_LEAD: u64 = 2;
+
 /// `active` value of an open-ended window (console `start` … `stop`).
 pub const UNTIL_STOP: u64 = u64::MAX;
 
@@ -43,7 +48,13 @@ pub struct Plan {
 
 impl Default for Plan {
     fn default() -> Self {
-        Self { start_step: -1, warmup: 0, active: 1, repeat: 0, gap: 0 }
+        Self {
+            start_step: -1,
+            warmup: 0,
+            active: 1,
+            repeat: 0,
+            gap: 0,
+        }
     }
 }
 
@@ -55,7 +66,10 @@ impl Plan {
     /// Rejects plans that can never record anything.
     pub fn validate(&self) -> Result<()> {
         if self.start_step < -1 {
-            bail!("start step must be -1 (next boundary), 0 (none) or a step number >= 1 (got {})", self.start_step);
+            bail!(
+                "start step must be -1 (next boundary), 0 (none) or a step number >= 1 (got {})",
+                self.start_step
+            );
         }
         if self.active == 0 {
             bail!("active must be at least 1 step");
@@ -65,7 +79,11 @@ impl Plan {
 
     /// Steps inside the gate per window.
     pub fn span(&self) -> u64 {
-        if self.open_ended() { u64::MAX / 4 } else { self.warmup.saturating_add(self.active) }
+        if self.open_ended() {
+            u64::MAX / 4
+        } else {
+            self.warmup.saturating_add(self.active)
+        }
     }
 
     /// Steps from one window's start to the next one's.
@@ -80,7 +98,16 @@ impl Plan {
         } else {
             start.saturating_add(self.period().saturating_mul(self.repeat.saturating_add(1)))
         };
-        PlanConfig { armed: 1, _pad: 0, start, end, span: self.span(), period: self.period() }
+        PlanConfig {
+            armed: 1,
+            _pad: 0,
+            start,
+            end,
+            span: self.span(),
+            period: self.period(),
+            warmup: self.warmup,
+            lead: WAKE_LEAD,
+        }
     }
 
     /// Human description, e.g. `start 5, warmup 1, active 3, repeat 0`.
@@ -89,7 +116,11 @@ impl Plan {
             -1 => "next boundary".to_string(),
             s => format!("step {s}"),
         };
-        let active = if self.open_ended() { "until stop".to_string() } else { self.active.to_string() };
+        let active = if self.open_ended() {
+            "until stop".to_string()
+        } else {
+            self.active.to_string()
+        };
         let mut s = format!("start {start}, warmup {}, active {active}", self.warmup);
         if self.repeat > 0 {
             s.push_str(&format!(", repeat {} (gap {})", self.repeat, self.gap));
@@ -124,7 +155,9 @@ pub fn program(kernel: &mut Kernel, plan: &Plan) -> Result<PlanConfig> {
         }
         c = c2;
     }
-    bail!("the step counter moves too fast to program a window (more than 16 steps during one map update)")
+    bail!(
+        "the step counter moves too fast to program a window (more than 16 steps during one map update)"
+    )
 }
 
 /// Closes an open-ended window at the next boundary: returns the last step
@@ -146,7 +179,7 @@ pub fn program_stop(kernel: &mut Kernel, mut cfg: PlanConfig) -> Result<(PlanCon
 
 /// Disarms the kernel plan: the gate closes at the next hit.
 pub fn disarm(kernel: &mut Kernel) -> Result<()> {
-    kernel.set_plan(PlanConfig { armed: 0, _pad: 0, start: 0, end: 0, span: 0, period: 1 })
+    kernel.set_plan(PlanConfig::DISARMED)
 }
 
 #[cfg(test)]
@@ -154,12 +187,47 @@ mod tests {
     use super::*;
 
     fn gate(p: &PlanConfig, k: u64) -> bool {
-        p.armed != 0 && k >= p.start && k < p.end && p.period != 0 && (k - p.start) % p.period < p.span
+        p.gate(k)
+    }
+
+    /// The hits whose step events wake user space: exactly the ones where
+    /// the scheduler acts (arm two steps ahead, open, first recorded step,
+    /// close), per cycle; none without a plan.
+    #[test]
+    fn only_acting_hits_wake_user_space() {
+        let p = Plan {
+            start_step: 10,
+            warmup: 1,
+            active: 3,
+            repeat: 1,
+            gap: 5,
+        };
+        let cfg = p.kernel_config(10);
+        let wake: Vec<u64> = (0..40).filter(|k| cfg.wakes(*k)).collect();
+        // cycle 0: 10..=13 in the gate, close at 14; cycle 1 starts at 19.
+        assert_eq!(wake, vec![8, 9, 10, 11, 14, 17, 18, 19, 20, 23, 28]);
+        assert!((0..40).all(|k| !PlanConfig::DISARMED.wakes(k)));
+        let open = Plan {
+            start_step: 3,
+            warmup: 0,
+            active: UNTIL_STOP,
+            repeat: 0,
+            gap: 0,
+        }
+        .kernel_config(3);
+        let wake: Vec<u64> = (0..1000).filter(|k| open.wakes(*k)).collect();
+        assert_eq!(wake, vec![1, 2, 3]);
     }
 
     #[test]
     fn plan_covers_warmup_and_active() {
-        let p = Plan { start_step: 5, warmup: 1, active: 3, repeat: 0, gap: 0 };
+        let p = Plan {
+            start_step: 5,
+            warmup: 1,
+            active: 3,
+            repeat: 0,
+            gap: 0,
+        };
         let cfg = p.kernel_config(5);
         let open: Vec<u64> = (0..20).filter(|k| gate(&cfg, *k)).collect();
         assert_eq!(open, vec![5, 6, 7, 8]);
@@ -167,7 +235,13 @@ mod tests {
 
     #[test]
     fn repeats_with_gap() {
-        let p = Plan { start_step: 3, warmup: 0, active: 2, repeat: 2, gap: 1 };
+        let p = Plan {
+            start_step: 3,
+            warmup: 0,
+            active: 2,
+            repeat: 2,
+            gap: 1,
+        };
         let cfg = p.kernel_config(3);
         let open: Vec<u64> = (0..30).filter(|k| gate(&cfg, *k)).collect();
         assert_eq!(open, vec![3, 4, 6, 7, 9, 10]);
@@ -175,7 +249,13 @@ mod tests {
 
     #[test]
     fn open_ended_runs_until_end_is_set() {
-        let p = Plan { start_step: -1, warmup: 0, active: UNTIL_STOP, repeat: 0, gap: 0 };
+        let p = Plan {
+            start_step: -1,
+            warmup: 0,
+            active: UNTIL_STOP,
+            repeat: 0,
+            gap: 0,
+        };
         let mut cfg = p.kernel_config(10);
         assert!(gate(&cfg, 10) && gate(&cfg, 1_000_000));
         cfg.end = 13;
@@ -185,7 +265,10 @@ mod tests {
 
     #[test]
     fn past_start_moves_to_next_boundary() {
-        let p = Plan { start_step: 5, ..Plan::default() };
+        let p = Plan {
+            start_step: 5,
+            ..Plan::default()
+        };
         assert_eq!(first_start(&p, 2), 5);
         assert_eq!(first_start(&p, 5), 6);
         assert_eq!(first_start(&Plan::default(), 7), 8);

@@ -13,7 +13,10 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-use crate::{output::write_atomic, types::{HostPid, WindowId}};
+use crate::{
+    output::write_atomic,
+    types::{HostPid, WindowId},
+};
 
 /// Local wall-clock time as `YYYYmmddHHMMSSmmm`.
 pub fn local_timestamp() -> String {
@@ -46,7 +49,9 @@ pub fn local_timestamp_human() -> String {
 }
 
 fn local_tm() -> (libc::tm, u32) {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     let secs = now.as_secs() as libc::time_t;
     // SAFETY: localtime_r writes into the tm we pass; tzset reads the environment.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
@@ -68,7 +73,8 @@ pub struct ProfDir {
 impl ProfDir {
     /// Creates `<output>/.PROF_<ts>_<pid>_<n>_tmp`.
     pub fn create(output: &Path, pid: HostPid, id: WindowId) -> Result<Self> {
-        fs::create_dir_all(output).with_context(|| format!("creating output directory {}", output.display()))?;
+        fs::create_dir_all(output)
+            .with_context(|| format!("creating output directory {}", output.display()))?;
         let name = format!("PROF_{}_{}_{}", local_timestamp(), pid, id);
         let dir = output.join(&name);
         let tmp = output.join(format!(".{name}_tmp"));
@@ -82,8 +88,9 @@ impl ProfDir {
         let text = serde_json::to_vec_pretty(meta)?;
         write_atomic(&self.tmp.join("meta.json"), &text)?;
         sync_dir(&self.tmp);
-        fs::rename(&self.tmp, &self.dir)
-            .with_context(|| format!("renaming {} to {}", self.tmp.display(), self.dir.display()))?;
+        fs::rename(&self.tmp, &self.dir).with_context(|| {
+            format!("renaming {} to {}", self.tmp.display(), self.dir.display())
+        })?;
         if let Some(parent) = self.dir.parent() {
             sync_dir(parent);
         }
@@ -112,11 +119,21 @@ mod tests {
     fn tmp_then_final() {
         let out = std::env::temp_dir().join(format!("dynprof-profdir-{}", std::process::id()));
         let p = ProfDir::create(&out, HostPid(42), WindowId(3)).unwrap();
-        assert!(p.tmp.file_name().unwrap().to_str().unwrap().starts_with(".PROF_"));
+        assert!(
+            p.tmp
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with(".PROF_")
+        );
         fs::write(p.tmp.join("steps.csv"), "x").unwrap();
         let d = p.finish(&serde_json::json!({"complete": true})).unwrap();
         let name = d.file_name().unwrap().to_str().unwrap().to_string();
-        assert!(name.starts_with("PROF_") && name.ends_with("_42_3"), "{name}");
+        assert!(
+            name.starts_with("PROF_") && name.ends_with("_42_3"),
+            "{name}"
+        );
         assert!(d.join("meta.json").is_file() && d.join("steps.csv").is_file());
         let _ = fs::remove_dir_all(&out);
     }

@@ -34,21 +34,27 @@ use crate::{
     session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
     target::Target,
     trigger::{
-        ConsoleCommand, ConsoleRequest, NoticePrinter, PlanRequest, Reply, SetNoticePrinter, Source,
+        ConsoleCommand, ConsoleRequest, NoticePrinter, PlanRequest, Reply, SetNoticePrinter,
+        Source,
         config_file::{ConfigChanged, ConfigFileTrigger},
     },
     types::{StepIndex, WindowId},
 };
 
-/// Arm collectors when the window is at most this many boundaries away…
-const ARM_AHEAD: u64 = 2;
+/// Arm collectors when the window is at most this many boundaries away
+/// (the kernel wakes us for exactly these hits)…
+const ARM_AHEAD: u64 = super::WAKE_LEAD;
 /// …or this many seconds away at the current step rate, whichever is more
 /// (attaching the API uprobes and perf events takes a few milliseconds).
 const ARM_AHEAD_S: f64 = 0.5;
 
 /// Steps ahead of a window at which its collectors are armed.
 fn arm_ahead(rate: f64) -> u64 {
-    let by_time = if rate.is_finite() && rate > 0.0 { (rate * ARM_AHEAD_S).ceil() as u64 } else { 0 };
+    let by_time = if rate.is_finite() && rate > 0.0 {
+        (rate * ARM_AHEAD_S).ceil() as u64
+    } else {
+        0
+    };
     ARM_AHEAD.max(by_time.min(10_000))
 }
 
@@ -90,7 +96,9 @@ impl ActivePlan {
         self.req.plan.repeat.saturating_add(1)
     }
     fn cycle_start(&self, cycle: u64) -> u64 {
-        self.cfg.start.saturating_add(cycle.saturating_mul(self.cfg.period))
+        self.cfg
+            .start
+            .saturating_add(cycle.saturating_mul(self.cfg.period))
     }
 }
 
@@ -182,7 +190,10 @@ impl Scheduler {
     }
 
     /// Starts the config-file watcher thread (if a config trigger is set).
-    pub fn spawn_config_watcher(&self, tx: tokio::sync::mpsc::UnboundedSender<crate::session::Command>) -> Result<()> {
+    pub fn spawn_config_watcher(
+        &self,
+        tx: tokio::sync::mpsc::UnboundedSender<crate::session::Command>,
+    ) -> Result<()> {
         match &self.config {
             Some(c) => c.spawn_watcher(tx),
             None => Ok(()),
@@ -196,7 +207,12 @@ impl Scheduler {
 
     /// Call before the session runs (ideally before the markers are
     /// attached): prepares hooks and programs the flags plan, if any.
-    pub fn begin(&mut self, kernel: &mut Kernel, target: &Target, initial: Option<PlanRequest>) -> Result<()> {
+    pub fn begin(
+        &mut self,
+        kernel: &mut Kernel,
+        target: &Target,
+        initial: Option<PlanRequest>,
+    ) -> Result<()> {
         self.remember_target(target);
         self.prepare_hooks(target);
         if let Some(req) = initial {
@@ -236,10 +252,12 @@ impl Scheduler {
 
     fn collector_indices(&self, req: &PlanRequest) -> Vec<usize> {
         (0..self.collectors.len())
-            .filter(|i| match req.collect.as_ref().or(self.opts.collect.as_ref()) {
-                None => true,
-                Some(names) => names.iter().any(|n| n == self.collectors[*i].name()),
-            })
+            .filter(
+                |i| match req.collect.as_ref().or(self.opts.collect.as_ref()) {
+                    None => true,
+                    Some(names) => names.iter().any(|n| n == self.collectors[*i].name()),
+                },
+            )
             .collect()
     }
 
@@ -279,7 +297,10 @@ impl Scheduler {
                 m.push_str(&format!(" (warmup from step {})", cfg.start));
             }
             if p.repeat > 0 {
-                m.push_str(&format!(", {} more time(s) every {} steps", p.repeat, cfg.period));
+                m.push_str(&format!(
+                    ", {} more time(s) every {} steps",
+                    p.repeat, cfg.period
+                ));
             }
             if p.start_step > 0 && cfg.start != p.start_step as u64 {
                 m.push_str(&format!(" (step {} had already begun)", p.start_step));
@@ -287,7 +308,12 @@ impl Scheduler {
             m
         };
         self.plan_collectors = self.collector_indices(&req);
-        self.plan = Some(ActivePlan { req, cfg, stop_last: None, final_cycle: false });
+        self.plan = Some(ActivePlan {
+            req,
+            cfg,
+            stop_last: None,
+            final_cycle: false,
+        });
         if cfg.start <= c + arm_ahead(self.rate) {
             self.arm(kernel);
         }
@@ -306,7 +332,9 @@ impl Scheduler {
     }
 
     fn arm(&mut self, kernel: &mut Kernel) {
-        let Some(target) = self.target.clone() else { return };
+        let Some(target) = self.target.clone() else {
+            return;
+        };
         for i in self.plan_collectors.clone() {
             if self.armed[i] {
                 continue;
@@ -314,7 +342,10 @@ impl Scheduler {
             match self.collectors[i].arm(kernel, &target) {
                 Ok(()) => self.armed[i] = true,
                 Err(e) => {
-                    let msg = format!("collector {} could not be armed: {e:#}", self.collectors[i].name());
+                    let msg = format!(
+                        "collector {} could not be armed: {e:#}",
+                        self.collectors[i].name()
+                    );
                     log::warn!("{msg}");
                     if let Some(c) = &mut self.config {
                         c.error(&msg);
@@ -343,7 +374,11 @@ impl Scheduler {
         );
         match (&self.window, &self.plan) {
             (Some(w), _) => {
-                let last = if w.last_recorded == u64::MAX { "until stop".into() } else { w.last_recorded.to_string() };
+                let last = if w.last_recorded == u64::MAX {
+                    "until stop".into()
+                } else {
+                    w.last_recorded.to_string()
+                };
                 s.push_str(&format!(
                     "window {} open since step {} (recording {}..{}, {} recorded so far)",
                     w.id,
@@ -353,7 +388,9 @@ impl Scheduler {
                     w.steps.len()
                 ));
             }
-            (None, Some(p)) => s.push_str(&format!("window pending: opens at step {}", p.cfg.start)),
+            (None, Some(p)) => {
+                s.push_str(&format!("window pending: opens at step {}", p.cfg.start))
+            }
             (None, None) => s.push_str("no window"),
         }
         s.push_str(&format!("; windows written {}", self.written.len()));
@@ -369,14 +406,26 @@ impl Scheduler {
             ConsoleRequest::Status => Ok(self.status(ctx)),
             ConsoleRequest::Start | ConsoleRequest::Capture(_) => {
                 if let Some(w) = &self.window {
-                    return Ok(format!("window {} is already open (since step {}); `stop` it first", w.id, w.first_step));
+                    return Ok(format!(
+                        "window {} is already open (since step {}); `stop` it first",
+                        w.id, w.first_step
+                    ));
                 }
                 if let Some(p) = &self.plan {
-                    return Ok(format!("a window is already pending (opens at step {}); `stop` cancels it", p.cfg.start));
+                    return Ok(format!(
+                        "a window is already pending (opens at step {}); `stop` cancels it",
+                        p.cfg.start
+                    ));
                 }
                 let plan = match req {
                     ConsoleRequest::Capture(p) => p,
-                    _ => Plan { start_step: -1, warmup: 0, active: super::UNTIL_STOP, repeat: 0, gap: 0 },
+                    _ => Plan {
+                        start_step: -1,
+                        warmup: 0,
+                        active: super::UNTIL_STOP,
+                        repeat: 0,
+                        gap: 0,
+                    },
                 };
                 self.submit(PlanRequest::new(plan, Source::Console), ctx.kernel)
             }
@@ -413,10 +462,21 @@ impl Scheduler {
         if last < w.last_recorded {
             w.last_recorded = last;
         }
-        Ok(format!("window {} closes at the next boundary (step {})", w.id, last + 1))
+        Ok(format!(
+            "window {} closes at the next boundary (step {})",
+            w.id,
+            last + 1
+        ))
     }
 
-    fn on_step(&mut self, k: u64, ts: u64, gate: bool, completed: Option<&CompletedStep>, ctx: &mut Ctx) -> Result<()> {
+    fn on_step(
+        &mut self,
+        k: u64,
+        ts: u64,
+        gate: bool,
+        completed: Option<&CompletedStep>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
         self.rate = ctx.clock.rate();
         // 1. the open window: collect the step that just ended, then close.
         let mut close = false;
@@ -486,7 +546,9 @@ impl Scheduler {
         if self.window.is_none()
             && let Some(p) = &self.plan
         {
-            let next = ((k.saturating_sub(p.cfg.start)) / p.cfg.period + u64::from(k >= p.cfg.start)).min(p.cycles());
+            let next = ((k.saturating_sub(p.cfg.start)) / p.cfg.period
+                + u64::from(k >= p.cfg.start))
+            .min(p.cycles());
             if next < p.cycles() && p.cycle_start(next) <= k + arm_ahead(self.rate) {
                 self.arm(ctx.kernel);
             }
@@ -502,7 +564,10 @@ impl Scheduler {
         self.arm(ctx.kernel);
         let id = WindowId(self.next_id);
         self.next_id += 1;
-        let output = req.output.clone().unwrap_or_else(|| self.opts.output.clone());
+        let output = req
+            .output
+            .clone()
+            .unwrap_or_else(|| self.opts.output.clone());
         let prof = ProfDir::create(&output, ctx.target.host_pid, id)?;
         let first_recorded = base + req.plan.warmup;
         let last_recorded = match stop_last {
@@ -511,7 +576,9 @@ impl Scheduler {
             None => first_recorded + req.plan.active - 1,
         };
         if k != base {
-            log::warn!("window {id}: the boundary of step {base} was not seen (lost event?); opened at step {k}");
+            log::warn!(
+                "window {id}: the boundary of step {base} was not seen (lost event?); opened at step {k}"
+            );
         }
         let info = WindowInfo {
             id,
@@ -520,7 +587,9 @@ impl Scheduler {
             open_ts_ns: ts,
             dir: prof.tmp.clone(),
         };
-        let collectors: Vec<usize> = (0..self.collectors.len()).filter(|i| self.armed[*i]).collect();
+        let collectors: Vec<usize> = (0..self.collectors.len())
+            .filter(|i| self.armed[*i])
+            .collect();
         let mut w = OpenWindow {
             id,
             cycle,
@@ -552,8 +621,15 @@ impl Scheduler {
     }
 
     /// Finalizes the open window: hooks, collectors, files, meta.json, rename.
-    fn close_window(&mut self, complete: bool, reason: Option<String>, ctx: &mut Ctx) -> Result<()> {
-        let Some(w) = self.window.take() else { return Ok(()) };
+    fn close_window(
+        &mut self,
+        complete: bool,
+        reason: Option<String>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let Some(w) = self.window.take() else {
+            return Ok(());
+        };
         let mut complete = complete;
         let mut reason = reason;
         let mut errors: Vec<String> = Vec::new();
@@ -634,11 +710,30 @@ impl Scheduler {
             complete = false;
             reason = Some(errors.join("; "));
         }
-        let meta = self.meta(&w, &data, &ran, complete, reason.as_deref(), &errors, hooks_meta, ctx.target);
+        let meta = self.meta(
+            &w,
+            &data,
+            &ran,
+            complete,
+            reason.as_deref(),
+            &errors,
+            hooks_meta,
+            ctx.target,
+        );
         let first = w.steps.first().map(|s| s.step);
         let last = w.steps.last().map(|s| s.step);
-        let dir = w.prof.finish(&meta).context("finishing the window directory")?;
-        let rec = WindowRecord { id: w.id, dir: dir.clone(), complete, incomplete_reason: reason.clone(), first_recorded: first, last_recorded: last };
+        let dir = w
+            .prof
+            .finish(&meta)
+            .context("finishing the window directory")?;
+        let rec = WindowRecord {
+            id: w.id,
+            dir: dir.clone(),
+            complete,
+            incomplete_reason: reason.clone(),
+            first_recorded: first,
+            last_recorded: last,
+        };
         let steps_txt = match (first, last) {
             (Some(a), Some(b)) => format!("steps {a}..{b}"),
             _ => "no steps".into(),
@@ -761,7 +856,9 @@ impl Scheduler {
     fn on_config(&mut self, ev: &ConfigChanged, ctx: &mut Ctx) {
         self.last_activity = Instant::now();
         let Some(cfg) = &mut self.config else { return };
-        let Some(req) = cfg.on_change(ev, ctx.target) else { return };
+        let Some(req) = cfg.on_change(ev, ctx.target) else {
+            return;
+        };
         let change = req.change;
         let deferred = self.window.is_some();
         let r = self.submit(req, ctx.kernel);
@@ -776,7 +873,10 @@ impl Scheduler {
                 cfg.monitor_result(change, ok, &m);
             }
         }
-        self.notice(format!("profiler_config.json change {}: {m}", change.unwrap_or(0)));
+        self.notice(format!(
+            "profiler_config.json change {}: {m}",
+            change.unwrap_or(0)
+        ));
     }
 }
 
@@ -798,7 +898,9 @@ pub fn thread_names(t: &Target) -> Vec<(u32, String)> {
     let dir = format!("/proc/{}/task", t.host_pid);
     if let Ok(rd) = std::fs::read_dir(Path::new(&dir)) {
         for e in rd.flatten() {
-            let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
             if let Ok(name) = std::fs::read_to_string(e.path().join("comm")) {
                 out.push((tid, name.trim().to_string()));
             }
@@ -809,7 +911,12 @@ pub fn thread_names(t: &Target) -> Vec<(u32, String)> {
 }
 
 impl Observer for Scheduler {
-    fn on_event(&mut self, ev: &Decoded, completed: Option<&CompletedStep>, ctx: &mut Ctx) -> Result<()> {
+    fn on_event(
+        &mut self,
+        ev: &Decoded,
+        completed: Option<&CompletedStep>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
         self.remember_target(ctx.target);
         self.prepare_hooks(ctx.target);
         for (i, c) in self.collectors.iter_mut().enumerate() {
@@ -851,7 +958,10 @@ impl Observer for Scheduler {
             && self.plan.is_none()
             && self.last_activity.elapsed() >= t
         {
-            self.notice(format!("idle for {} s without a command or window; detaching", t.as_secs()));
+            self.notice(format!(
+                "idle for {} s without a command or window; detaching",
+                t.as_secs()
+            ));
             self.done = true;
         }
         Ok(())
@@ -867,7 +977,11 @@ impl Observer for Scheduler {
             };
             self.close_window(false, Some(reason), ctx)?;
         } else if let Some(p) = &self.plan {
-            let msg = format!("the planned window (step {}) was never reached: {}", p.cfg.start, end.describe());
+            let msg = format!(
+                "the planned window (step {}) was never reached: {}",
+                p.cfg.start,
+                end.describe()
+            );
             self.notice(msg);
         }
         self.plan = None;
