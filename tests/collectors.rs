@@ -524,8 +524,7 @@ fn collectors_acl_host_bound_flamegraph() {
         exe_marker("optimizer_step"),
         Collectors::ALL,
         opts,
-        // ~1 ms steps: 50 of them give ~50 samples at 999 Hz.
-        (3, 53),
+        (3, 13),
         4096,
         &dir,
         None,
@@ -765,6 +764,9 @@ fn collectors_cli_small_ring_buffer() {
             "api",
             "--ring-buffer-kb",
             "4",
+            // Woken only at boundaries and ticks: a 4 KiB ring must overflow.
+            "--ring-wake-kb",
+            "1024",
         ],
     );
     let summary = json_file(&prof.join("summary.json"));

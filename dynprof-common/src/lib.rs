@@ -243,7 +243,9 @@ pub struct StepEvent {
     pub step: u64,
     /// Gate after this hit: 1 when step `step` is inside a window.
     pub gate: u32,
-    pub _pad: u32,
+    /// 1 when this event woke user space; 0 when it was batched (read on
+    /// the next tick). See [`PlanConfig::wakes`].
+    pub woke: u32,
 }
 
 /// One completed runtime API call, timed in the kernel so that exact

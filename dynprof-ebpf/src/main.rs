@@ -213,6 +213,11 @@ pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
     } else {
         unsafe { ((*state).step_hits, (*state).gate != 0, false) }
     };
+    let flags = if wake {
+        ringbuf::FORCE_WAKEUP
+    } else {
+        batched()
+    };
     emit(
         StepEvent {
             hdr: EventHeader {
@@ -224,14 +229,10 @@ pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
             role: cfg.role,
             step,
             gate: gate as u32,
-            _pad: 0,
+            woke: (flags == ringbuf::FORCE_WAKEUP) as u32,
         },
         drop_slot::STEP,
-        if wake {
-            ringbuf::FORCE_WAKEUP
-        } else {
-            batched()
-        },
+        flags,
     );
     0
 }

@@ -8,7 +8,7 @@ use serde_json::json;
 use crate::{
     bpf::Kernel,
     probes::{self, MarkerArg, ResolvedProbe},
-    session::{EndReason, Session, SessionSummary},
+    session::{EndReason, SessionSummary},
     target::Target,
 };
 
@@ -54,9 +54,35 @@ pub struct AttachArgs {
     #[arg(long, value_name = "SECS")]
     pub duration: Option<f64>,
 
+    #[command(flatten)]
+    pub ring: RingArgs,
+}
+
+/// The event ring buffer, shared by `attach` and `launch`.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct RingArgs {
     /// Ring buffer size in KiB (a power of two, at least 4).
     #[arg(long, default_value_t = 4096, value_name = "KIB")]
     pub ring_buffer_kb: u32,
+
+    /// Unread KiB in the ring at which dynprof is woken to read it before
+    /// the next window boundary or 100 ms tick (default: a quarter of the
+    /// ring). Lower: fewer drops in bursts, more wakeups; at least the ring
+    /// size: only boundaries and ticks wake dynprof.
+    #[arg(long, value_name = "KIB")]
+    pub ring_wake_kb: Option<u32>,
+}
+
+impl RingArgs {
+    /// Loads the eBPF object for `pid` with this ring.
+    pub fn load(&self, pid: crate::types::HostPid) -> Result<Kernel> {
+        let bytes = ring_bytes(self.ring_buffer_kb)?;
+        let wake = match self.ring_wake_kb {
+            Some(kb) => u64::from(kb) * 1024,
+            None => u64::from(bytes / 4),
+        };
+        Kernel::load_with_wake(pid, bytes, wake)
+    }
 }
 
 /// Parses all `--marker` SPECs, failing on the first malformed one.
@@ -72,16 +98,6 @@ pub fn ring_bytes(kb: u32) -> Result<u32> {
         bail!("--ring-buffer-kb must be a power of two and at least 4 (got {kb})");
     }
     Ok(kb * 1024)
-}
-
-/// Resolves, loads and attaches; returns a ready session.
-pub fn prepare(target: Target, markers: &[MarkerArg], ring_kb: u32) -> Result<Session> {
-    let resolved = probes::resolve_markers(&target, markers)?;
-    let mut kernel = Kernel::load(target.host_pid, ring_bytes(ring_kb)?)?;
-    for p in probes::attach_order(&resolved) {
-        kernel.attach_marker(p)?;
-    }
-    Ok(Session::new(kernel, target, resolved))
 }
 
 pub fn attached_json(target: &Target, probes: &[ResolvedProbe]) -> serde_json::Value {
@@ -177,7 +193,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
         json: args.json,
         steps: args.steps,
         duration: args.duration,
-        ring_buffer_kb: args.ring_buffer_kb,
+        ring: args.ring,
         mode_name: "attach",
         collectors: collectors(&args.window)?,
         hooks: crate::collect::vendor_args::build_hooks_for(&args.window, &target)?,

@@ -20,7 +20,7 @@ use clap::Args;
 use tokio::sync::mpsc;
 
 use super::{
-    attach::{self, attached_json, parse_markers, print_summary, ring_bytes},
+    attach::{self, attached_json, parse_markers, print_summary},
     printer::StepPrinter,
 };
 use crate::{
@@ -59,9 +59,8 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "SECS")]
     pub duration: Option<f64>,
 
-    /// Ring buffer size in KiB (a power of two, at least 4).
-    #[arg(long, default_value_t = 4096, value_name = "KIB")]
-    pub ring_buffer_kb: u32,
+    #[command(flatten)]
+    pub ring: attach::RingArgs,
 
     /// The program and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
@@ -75,7 +74,7 @@ pub struct Drive<'a> {
     pub json: bool,
     pub steps: Option<u64>,
     pub duration: Option<f64>,
-    pub ring_buffer_kb: u32,
+    pub ring: attach::RingArgs,
     /// `attach` or `launch` (recorded in the lock file).
     pub mode_name: &'static str,
     /// Collectors and hooks the scheduler drives around windows.
@@ -228,7 +227,7 @@ pub async fn drive(
     let t_load = Instant::now();
     let mut kernel = match kernel {
         Some(k) => k,
-        None => Kernel::load(target.host_pid, ring_bytes(d.ring_buffer_kb)?)?,
+        None => d.ring.load(target.host_pid)?,
     };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
 
@@ -404,12 +403,12 @@ pub async fn run(args: LaunchArgs) -> Result<()> {
     if let Mode::ConfigFile(d) = &mode {
         crate::trigger::config_file::check_dir(d)?;
     }
-    let ring = ring_bytes(args.ring_buffer_kb)?;
+    attach::ring_bytes(args.ring.ring_buffer_kb)?;
     let stdin_null = matches!(mode, Mode::Console { .. });
     let (pid, release) = spawn_gated(&args.cmd, stdin_null)?;
     let prep = (|| -> Result<(lock::TargetLock, Kernel)> {
         let l = lock::acquire(pid, "launch")?;
-        let k = Kernel::load(pid, ring)?;
+        let k = args.ring.load(pid)?;
         Ok((l, k))
     })();
     let mut child = release()?;
@@ -429,7 +428,7 @@ pub async fn run(args: LaunchArgs) -> Result<()> {
         json: args.json,
         steps: args.steps,
         duration: args.duration,
-        ring_buffer_kb: args.ring_buffer_kb,
+        ring: args.ring,
         mode_name: "launch",
         collectors: attach::collectors(&args.window)?,
         hooks: crate::collect::vendor_args::build_hooks_for(&args.window, &target)?,

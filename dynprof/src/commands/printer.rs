@@ -45,6 +45,9 @@ impl Observer for StepPrinter {
             });
             if let Some(r) = recv_ns {
                 line["recv_ns"] = json!(r);
+                // Only events that woke us measure the wakeup path; batched
+                // ones wait for the tick by design.
+                line["woke"] = json!(s.woke != 0);
             }
             let mut out = std::io::stdout().lock();
             writeln!(out, "{line}")?;

@@ -59,7 +59,8 @@ pub struct WindowArgs {
     #[arg(long, value_name = "DIR")]
     pub config_dir: Option<PathBuf>,
 
-    /// Collectors armed around windows: any of api,cpu,offcpu (default: all).
+    /// Collectors armed around windows: any of api,cpu,offcpu, or `none` for
+    /// step timing only (default: all).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub collect: Option<Vec<String>>,
 
@@ -142,17 +143,22 @@ impl WindowArgs {
     }
 
     pub fn collectors(&self) -> Result<Option<Vec<String>>> {
-        if let Some(c) = &self.collect {
-            for n in c {
-                if !COLLECTORS.contains(&n.as_str()) {
-                    bail!(
-                        "--collect: unknown collector `{n}` (known: {})",
-                        COLLECTORS.join(",")
-                    );
-                }
+        let Some(c) = &self.collect else {
+            return Ok(None);
+        };
+        // `none`: windows with step timing only (steps.csv, trace, summary).
+        if c.len() == 1 && c[0] == "none" {
+            return Ok(Some(Vec::new()));
+        }
+        for n in c {
+            if !COLLECTORS.contains(&n.as_str()) {
+                bail!(
+                    "--collect: unknown collector `{n}` (known: {}, or `none` for step timing only)",
+                    COLLECTORS.join(",")
+                );
             }
         }
-        Ok(self.collect.clone())
+        Ok(Some(c.clone()))
     }
 
     pub fn flags_request(&self) -> Result<PlanRequest> {
