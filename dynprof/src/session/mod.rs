@@ -206,6 +206,11 @@ impl Session {
                 _ = sigterm.recv() => break EndReason::Interrupted,
             }
         };
+        if matches!(end, EndReason::Interrupted | EndReason::Duration) {
+            // Batched events of steps that already happened belong to the
+            // output (an interrupted window keeps the steps it recorded).
+            self.drain(ring.get_mut(), observers, &limits)?;
+        }
         let mut ctx = Ctx {
             kernel: &mut self.kernel,
             target: &self.target,
