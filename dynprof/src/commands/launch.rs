@@ -306,7 +306,7 @@ pub async fn drive(
     // long-running config-file session (unless asked for with --json).
     if matches!(mode, Mode::None | Mode::Flags) || (d.json && !matches!(mode, Mode::Console { .. }))
     {
-        observers.push(Box::new(StepPrinter { json: d.json }));
+        observers.push(Box::new(StepPrinter::new(d.json)));
     }
     if let Some(s) = sched {
         observers.push(Box::new(s));

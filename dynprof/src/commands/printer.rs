@@ -6,11 +6,43 @@ use serde_json::json;
 
 use crate::{
     probes::Role,
-    session::{CompletedStep, Ctx, Decoded, Observer},
+    session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
 };
 
+/// Lines are buffered and written once per batch of events: at a
+/// boundary that woke dynprof, on the session tick and at the end. One
+/// write per step would cost a syscall per step, which at thousands of
+/// steps per second is most of an idle dynprof's CPU.
 pub struct StepPrinter {
-    pub json: bool,
+    json: bool,
+    buf: String,
+}
+
+/// Flush before the buffer grows past this.
+const FLUSH_BYTES: usize = 64 * 1024;
+
+impl StepPrinter {
+    pub fn new(json: bool) -> Self {
+        Self {
+            json,
+            buf: String::new(),
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        if self.json {
+            let mut out = std::io::stdout().lock();
+            out.write_all(self.buf.as_bytes())?;
+            out.flush()?;
+        } else {
+            std::io::stderr().lock().write_all(self.buf.as_bytes())?;
+        }
+        self.buf.clear();
+        Ok(())
+    }
 }
 
 impl Observer for StepPrinter {
@@ -49,9 +81,8 @@ impl Observer for StepPrinter {
                 // ones wait for the tick by design.
                 line["woke"] = json!(s.woke != 0);
             }
-            let mut out = std::io::stdout().lock();
-            writeln!(out, "{line}")?;
-            out.flush()?;
+            self.buf.push_str(&line.to_string());
+            self.buf.push('\n');
         } else {
             let mut line = format!("step {:>6}", s.step);
             if let Some(c) = completed {
@@ -67,9 +98,21 @@ impl Observer for StepPrinter {
             if s.gate != 0 {
                 line.push_str("  [window]");
             }
-            eprintln!("{line}");
+            self.buf.push_str(&line);
+            self.buf.push('\n');
+        }
+        if s.woke != 0 || self.buf.len() >= FLUSH_BYTES {
+            self.flush()?;
         }
         Ok(())
+    }
+
+    fn on_tick(&mut self, _ctx: &mut Ctx) -> Result<()> {
+        self.flush()
+    }
+
+    fn finish(&mut self, _end: &EndReason, _ctx: &mut Ctx) -> Result<()> {
+        self.flush()
     }
 }
 

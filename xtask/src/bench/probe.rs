@@ -146,11 +146,9 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             why.push_str("; ");
         }
         why.push_str(&format!(
-            "cause: the ring-buffer wakeup, not the program. Each submit finds the consumer caught up (it blocks in epoll), so the \
-             kernel's adaptive wakeup queues an irq_work (self-IPI) and wakes the consumer on the other CPU, on every hit: \
-             {:.1} µs of the {:.1} µs per hit on this VM. With a consumer that lags (drains every 10 ms) the same program costs \
-             {:.2}× an empty uprobe. Fix (dynprof-ebpf + session): submit with BPF_RB_NO_WAKEUP unless the last wakeup is \
-             older than ~0.5 ms, and drain on a ≤ 1 ms timer while events are pending",
+            "cause: the ring-buffer wakeup, not the program: {:.1} µs of the {:.1} µs per hit on this VM; with a consumer that \
+             lags (drains every 10 ms) the same program costs {:.2}× an empty uprobe. dynprof writes step events without a wakeup \
+             unless a window boundary is near (PlanConfig::wakes), so a regression here means that path wakes the reader again",
             (stats::median(&marker).unwrap_or(0.0) - stats::median(&lagging).unwrap_or(0.0)) / 1e3,
             stats::median(&marker).unwrap_or(0.0) / 1e3,
             stats::median(&lr).unwrap_or(0.0)

@@ -446,11 +446,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 .note({
                     let cs = |i: usize| stats::median(&segs[i].iter().filter_map(|s| s.target_cs_per_s).collect::<Vec<_>>()).unwrap_or(0.0);
                     format!(
-                        "the target made {:.0} context switches/s in the window vs {:.0}/s bare. Cause: offcpu emits one event per switch, \
-                         each event wakes dynprof (adaptive ring-buffer wakeup: the consumer is caught up), and on 2 CPUs the woken \
-                         dynprof preempts the target, which is one more switch: a feedback loop. Checked by hand: with the target \
-                         and dynprof pinned to different CPUs the same window runs at ~0.8× instead of ~0.35×. Fix: submit collector \
-                         events with BPF_RB_NO_WAKEUP and drain on a timer while a window is open",
+                        "the target made {:.0} context switches/s in the window vs {:.0}/s bare. Collector events are written without a \
+                         ring-buffer wakeup and read on dynprof's 100 ms tick (or when a quarter of the ring is unread); what remains is \
+                         the probes' own cost in the target: the uprobe traps at each step, a user+kernel stack walk per off-CPU switch \
+                         and per 99 Hz sample",
                         cs(w),
                         cs(0)
                     )
@@ -569,7 +568,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     }
 
     // (b) computed: the idle cost is per step (traps at the step marker and
-    // the aux marker, each with its ring-buffer wakeup), so from the
+    // the aux marker), so from the
     // measured per-hit cost (section 6) and the step time:
     let hit_ns = ctx.marker_hit_ns.get();
     if hit_ns > 0.0 && bare_med > 0.0 {
@@ -583,8 +582,8 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 .note(format!(
                     "{traps} traps per step (step marker + backward aux marker; more if the step marker's symbol also fires for other \
                      strings, e.g. zero_grad's record_function) × {:.1} µs per marker hit (section 6) on a {:.2} ms step. 0.999 holds \
-                     for steps ≥ {:.0} ms on this machine. The cost is a uprobe trap plus a ring-buffer wakeup per hit; the wakeup part \
-                     goes away with the batching fix of section 6",
+                     for steps ≥ {:.0} ms on this machine. The cost is the uprobe trap itself (a trap costs ~9 µs on this VM; the \
+                     marker program adds a few % to an empty uprobe, section 6): no ring-buffer wakeup is taken while no window is near",
                     hit_ns / 1e3,
                     step_ns / 1e6,
                     traps * hit_ns * 1000.0 / 1e6
@@ -680,10 +679,9 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let mut fc = Figure::new("idle_cpu_pct", "5. dynprof CPU attached idle, target stepping", Unit::PctCore, Goal::AtMost(0.5), "≤ 0.5% of a core")
         .samples(cpu.clone())
         .note(format!(
-            "while the target runs ~{:.0} steps/s. Cause: every step marker and aux (backward) hit is one ring-buffer event, and each \
-             event wakes dynprof (the consumer is always caught up, so the kernel's adaptive wakeup fires every time): ~2 wakeups per \
-             step. A wakeup costs ~40 µs of CPU even for a bare nanosleep loop on this VM, ~80-100 µs for dynprof's loop with its JSON \
-             line. Fix: while no window is pending, submit step events with BPF_RB_NO_WAKEUP and drain them on the 100 ms tick",
+            "while the target runs ~{:.0} steps/s. Step events are written without a ring-buffer wakeup while no window is near \
+             and read on the 100 ms tick, with one write of the live lines per tick: what is left is decoding and formatting one \
+             live line per step",
             bare_med
         ));
     if cpu.is_empty() {
