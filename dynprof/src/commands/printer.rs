@@ -16,6 +16,8 @@ use crate::{
 pub struct StepPrinter {
     json: bool,
     buf: String,
+    /// The constant members of a JSON step line, serialized once.
+    fixed: Option<String>,
 }
 
 /// Flush before the buffer grows past this.
@@ -26,6 +28,7 @@ impl StepPrinter {
         Self {
             json,
             buf: String::new(),
+            fixed: None,
         }
     }
 
@@ -61,28 +64,35 @@ impl Observer for StepPrinter {
         }
         let label = probe.map(|p| p.label.as_str()).unwrap_or("?");
         if self.json {
-            let t = ctx.target;
-            let mut line = json!({
-                "event": "step",
-                "step": s.step,
-                "ts_ns": s.hdr.ts_ns,
-                "host_pid": t.host_pid,
-                "ns_pids": t.ns_pids,
-                "ns_pid": t.inner_pid(),
-                "container": t.container,
-                "container_runtime": t.container_runtime(),
-                "tid": s.hdr.tid,
-                "marker": label,
-                "window": s.gate != 0,
+            use std::fmt::Write as _;
+            // What never changes (the target's identity) is serialized once.
+            let fixed = self.fixed.get_or_insert_with(|| {
+                let t = ctx.target;
+                let v = json!({
+                    "host_pid": t.host_pid,
+                    "ns_pids": t.ns_pids,
+                    "ns_pid": t.inner_pid(),
+                    "container": t.container,
+                    "container_runtime": t.container_runtime(),
+                });
+                let s = v.to_string();
+                s[1..s.len() - 1].to_string()
             });
+            let _ = write!(
+                self.buf,
+                "{{\"event\":\"step\",\"step\":{},\"ts_ns\":{},\"tid\":{},\"marker\":{},\"window\":{},{fixed}",
+                s.step,
+                s.hdr.ts_ns,
+                s.hdr.tid,
+                serde_json::Value::from(label),
+                s.gate != 0,
+            );
             if let Some(r) = recv_ns {
-                line["recv_ns"] = json!(r);
                 // Only events that woke us measure the wakeup path; batched
                 // ones wait for the tick by design.
-                line["woke"] = json!(s.woke != 0);
+                let _ = write!(self.buf, ",\"recv_ns\":{r},\"woke\":{}", s.woke != 0);
             }
-            self.buf.push_str(&line.to_string());
-            self.buf.push('\n');
+            self.buf.push_str("}\n");
         } else {
             let mut line = format!("step {:>6}", s.step);
             if let Some(c) = completed {
