@@ -98,6 +98,7 @@ impl Collector for CpuCollector {
         let evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
         {
             let mut store = self.store.borrow_mut();
+            store.prefetch(kernel, evs.iter().map(|e| (e.user_stack, e.kernel_stack)));
             for e in &evs {
                 let stack = store.stack(kernel, e.user_stack, e.kernel_stack);
                 data.samples.push(CpuSample {

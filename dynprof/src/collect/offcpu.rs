@@ -124,6 +124,7 @@ impl Collector for OffCpuCollector {
         }
         {
             let mut store = self.store.borrow_mut();
+            store.prefetch(kernel, evs.iter().map(|e| (e.user_stack, e.kernel_stack)));
             for e in &evs {
                 let dur_ns = e.dur_ns.min(end_ts_ns - e.hdr.ts_ns);
                 let stack = store.stack(kernel, e.user_stack, e.kernel_stack);

@@ -30,6 +30,9 @@ pub struct StackStore {
     /// Ids whose lookup failed although the kernel returned them (removed
     /// under us); reported as lost frames.
     pub lookup_failures: u64,
+    /// Addresses read by `prefetch`, not yet symbolized into the caches:
+    /// (is_kernel, id) → the kernel's lookup.
+    raw: HashMap<(bool, i32), anyhow::Result<Vec<u64>>>,
 }
 
 impl StackStore {
@@ -49,6 +52,7 @@ impl StackStore {
             }
             self.user.clear();
             self.kernel.clear();
+            self.raw.clear();
         }
         if self.pid != Some(pid) {
             self.pid = Some(pid);
@@ -66,6 +70,31 @@ impl StackStore {
     /// The collector `who` holds no unread stack ids any more.
     pub fn release(&mut self, who: u8) {
         self.holders &= !who;
+    }
+
+    /// Reads every not yet known stack of `ids` (user id, kernel id) from the
+    /// kernel, then symbolizes all their addresses in one batch, so that
+    /// the `stack` calls that follow are cache hits.
+    pub fn prefetch(&mut self, kernel: &Kernel, ids: impl IntoIterator<Item = (i32, i32)>) {
+        for (u, k) in ids {
+            for (id, is_kernel) in [(u, false), (k, true)] {
+                let cached = if is_kernel { &self.kernel } else { &self.user };
+                if id < 0 || cached.contains_key(&id) || self.raw.contains_key(&(is_kernel, id)) {
+                    continue;
+                }
+                self.raw.insert((is_kernel, id), kernel.stack(id as u32));
+            }
+        }
+        let Some(sym) = &mut self.sym else { return };
+        let pick = |want: bool| -> Vec<&[u64]> {
+            self.raw
+                .iter()
+                .filter(|((is_kernel, _), _)| *is_kernel == want)
+                .filter_map(|(_, r)| r.as_ref().ok().map(Vec::as_slice))
+                .collect()
+        };
+        let (user, kern) = (pick(false), pick(true));
+        sym.warm(&user, &kern);
     }
 
     /// The stack of one event: user frames root first, then the kernel
@@ -98,7 +127,11 @@ impl StackStore {
         if let Some(s) = cache.get(&id) {
             return s.clone();
         }
-        let frames = match kernel.stack(id as u32) {
+        let lookup = match self.raw.remove(&(is_kernel, id)) {
+            Some(r) => r,
+            None => kernel.stack(id as u32),
+        };
+        let frames = match lookup {
             Ok(ips) => match &mut self.sym {
                 Some(sym) if is_kernel => sym.kernel_stack(&ips),
                 Some(sym) => sym.user_stack(&ips),

@@ -12,6 +12,7 @@ pub mod args;
 pub mod lock;
 pub mod profdir;
 pub mod scheduler;
+pub mod writer;
 
 use anyhow::{Result, bail};
 use dynprof_common::PlanConfig;

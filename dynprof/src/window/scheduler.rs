@@ -17,19 +17,22 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use dynprof_common::{PlanConfig, role};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
-use super::{Plan, profdir::ProfDir};
+use super::{
+    Plan,
+    profdir::ProfDir,
+    writer::{WriteJob, WriteTag, Writer, Written},
+};
 use crate::{
     bpf::Kernel,
     collect::{Collector, WindowHook, WindowInfo},
     output::{
         Collectors,
         model::{Drops, StepSpan, WindowData},
-        write_window_files,
     },
     session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
     target::Target,
@@ -145,6 +148,8 @@ pub struct Scheduler {
     target: Option<Target>,
     /// Steps per second, as of the last step event.
     rate: f64,
+    /// Publishes closed windows off the event loop (started on first use).
+    writer: Option<Writer>,
 }
 
 impl Scheduler {
@@ -168,6 +173,7 @@ impl Scheduler {
             plan_collectors: Vec::new(),
             target: None,
             rate: 0.0,
+            writer: None,
         }
     }
 
@@ -237,6 +243,58 @@ impl Scheduler {
             if let Err(e) = h.prepare(target) {
                 log::warn!("hook {}: prepare failed: {e:#}", h.name());
             }
+        }
+    }
+
+    fn writer_mut(&mut self) -> Result<&mut Writer> {
+        if self.writer.is_none() {
+            self.writer = Some(Writer::spawn()?);
+        }
+        Ok(self.writer.as_mut().expect("just set"))
+    }
+
+    /// Reports the windows the writer has published (all of them, waiting,
+    /// when `wait`).
+    fn report_written(&mut self, wait: bool) {
+        let Some(wr) = self.writer.as_mut() else {
+            return;
+        };
+        let done = if wait { wr.wait_all() } else { wr.finished() };
+        for Written { id, tag, result } in done {
+            let msg = match result {
+                Ok(rec) => {
+                    let steps_txt = match (rec.first_recorded, rec.last_recorded) {
+                        (Some(a), Some(b)) => format!("steps {a}..{b}"),
+                        _ => "no steps".into(),
+                    };
+                    let msg = if rec.complete {
+                        format!("window {id} written: {} ({steps_txt})", rec.dir.display())
+                    } else {
+                        format!(
+                            "window {id} written INCOMPLETE ({}): {} ({steps_txt})",
+                            rec.incomplete_reason.as_deref().unwrap_or("?"),
+                            rec.dir.display()
+                        )
+                    };
+                    if self.opts.json {
+                        println!("{}", json!({ "event": "window", "window": rec }));
+                    }
+                    self.written.push(rec);
+                    msg
+                }
+                Err(e) => {
+                    let m = format!("window {id} could not be written: {e:#}");
+                    log::error!("{m}");
+                    m
+                }
+            };
+            if let Some(c) = &mut self.config
+                && tag.from_config_file
+            {
+                c.window_written(tag.change, &msg);
+            }
+            self.notice(msg);
+            self.last_activity = Instant::now();
         }
     }
 
@@ -703,9 +761,6 @@ impl Scheduler {
                 "no step was recorded".into()
             });
         }
-        if let Err(e) = write_window_files(&w.prof.tmp, &data, &ran) {
-            errors.push(format!("writing window files: {e:#}"));
-        }
         if !errors.is_empty() && complete {
             complete = false;
             reason = Some(errors.join("; "));
@@ -720,44 +775,23 @@ impl Scheduler {
             hooks_meta,
             ctx.target,
         );
-        let first = w.steps.first().map(|s| s.step);
-        let last = w.steps.last().map(|s| s.step);
-        let dir = w
-            .prof
-            .finish(&meta)
-            .context("finishing the window directory")?;
-        let rec = WindowRecord {
+        // Files are written off the event loop; the notice follows on a tick.
+        let job = WriteJob {
             id: w.id,
-            dir: dir.clone(),
+            first: w.steps.first().map(|s| s.step),
+            last: w.steps.last().map(|s| s.step),
+            prof: w.prof,
+            data,
+            ran,
+            meta,
             complete,
-            incomplete_reason: reason.clone(),
-            first_recorded: first,
-            last_recorded: last,
+            reason,
+            tag: WriteTag {
+                from_config_file: w.req.source == Source::ConfigFile,
+                change: w.req.change,
+            },
         };
-        let steps_txt = match (first, last) {
-            (Some(a), Some(b)) => format!("steps {a}..{b}"),
-            _ => "no steps".into(),
-        };
-        let msg = if complete {
-            format!("window {} written: {} ({steps_txt})", w.id, dir.display())
-        } else {
-            format!(
-                "window {} written INCOMPLETE ({}): {} ({steps_txt})",
-                w.id,
-                reason.as_deref().unwrap_or("?"),
-                dir.display()
-            )
-        };
-        if self.opts.json {
-            println!("{}", json!({ "event": "window", "window": rec }));
-        }
-        if let Some(c) = &mut self.config
-            && w.req.source == Source::ConfigFile
-        {
-            c.window_written(w.req.change, &msg);
-        }
-        self.notice(msg);
-        self.written.push(rec);
+        self.writer_mut()?.submit(job);
         self.last_activity = Instant::now();
 
         // A change that arrived during the window applies now (last one wins).
@@ -950,6 +984,7 @@ impl Observer for Scheduler {
     }
 
     fn on_tick(&mut self, ctx: &mut Ctx) -> Result<()> {
+        self.report_written(false);
         self.remember_target(ctx.target);
         self.prepare_hooks(ctx.target);
         if let Some(t) = self.opts.idle_timeout
@@ -992,6 +1027,7 @@ impl Observer for Scheduler {
                 log::warn!("hook {}: shutdown: {e:#}", h.name());
             }
         }
+        self.report_written(true);
         if let Some(c) = &mut self.config {
             c.ended(end.describe(), self.written.len());
         }

@@ -1,0 +1,181 @@
+//! Publishes finished windows off the event loop.
+//!
+//! Writing a window (trace.json, flame graphs, tables, each fsynced, then
+//! meta.json and the rename that makes the `PROF_*` directory visible) takes
+//! from a few to hundreds of milliseconds. The scheduler hands the drained
+//! [`WindowData`] to this thread at the closing boundary, so that the next
+//! boundaries (a repeat's next window, a msprof `start`) are not handled late.
+//! Jobs are written in order; the scheduler collects the results on its tick
+//! and waits for all of them before the session ends.
+use std::{
+    path::PathBuf,
+    sync::mpsc::{self, Receiver, Sender},
+    thread::JoinHandle,
+};
+
+use anyhow::{Context as _, Result};
+use serde_json::{Value, json};
+
+use super::{WindowRecord, profdir::ProfDir};
+use crate::{
+    output::{Collectors, model::WindowData, write_window_files},
+    types::{StepIndex, WindowId},
+};
+
+/// One window to publish.
+pub struct WriteJob {
+    pub id: WindowId,
+    pub prof: ProfDir,
+    pub data: WindowData,
+    pub ran: Collectors,
+    /// meta.json as of the closing boundary; the writer adds its own errors.
+    pub meta: Value,
+    pub complete: bool,
+    pub reason: Option<String>,
+    pub first: Option<StepIndex>,
+    pub last: Option<StepIndex>,
+    /// Returned untouched with the result (who asked for the window).
+    pub tag: WriteTag,
+}
+
+/// What the scheduler needs back to report a written window.
+#[derive(Clone, Debug)]
+pub struct WriteTag {
+    pub from_config_file: bool,
+    pub change: Option<u64>,
+}
+
+/// A published window, or why it could not be published.
+pub struct Written {
+    pub id: WindowId,
+    pub tag: WriteTag,
+    pub result: Result<WindowRecord>,
+}
+
+pub struct Writer {
+    tx: Option<Sender<WriteJob>>,
+    rx: Receiver<Written>,
+    handle: Option<JoinHandle<()>>,
+    pending: usize,
+    /// Written on the caller's thread because the writer had died.
+    late: Vec<Written>,
+}
+
+impl Writer {
+    pub fn spawn() -> Result<Self> {
+        let (tx, jobs) = mpsc::channel::<WriteJob>();
+        let (done, rx) = mpsc::channel::<Written>();
+        let handle = std::thread::Builder::new()
+            .name("dynprof-writer".into())
+            .spawn(move || {
+                for job in jobs {
+                    let (id, tag) = (job.id, job.tag.clone());
+                    let result = publish(job);
+                    if done.send(Written { id, tag, result }).is_err() {
+                        break;
+                    }
+                }
+            })
+            .context("starting the window writer thread")?;
+        Ok(Self {
+            tx: Some(tx),
+            rx,
+            handle: Some(handle),
+            pending: 0,
+            late: Vec::new(),
+        })
+    }
+
+    pub fn submit(&mut self, job: WriteJob) {
+        let (id, tag) = (job.id, job.tag.clone());
+        match self.tx.as_ref().map(|tx| tx.send(job)) {
+            Some(Ok(())) => self.pending += 1,
+            // The thread is gone (it panicked): write here rather than lose it.
+            Some(Err(mpsc::SendError(job))) => {
+                let result = publish(job);
+                self.late.push(Written { id, tag, result });
+            }
+            None => unreachable!("submit after close"),
+        }
+    }
+
+    /// Windows written since the last call, without waiting.
+    pub fn finished(&mut self) -> Vec<Written> {
+        let mut out = std::mem::take(&mut self.late);
+        while let Ok(w) = self.rx.try_recv() {
+            self.pending -= 1;
+            out.push(w);
+        }
+        out
+    }
+
+    /// Waits until every submitted window is written.
+    pub fn wait_all(&mut self) -> Vec<Written> {
+        let mut out = self.finished();
+        while self.pending > 0 {
+            match self.rx.recv() {
+                Ok(w) => {
+                    self.pending -= 1;
+                    out.push(w);
+                }
+                Err(_) => {
+                    log::error!(
+                        "the window writer thread died with {} window(s) unwritten",
+                        self.pending
+                    );
+                    self.pending = 0;
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Writes the files, then meta.json, then renames: a directory is visible
+/// only once it is whole, and says so if a file could not be written.
+fn publish(job: WriteJob) -> Result<WindowRecord> {
+    let WriteJob {
+        id,
+        prof,
+        data,
+        ran,
+        mut meta,
+        mut complete,
+        mut reason,
+        first,
+        last,
+        ..
+    } = job;
+    if let Err(e) = write_window_files(&prof.tmp, &data, &ran) {
+        let m = format!("writing window files: {e:#}");
+        if let Some(Value::Array(errors)) = meta.get_mut("errors") {
+            errors.push(json!(m));
+        }
+        if complete {
+            complete = false;
+            reason = Some(m);
+        }
+        meta["complete"] = json!(complete);
+        meta["incomplete_reason"] = json!(reason);
+    }
+    let dir: PathBuf = prof
+        .finish(&meta)
+        .context("finishing the window directory")?;
+    Ok(WindowRecord {
+        id,
+        dir,
+        complete,
+        incomplete_reason: reason,
+        first_recorded: first,
+        last_recorded: last,
+    })
+}
