@@ -38,6 +38,8 @@ fn window(id: u32, step: u64, ts: u64, dir: &Path) -> WindowInfo {
         first_step: StepIndex(step),
         first_recorded: StepIndex(step),
         open_ts_ns: ts,
+        start_ts_ns: ts,
+        end_ts_ns: 0,
         dir,
     }
 }
@@ -266,6 +268,10 @@ fn hooks_run_at_the_window_boundaries_of_a_real_attach() {
             "exe:optimizer_step",
             "--start-step",
             "3",
+            // With warmup the start hook answers the first *recorded* step's
+            // boundary, not the window's first one.
+            "--warmup",
+            "1",
             "--active",
             "2",
             "--repeat",
@@ -309,6 +315,14 @@ fn hooks_run_at_the_window_boundaries_of_a_real_attach() {
         assert_eq!(
             h["on_window_start"]["spawn_latency_ns"].as_u64().unwrap(),
             h["on_window_start"]["spawned_ns"].as_u64().unwrap() - open
+        );
+        assert_eq!(h["on_window_start"]["boundary_ts_ns"].as_u64(), Some(open), "{h:#}");
+        // The end hook answers the boundary that closed the window.
+        let last = *windows_util::recorded(&m).last().unwrap();
+        assert_eq!(
+            h["on_window_end"]["boundary_ts_ns"].as_u64(),
+            Some(windows_util::boundary(&m, last + 1)),
+            "{h:#}"
         );
         let env = std::fs::read_to_string(dir.join("start.env")).unwrap();
         assert_eq!(env.trim(), format!("{first} {} {pid}", m["window"]));

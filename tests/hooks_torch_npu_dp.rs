@@ -127,6 +127,8 @@ fn torch_npu_dp_writes_start_step_and_reports_the_poll_offset() {
         first_step: StepIndex(s),
         first_recorded: StepIndex(s),
         open_ts_ns: 0,
+        start_ts_ns: 0,
+        end_ts_ns: 0,
         dir: wdir,
     };
     h.on_window_start(&w, &target).unwrap();

@@ -159,6 +159,8 @@ fn window(id: u32, step: u64, ts: u64, dir: &Path) -> WindowInfo {
         first_step: StepIndex(step),
         first_recorded: StepIndex(step),
         open_ts_ns: ts,
+        start_ts_ns: ts,
+        end_ts_ns: 0,
         dir,
     }
 }

@@ -277,9 +277,9 @@ impl WindowHook for UserHooks {
         let Some(cmd) = self.on_start.clone() else {
             return Ok(());
         };
-        let env = hook_env(w, target, "start", w.open_ts_ns);
+        let env = hook_env(w, target, "start", w.start_ts_ns);
         let log = w.dir.join("hooks").join("on-window-start.log");
-        let (timeout, ts) = (self.timeout, w.open_ts_ns);
+        let (timeout, ts) = (self.timeout, w.start_ts_ns);
         self.running = Some(
             std::thread::Builder::new()
                 .name("hook-window-start".into())
@@ -289,8 +289,12 @@ impl WindowHook for UserHooks {
     }
 
     fn on_window_end(&mut self, w: &WindowInfo, target: &Target) -> Result<Value> {
-        // The end boundary's timestamp is not in WindowInfo: this call is it.
-        let end_ts = monotonic_ns();
+        // A window no boundary closed (interrupt, exit) ends now.
+        let end_ts = if w.end_ts_ns > 0 {
+            w.end_ts_ns
+        } else {
+            monotonic_ns()
+        };
         let start = self.running.take();
         let start_cmd = self.on_start.clone().unwrap_or_default();
         let end = self

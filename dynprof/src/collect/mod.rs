@@ -42,6 +42,12 @@ pub struct WindowInfo {
     pub first_recorded: StepIndex,
     /// Boundary timestamp (CLOCK_MONOTONIC ns) of `first_step`'s hit.
     pub open_ts_ns: u64,
+    /// Boundary timestamp of `first_recorded`'s hit, the one start hooks
+    /// answer (`open_ts_ns` without warmup); 0 until it is reached.
+    pub start_ts_ns: u64,
+    /// Boundary timestamp of the hit that closed the window; 0 when no
+    /// boundary closed it (interrupt, target exit, detach).
+    pub end_ts_ns: u64,
     /// Where this window's files go (the directory exists, being written).
     pub dir: std::path::PathBuf,
 }

@@ -807,11 +807,9 @@ impl WindowHook for MsprofHook {
                         c.cmds += 1;
                         win.start_write_begin_ns = Some(t0);
                         win.start_written_ns = Some(t);
-                        // open_ts_ns is the boundary of first_step; it is the
-                        // boundary `start` answers only without warmup.
-                        win.start_latency_ns = (w.open_ts_ns > 0
-                            && w.first_step == w.first_recorded)
-                            .then(|| t.saturating_sub(w.open_ts_ns));
+                        // `start` answers the first recorded step's boundary.
+                        win.start_latency_ns =
+                            (w.start_ts_ns > 0).then(|| t.saturating_sub(w.start_ts_ns));
                     }
                     Err(e) => win.error = Some(format!("writing `start` to msprof: {e}")),
                 }
@@ -957,8 +955,7 @@ impl WindowHook for MsprofHook {
             "connection": win.conn,
             "commands_in_connection": cmds,
             "connection_started_ns": conn_started_ns,
-            "boundary_ts_ns": w.open_ts_ns,
-            "boundary_is_first_recorded": w.first_step == w.first_recorded,
+            "boundary_ts_ns": w.start_ts_ns,
             // boundary -> hook called is the event loop's share of the
             // latency; hook called -> written is msprof's (a reconnect).
             "hook_called_ns": win.hook_called_ns,

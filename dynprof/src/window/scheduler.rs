@@ -560,9 +560,11 @@ impl Scheduler {
                     // The kernel closed the gate earlier than planned (stop).
                     w.last_recorded = k.saturating_sub(1);
                 }
+                w.info.end_ts_ns = ts;
                 close = true;
             } else if k >= w.first_recorded && !w.hooks_started {
                 w.hooks_started = true;
+                w.info.start_ts_ns = ts;
                 let info = w.info.clone();
                 for h in &mut self.hooks {
                     if let Err(e) = h.on_window_start(&info, ctx.target) {
@@ -643,6 +645,8 @@ impl Scheduler {
             first_step: StepIndex(base),
             first_recorded: StepIndex(first_recorded),
             open_ts_ns: ts,
+            start_ts_ns: if k >= first_recorded { ts } else { 0 },
+            end_ts_ns: 0,
             dir: prof.tmp.clone(),
         };
         let collectors: Vec<usize> = (0..self.collectors.len())

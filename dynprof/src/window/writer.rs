@@ -179,3 +179,62 @@ fn publish(job: WriteJob) -> Result<WindowRecord> {
         last_recorded: last,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::HostPid;
+
+    fn job(out: &std::path::Path, id: u32, tag: Option<u64>) -> WriteJob {
+        let prof = ProfDir::create(out, HostPid(7), WindowId(id)).unwrap();
+        WriteJob {
+            id: WindowId(id),
+            prof,
+            data: WindowData::default(),
+            ran: Collectors::NONE,
+            meta: json!({ "window": id, "complete": true, "incomplete_reason": null, "errors": [] }),
+            complete: true,
+            reason: None,
+            first: Some(StepIndex(u64::from(id) * 10)),
+            last: Some(StepIndex(u64::from(id) * 10 + 2)),
+            tag: WriteTag {
+                from_config_file: tag.is_some(),
+                change: tag,
+            },
+        }
+    }
+
+    /// Windows are published in the order they closed, each renamed from its
+    /// hidden directory only once meta.json is in it, and `wait_all` returns
+    /// only when all of them are.
+    #[test]
+    fn publishes_in_order_and_waits_for_all() {
+        let out = std::env::temp_dir().join(format!("dynprof-writer-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let mut w = Writer::spawn().unwrap();
+        let jobs: Vec<WriteJob> = (1..=3)
+            .map(|i| job(&out, i, (i == 2).then_some(9)))
+            .collect();
+        let tmps: Vec<PathBuf> = jobs.iter().map(|j| j.prof.tmp.clone()).collect();
+        for j in jobs {
+            w.submit(j);
+        }
+        let done = w.wait_all();
+        assert_eq!(
+            done.iter().map(|d| d.id.0).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
+        assert_eq!(done[1].tag.change, Some(9));
+        for (d, tmp) in done.iter().zip(&tmps) {
+            let rec = d.result.as_ref().unwrap();
+            assert!(rec.complete);
+            assert!(!tmp.exists(), "{} left behind", tmp.display());
+            let meta: Value =
+                serde_json::from_slice(&std::fs::read(rec.dir.join("meta.json")).unwrap()).unwrap();
+            assert_eq!(meta["window"], json!(d.id.0));
+            assert!(rec.dir.join("steps.csv").exists());
+        }
+        assert!(w.finished().is_empty());
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}

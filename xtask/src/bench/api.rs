@@ -222,13 +222,26 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let mut target2 = Proc::spawn(
         "acl_trainer --launch-threads 2",
         Command::new(ctx.fixtures.join("acl_trainer"))
-            .args(["--calls-per-step", &calls_per_step.to_string(), "--launch-threads", "2", "--log"])
+            .args([
+                "--calls-per-step",
+                &calls_per_step.to_string(),
+                "--launch-threads",
+                "2",
+                "--log",
+            ])
             .arg(&log2),
     )?;
     target2.wait_prefix(Duration::from_secs(30), "ready")?;
     let mut wins2: Vec<Win> = Vec::new();
     for rep in 0..reps {
-        match window(ctx, &target2, &log2, win_steps, 4096, &format!("2t-rep{rep}")) {
+        match window(
+            ctx,
+            &target2,
+            &log2,
+            win_steps,
+            4096,
+            &format!("2t-rep{rep}"),
+        ) {
             Ok(w) => {
                 say(format!(
                     "api 2 threads rep {}: {:.0} events/s, drops {}",
@@ -281,7 +294,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         );
     }
     s.figures.push(f);
-    let ok2: Vec<f64> = wins2.iter().filter(|w| w.drops == 0).map(|w| w.events_per_s()).collect();
+    let ok2: Vec<f64> = wins2
+        .iter()
+        .filter(|w| w.drops == 0)
+        .map(|w| w.events_per_s())
+        .collect();
     let mut f2 = Figure::new(
         "api_events_per_s_zero_drops_2t",
         "API events/s sustained with zero drops, 2 calling threads",

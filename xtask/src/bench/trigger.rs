@@ -499,7 +499,16 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             ]);
             cmd.arg(&out);
             if variant == 2 {
-                cmd.args(["--collect", "cpu,offcpu", "--cpu-hz", "999", "--active", "200", "--gap", "10"]);
+                cmd.args([
+                    "--collect",
+                    "cpu,offcpu",
+                    "--cpu-hz",
+                    "999",
+                    "--active",
+                    "200",
+                    "--gap",
+                    "10",
+                ]);
             } else {
                 cmd.args(["--collect", "none", "--active", "1", "--gap", "50"]);
             }
