@@ -316,7 +316,11 @@ fn hooks_run_at_the_window_boundaries_of_a_real_attach() {
             h["on_window_start"]["spawn_latency_ns"].as_u64().unwrap(),
             h["on_window_start"]["spawned_ns"].as_u64().unwrap() - open
         );
-        assert_eq!(h["on_window_start"]["boundary_ts_ns"].as_u64(), Some(open), "{h:#}");
+        assert_eq!(
+            h["on_window_start"]["boundary_ts_ns"].as_u64(),
+            Some(open),
+            "{h:#}"
+        );
         // The end hook answers the boundary that closed the window.
         let last = *windows_util::recorded(&m).last().unwrap();
         assert_eq!(

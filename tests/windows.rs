@@ -388,3 +388,67 @@ fn windows_launch_pytorch_auto_marker() {
         assert_eq!(row.split(',').nth(col), Some("2"), "{csv}");
     }
 }
+
+/// `--collect none`: a window with step timing only; nothing else is armed
+/// or written, and `none` cannot be mixed with collectors.
+#[test]
+fn windows_collect_none_records_step_timing_only() {
+    require_privileges!();
+    let (_p, _log, dir) = trainer("windows_collect_none", "10");
+    let out = dir.join("out");
+    let pid = _p.pid.to_string();
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:optimizer_step",
+            "--start-step",
+            "3",
+            "--active",
+            "2",
+            "--collect",
+            "none",
+            "--output",
+            out.to_str().unwrap(),
+        ],
+        false,
+    );
+    assert!(d.wait_exit(T).success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 1, "{}", d.transcript());
+    let m = meta(&dirs[0]);
+    assert_eq!(m["complete"], true, "{m}");
+    assert_eq!(recorded(&m), vec![3, 4]);
+    assert_eq!(
+        m["collectors"],
+        serde_json::json!({"api": false, "cpu": false, "offcpu": false})
+    );
+    for f in ["steps.csv", "trace.json", "summary.json", "meta.json"] {
+        assert!(dirs[0].join(f).is_file(), "{f} missing");
+    }
+    for f in ["api_summary.csv", "cpu.folded", "offcpu.folded"] {
+        assert!(
+            !dirs[0].join(f).exists(),
+            "{f} written without its collector"
+        );
+    }
+    let o = dynprof_cmd(&[
+        "attach",
+        "--pid",
+        &pid,
+        "--start-step",
+        "3",
+        "--collect",
+        "none,cpu",
+    ])
+    .output()
+    .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("unknown collector `none`") && err.contains("or `none` for step timing only"),
+        "{err}"
+    );
+}
