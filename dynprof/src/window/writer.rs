@@ -88,14 +88,17 @@ impl Writer {
 
     pub fn submit(&mut self, job: WriteJob) {
         let (id, tag) = (job.id, job.tag.clone());
-        match self.tx.as_ref().map(|tx| tx.send(job)) {
-            Some(Ok(())) => self.pending += 1,
+        let tx = self
+            .tx
+            .as_ref()
+            .expect("the writer's channel lives until drop");
+        match tx.send(job) {
+            Ok(()) => self.pending += 1,
             // The thread is gone (it panicked): write here rather than lose it.
-            Some(Err(mpsc::SendError(job))) => {
+            Err(mpsc::SendError(job)) => {
                 let result = publish(job);
                 self.late.push(Written { id, tag, result });
             }
-            None => unreachable!("submit after close"),
         }
     }
 
