@@ -4,6 +4,9 @@
 //! then either counts a step boundary and flips the window gate (the marker
 //! program), or checks the gate and emits one event (the collectors).
 //! All decisions about what a hit *means* are made in user space.
+//! Events are written without waking the reader, except at the step hits
+//! user space acts on (`PlanConfig::wakes`) or when the ring is filling: a
+//! wakeup per event would cost more than the probe itself.
 #![no_std]
 #![no_main]
 // `atomic_xadd` lowers to BPF_XADD; `AtomicU64::fetch_add` is not offered

@@ -175,8 +175,11 @@ impl Session {
             tokio::select! {
                 guard = ring.readable_mut() => {
                     let mut guard = guard?;
-                    let stop = self.drain(guard.get_inner_mut(), observers, &limits)?;
+                    // Cleared before reading: a wakeup that lands while we
+                    // drain marks the ring ready again instead of being lost
+                    // (the next would be a tick away).
                     guard.clear_ready();
+                    let stop = self.drain(guard.get_inner_mut(), observers, &limits)?;
                     if let Some(r) = stop { break 'outer r; }
                 }
                 _ = exit_fd.readable() => {

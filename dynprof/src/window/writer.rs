@@ -68,6 +68,11 @@ impl Writer {
         let handle = std::thread::Builder::new()
             .name("dynprof-writer".into())
             .spawn(move || {
+                // Writing can wait; the event loop handling the next
+                // boundaries cannot. On a busy machine the two compete for
+                // the same CPU, so the writer yields to it (nice +10 applies
+                // to this thread only).
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
                 for job in jobs {
                     let (id, tag) = (job.id, job.tag.clone());
                     let result = publish(job);
