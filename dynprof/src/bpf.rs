@@ -83,64 +83,6 @@ fn preflight_at(root: &Path, cap_eff: u64) -> Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod preflight_tests {
-    use super::*;
-
-    fn root(tag: &str, uprobe: bool, btf: bool) -> std::path::PathBuf {
-        let d =
-            std::env::temp_dir().join(format!("dynprof-preflight-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        if uprobe {
-            std::fs::create_dir_all(d.join("sys/bus/event_source/devices/uprobe")).unwrap();
-        }
-        if btf {
-            std::fs::create_dir_all(d.join("sys/kernel/btf")).unwrap();
-            std::fs::write(d.join("sys/kernel/btf/vmlinux"), b"").unwrap();
-        }
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
-    fn err(root: &Path, caps: u64) -> String {
-        let e = preflight_at(root, caps).unwrap_err().to_string();
-        assert_eq!(e.lines().count(), 1, "{e}");
-        assert!(e.contains("hint"), "{e}");
-        e
-    }
-
-    #[test]
-    fn each_missing_piece_gets_one_line_with_a_hint() {
-        let all = u64::MAX;
-        let e = err(&root("none", false, true), all);
-        assert!(
-            e.contains("no uprobe support") && e.contains("CONFIG_UPROBE_EVENTS"),
-            "{e}"
-        );
-        let e = err(&root("nobtf", true, false), all);
-        assert!(
-            e.contains("no BTF") && e.contains("CONFIG_DEBUG_INFO_BTF"),
-            "{e}"
-        );
-        let ok = root("ok", true, true);
-        let e = err(&ok, 0);
-        assert!(e.contains("CAP_BPF and CAP_PERFMON"), "{e}");
-        let e = err(&ok, 1 << 39);
-        assert!(e.contains("missing privileges: CAP_PERFMON ("), "{e}");
-        assert!(
-            preflight_at(&ok, 1 << 21).is_ok(),
-            "CAP_SYS_ADMIN is enough"
-        );
-        assert!(
-            preflight_at(&ok, (1 << 38) | (1 << 39)).is_ok(),
-            "CAP_BPF+CAP_PERFMON is enough"
-        );
-        for t in ["none", "nobtf", "ok"] {
-            let _ = std::fs::remove_dir_all(root(t, false, false));
-        }
-    }
-}
-
 /// Per-marker hook state kept for detach: the link and a raised semaphore.
 struct MarkerLink {
     link: UProbeLinkId,
@@ -323,14 +265,13 @@ impl Kernel {
     }
 
     pub fn detach_offcpu(&mut self) {
-        if let Some(l) = self.sched_link.take() {
-            if let Some(Ok(prog)) = self
+        if let Some(l) = self.sched_link.take()
+            && let Some(Ok(prog)) = self
                 .ebpf
                 .program_mut(SCHED_PROG)
                 .map(<&mut TracePoint>::try_from)
-            {
-                let _ = prog.detach(l);
-            }
+        {
+            let _ = prog.detach(l);
         }
     }
 
@@ -464,4 +405,62 @@ pub fn adjust_semaphore(pid: HostPid, addr: u64, delta: i32) -> Result<()> {
     f.write_all(&v.to_le_bytes())
         .with_context(|| format!("writing semaphore at {addr:#x}"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod preflight_tests {
+    use super::*;
+
+    fn root(tag: &str, uprobe: bool, btf: bool) -> std::path::PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("dynprof-preflight-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        if uprobe {
+            std::fs::create_dir_all(d.join("sys/bus/event_source/devices/uprobe")).unwrap();
+        }
+        if btf {
+            std::fs::create_dir_all(d.join("sys/kernel/btf")).unwrap();
+            std::fs::write(d.join("sys/kernel/btf/vmlinux"), b"").unwrap();
+        }
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn err(root: &Path, caps: u64) -> String {
+        let e = preflight_at(root, caps).unwrap_err().to_string();
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(e.contains("hint"), "{e}");
+        e
+    }
+
+    #[test]
+    fn each_missing_piece_gets_one_line_with_a_hint() {
+        let all = u64::MAX;
+        let e = err(&root("none", false, true), all);
+        assert!(
+            e.contains("no uprobe support") && e.contains("CONFIG_UPROBE_EVENTS"),
+            "{e}"
+        );
+        let e = err(&root("nobtf", true, false), all);
+        assert!(
+            e.contains("no BTF") && e.contains("CONFIG_DEBUG_INFO_BTF"),
+            "{e}"
+        );
+        let ok = root("ok", true, true);
+        let e = err(&ok, 0);
+        assert!(e.contains("CAP_BPF and CAP_PERFMON"), "{e}");
+        let e = err(&ok, 1 << 39);
+        assert!(e.contains("missing privileges: CAP_PERFMON ("), "{e}");
+        assert!(
+            preflight_at(&ok, 1 << 21).is_ok(),
+            "CAP_SYS_ADMIN is enough"
+        );
+        assert!(
+            preflight_at(&ok, (1 << 38) | (1 << 39)).is_ok(),
+            "CAP_BPF+CAP_PERFMON is enough"
+        );
+        for t in ["none", "nobtf", "ok"] {
+            let _ = std::fs::remove_dir_all(root(t, false, false));
+        }
+    }
 }

@@ -45,7 +45,7 @@ pub struct ResolvedProbe {
     pub semaphore: Option<Semaphore>,
 }
 
-fn ser_path<S: serde::Serializer>(p: &PathBuf, s: S) -> Result<S::Ok, S::Error> {
+fn ser_path<S: serde::Serializer>(p: &std::path::Path, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&p.to_string_lossy())
 }
 

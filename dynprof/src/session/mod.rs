@@ -290,10 +290,11 @@ impl Session {
         for o in observers.iter_mut() {
             o.on_event(ev, completed.as_ref(), &mut ctx)?;
         }
-        if let (Some(n), Decoded::Step(s)) = (limits.steps, ev) {
-            if s.role == dynprof_common::role::STEP && self.clock.steps_seen >= n {
-                return Ok(Some(EndReason::StepsReached));
-            }
+        if let (Some(n), Decoded::Step(s)) = (limits.steps, ev)
+            && s.role == dynprof_common::role::STEP
+            && self.clock.steps_seen >= n
+        {
+            return Ok(Some(EndReason::StepsReached));
         }
         if !observers.is_empty() && observers.iter().any(|o| o.wants_exit()) {
             return Ok(Some(EndReason::Done));

@@ -116,12 +116,18 @@ impl ElfImage {
 /// Demangles a C++ (Itanium) name, writing libstdc++'s string type as
 /// `std::string` the way people write it; returns other names unchanged.
 pub fn demangle(name: &str) -> String {
-    if let Ok(sym) = cpp_demangle::Symbol::new(name) {
-        if let Ok(s) = sym.demangle(&cpp_demangle::DemangleOptions::default()) {
-            return s
-                .replace("std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >", "std::string")
-                .replace("std::basic_string<char, std::char_traits<char>, std::allocator<char> >", "std::string");
-        }
+    if let Ok(sym) = cpp_demangle::Symbol::new(name)
+        && let Ok(s) = sym.demangle(&cpp_demangle::DemangleOptions::default())
+    {
+        return s
+            .replace(
+                "std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >",
+                "std::string",
+            )
+            .replace(
+                "std::basic_string<char, std::char_traits<char>, std::allocator<char> >",
+                "std::string",
+            );
     }
     name.to_string()
 }
