@@ -98,23 +98,11 @@ impl Symbolizer {
     /// more than the lookups: one call per stack made closing a window of
     /// a few thousand PyTorch samples take ~0.4 s.
     pub fn warm(&mut self, user: &[&[u64]], kernel: &[&[u64]]) {
-        let mut missing: Vec<u64> = user
-            .iter()
-            .flat_map(|ips| adjusted(ips))
-            .filter(|a| !self.user_cache.contains_key(a))
-            .collect();
-        missing.sort_unstable();
-        missing.dedup();
+        let missing = uncached(user, &self.user_cache);
         if !missing.is_empty() {
             self.resolve_user(&missing);
         }
-        let mut missing: Vec<u64> = kernel
-            .iter()
-            .flat_map(|ips| adjusted(ips))
-            .filter(|a| !self.kernel_cache.contains_key(a))
-            .collect();
-        missing.sort_unstable();
-        missing.dedup();
+        let missing = uncached(kernel, &self.kernel_cache);
         if !missing.is_empty() {
             self.resolve_kernel(&missing);
         }
@@ -219,6 +207,18 @@ fn adjusted(ips: &[u64]) -> Vec<u64> {
         .enumerate()
         .map(|(i, &ip)| if i == 0 { ip } else { ip - 1 })
         .collect()
+}
+
+/// The distinct adjusted addresses of `stacks` that `cache` lacks.
+fn uncached(stacks: &[&[u64]], cache: &HashMap<u64, Vec<String>>) -> Vec<u64> {
+    let mut v: Vec<u64> = stacks
+        .iter()
+        .flat_map(|ips| adjusted(ips))
+        .filter(|a| !cache.contains_key(a))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 /// The function, then the functions inlined into it at this address,
