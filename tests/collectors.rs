@@ -204,7 +204,7 @@ fn record_window(
     } else {
         u64::from(ring_kb) * 256
     };
-    let mut kernel = Kernel::load_with_wake(target.host_pid, ring_kb * 1024, wake_bytes).unwrap();
+    let mut kernel = Kernel::load(target.host_pid, ring_kb * 1024, wake_bytes).unwrap();
     for p in &resolved {
         kernel.attach_marker(p).unwrap();
     }

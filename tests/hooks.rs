@@ -260,31 +260,29 @@ fn hooks_run_at_the_window_boundaries_of_a_real_attach() {
     let rec = "/usr/bin/python3 -c 'import time; print(time.monotonic_ns())' > \"$DYNPROF_WINDOW_DIR/$DYNPROF_EVENT.ts\"; \
                echo \"$DYNPROF_STEP $DYNPROF_WINDOW $DYNPROF_HOST_PID\" > \"$DYNPROF_WINDOW_DIR/$DYNPROF_EVENT.env\"";
     let mut d = windows_util::spawn(
-        &[
-            "attach",
-            "--pid",
+        &windows_util::attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "3",
-            // With warmup the start hook answers the first *recorded* step's
-            // boundary, not the window's first one.
-            "--warmup",
-            "1",
-            "--active",
-            "2",
-            "--repeat",
-            "1",
-            "--gap",
-            "1",
-            "--on-window-start",
-            rec,
-            "--on-window-end",
-            rec,
-            "--output",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--start-step",
+                "3",
+                // With warmup the start hook answers the first *recorded* step's
+                // boundary, not the window's first one.
+                "--warmup",
+                "1",
+                "--active",
+                "2",
+                "--repeat",
+                "1",
+                "--gap",
+                "1",
+                "--on-window-start",
+                rec,
+                "--on-window-end",
+                rec,
+                "--output",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     let st = d.wait_exit(windows_util::T);

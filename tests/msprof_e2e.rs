@@ -83,37 +83,35 @@ fn msprof_start_and_stop_land_inside_the_window_boundaries() {
     let env = format!("MSPROF_STANDIN_LOG={}", mslog.display());
     let msout = dir.join("msprof_out").display().to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "3",
-            "--active",
-            "2",
-            "--repeat",
-            "2",
-            // The window scheduler finalizes a window (built-in collectors'
-            // files) on its event loop, which holds up the boundaries that
-            // follow for a while: leave room before the next window.
-            "--gap",
-            "15",
-            "--collect",
-            "offcpu",
-            "--collector",
-            "msprof",
-            "--msprof",
-            &msprof,
-            "--msprof-env",
-            &env,
-            "--msprof-output",
-            &msout,
-            "--output",
-            out.to_str().unwrap(),
-            "--json",
-        ],
+            &[
+                "--start-step",
+                "3",
+                "--active",
+                "2",
+                "--repeat",
+                "2",
+                // Closing a window drains and symbolizes the built-in
+                // collectors' events on the event loop (the files are written
+                // by a thread): leave room before the next window.
+                "--gap",
+                "15",
+                "--collect",
+                "offcpu",
+                "--collector",
+                "msprof",
+                "--msprof",
+                &msprof,
+                "--msprof-env",
+                &env,
+                "--msprof-output",
+                &msout,
+                "--output",
+                out.to_str().unwrap(),
+                "--json",
+            ],
+        ),
         false,
     );
     let st = d.wait_exit(T);
@@ -189,25 +187,23 @@ fn msprof_without_profiling_mode_is_skipped_and_builtin_collectors_run() {
     let (_p, host) = ns_trainer(&log, &[]);
     let pid = host.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "2",
-            "--active",
-            "2",
-            "--collector",
-            "msprof",
-            "--msprof",
-            &msprof,
-            "--collect",
-            "cpu,offcpu",
-            "--output",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--start-step",
+                "2",
+                "--active",
+                "2",
+                "--collector",
+                "msprof",
+                "--msprof",
+                &msprof,
+                "--collect",
+                "cpu,offcpu",
+                "--output",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     let st = d.wait_exit(T);

@@ -65,16 +65,7 @@ fn console_piped_stdin_drives_windows() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
-            &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--interactive",
-            "-o",
-            out.to_str().unwrap(),
-        ],
+        &attach_args(&pid, &["--interactive", "-o", out.to_str().unwrap()]),
         true,
     );
     d.wait_for("console ready", T);
@@ -129,16 +120,7 @@ fn console_piped_eof_quits_and_idle_timeout_detaches() {
     let out = dir.join("out");
     // EOF on stdin = quit.
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
-            &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--interactive",
-            "-o",
-            out.to_str().unwrap(),
-        ],
+        &attach_args(&pid, &["--interactive", "-o", out.to_str().unwrap()]),
         true,
     );
     d.wait_for("console ready", T);
@@ -148,18 +130,16 @@ fn console_piped_eof_quits_and_idle_timeout_detaches() {
     drop(d);
     // Idle timeout: stdin stays open, no command is sent.
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--interactive",
-            "--idle-timeout",
-            "1",
-            "-o",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--interactive",
+                "--idle-timeout",
+                "1",
+                "-o",
+                out.to_str().unwrap(),
+            ],
+        ),
         true,
     );
     d.wait_for("console ready", T);
@@ -292,17 +272,15 @@ fn config_file_template_edit_invalid_and_unknown_fields() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--config-dir",
-            cfg.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--config-dir",
+                cfg.to_str().unwrap(),
+                "-o",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     d.wait_for("edit it to start a window", T);
@@ -397,17 +375,15 @@ fn config_file_edit_during_window_is_deferred_and_last_wins() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--config-dir",
-            cfg.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--config-dir",
+                cfg.to_str().unwrap(),
+                "-o",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     d.wait_for("edit it to start a window", T);
@@ -463,17 +439,15 @@ fn config_file_rank_filter() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--config-dir",
-            cfg.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--config-dir",
+                cfg.to_str().unwrap(),
+                "-o",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     d.wait_for("edit it to start a window", T);
@@ -542,29 +516,11 @@ fn lock_refuses_a_second_controller_and_survives_sigkill() {
     require_privileges!();
     let (mut p, _log, _dir) = trainer("lock_contention", "10");
     let pid = p.pid.to_string();
-    let mut a = spawn(
-        &[
-            "attach",
-            "--pid",
-            &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--interactive",
-        ],
-        true,
-    );
+    let mut a = spawn(&attach_args(&pid, &["--interactive"]), true);
     a.wait_for("console ready", T);
-    let o = dynprof_cmd(&[
-        "attach",
-        "--pid",
-        &pid,
-        "--marker",
-        "exe:optimizer_step",
-        "--steps",
-        "2",
-    ])
-    .output()
-    .unwrap();
+    let o = dynprof_cmd(&attach_args(&pid, &["--steps", "2"]))
+        .output()
+        .unwrap();
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{e}");
     assert!(
@@ -578,17 +534,9 @@ fn lock_refuses_a_second_controller_and_survives_sigkill() {
     // SIGKILL the holder: the kernel drops its flock; the next attach works.
     unsafe { libc::kill(a.child.id() as i32, libc::SIGKILL) };
     let _ = a.child.wait();
-    let o = dynprof_cmd(&[
-        "attach",
-        "--pid",
-        &pid,
-        "--marker",
-        "exe:optimizer_step",
-        "--steps",
-        "2",
-    ])
-    .output()
-    .unwrap();
+    let o = dynprof_cmd(&attach_args(&pid, &["--steps", "2"]))
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(p.is_running());
 }

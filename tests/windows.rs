@@ -45,22 +45,20 @@ fn windows_plan_records_exactly_the_planned_steps() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "5",
-            "--warmup",
-            "1",
-            "--active",
-            "3",
-            "--output",
-            out.to_str().unwrap(),
-            "--json",
-        ],
+            &[
+                "--start-step",
+                "5",
+                "--warmup",
+                "1",
+                "--active",
+                "3",
+                "--output",
+                out.to_str().unwrap(),
+                "--json",
+            ],
+        ),
         false,
     );
     let st = d.wait_exit(T);
@@ -141,20 +139,18 @@ fn windows_next_boundary_start() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "-1",
-            "--active",
-            "2",
-            "-o",
-            out.to_str().unwrap(),
-            "--json",
-        ],
+            &[
+                "--start-step",
+                "-1",
+                "--active",
+                "2",
+                "-o",
+                out.to_str().unwrap(),
+                "--json",
+            ],
+        ),
         false,
     );
     assert!(d.wait_exit(T).success(), "{}", d.transcript());
@@ -181,23 +177,21 @@ fn windows_repeat_with_gap() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "3",
-            "--active",
-            "2",
-            "--repeat",
-            "2",
-            "--gap",
-            "1",
-            "-o",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--start-step",
+                "3",
+                "--active",
+                "2",
+                "--repeat",
+                "2",
+                "--gap",
+                "1",
+                "-o",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     assert!(d.wait_exit(T).success(), "{}", d.transcript());
@@ -222,19 +216,17 @@ fn windows_target_exit_mid_window_keeps_incomplete_output() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "2",
-            "--active",
-            "100000",
-            "-o",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--start-step",
+                "2",
+                "--active",
+                "100000",
+                "-o",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     // The window is open once its hidden directory exists; let a few more
@@ -284,19 +276,17 @@ fn windows_interrupted_mid_window_keeps_incomplete_output() {
     let out = dir.join("out");
     let pid = p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "-1",
-            "--active",
-            "100000",
-            "-o",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--start-step",
+                "-1",
+                "--active",
+                "100000",
+                "-o",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     let until = std::time::Instant::now() + T;
@@ -398,21 +388,19 @@ fn windows_collect_none_records_step_timing_only() {
     let out = dir.join("out");
     let pid = _p.pid.to_string();
     let mut d = spawn(
-        &[
-            "attach",
-            "--pid",
+        &attach_args(
             &pid,
-            "--marker",
-            "exe:optimizer_step",
-            "--start-step",
-            "3",
-            "--active",
-            "2",
-            "--collect",
-            "none",
-            "--output",
-            out.to_str().unwrap(),
-        ],
+            &[
+                "--start-step",
+                "3",
+                "--active",
+                "2",
+                "--collect",
+                "none",
+                "--output",
+                out.to_str().unwrap(),
+            ],
+        ),
         false,
     );
     assert!(d.wait_exit(T).success(), "{}", d.transcript());

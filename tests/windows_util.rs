@@ -319,3 +319,11 @@ pub fn boundary(m: &Value, k: u64) -> u64 {
         .as_u64()
         .unwrap()
 }
+
+/// `attach --pid PID --marker exe:optimizer_step ARGS…`: dynprof on one of
+/// the fixture trainers, whose step function is `optimizer_step`.
+pub fn attach_args<'a>(pid: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["attach", "--pid", pid, "--marker", "exe:optimizer_step"];
+    v.extend_from_slice(args);
+    v
+}

@@ -172,11 +172,7 @@ impl PlanConfig {
     /// The gate at step hit `k`: inside a cycle's first `span` steps.
     #[inline(always)]
     pub fn gate(&self, k: u64) -> bool {
-        self.armed != 0
-            && k >= self.start
-            && k < self.end
-            && self.period != 0
-            && (k - self.start) % self.period < self.span
+        self.at(k).0
     }
 
     /// Does step hit `k` need user space *now*? True at the hits where it
@@ -188,21 +184,30 @@ impl PlanConfig {
     /// per step.
     #[inline(always)]
     pub fn wakes(&self, k: u64) -> bool {
+        self.at(k).1
+    }
+
+    /// `(gate, wakes)` at hit `k`, with one division: the step program
+    /// evaluates both at every hit.
+    #[inline(always)]
+    pub fn at(&self, k: u64) -> (bool, bool) {
         if self.armed == 0 || self.period == 0 {
-            return false;
+            return (false, false);
         }
         if k < self.start {
-            return self.start - k <= self.lead;
+            return (false, self.start - k <= self.lead);
         }
         if k > self.end {
-            return false;
+            return (false, false);
         }
         let r = (k - self.start) % self.period;
         let to_next = self.period - r;
-        r == 0
+        let gate = k < self.end && r < self.span;
+        let wake = r == 0
             || r == self.warmup
             || r == self.span
-            || (to_next <= self.lead && k.saturating_add(to_next) < self.end)
+            || (to_next <= self.lead && k.saturating_add(to_next) < self.end);
+        (gate, wake)
     }
 }
 

@@ -207,7 +207,7 @@ pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
             core::ptr::read_volatile(&raw const (*state).step_hits)
         };
         let (open, wake) = match PLAN.get(0) {
-            Some(p) => (p.gate(k), p.wakes(k)),
+            Some(p) => p.at(k),
             None => (false, false),
         };
         let was_open = unsafe { (*state).gate != 0 };

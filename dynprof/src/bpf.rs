@@ -100,14 +100,10 @@ pub struct Kernel {
 
 impl Kernel {
     /// Loads the object for one target. `ring_bytes` must be a power of two
-    /// multiple of the page size.
-    pub fn load(pid: HostPid, ring_bytes: u32) -> Result<Self> {
-        Self::load_with_wake(pid, ring_bytes, u64::from(ring_bytes / 4))
-    }
-
-    /// [`Kernel::load`], choosing how full the ring may get before a
-    /// batched event wakes the reader (`u64::MAX`: only step boundaries do).
-    pub fn load_with_wake(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
+    /// multiple of the page size; `wake_bytes` is how full the ring may get
+    /// before a batched event wakes the reader (`u64::MAX`: only the step
+    /// hits of `PlanConfig::wakes` do).
+    pub fn load(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
         preflight()?;
         let tgid = pid.0;
         let ebpf = EbpfLoader::new()

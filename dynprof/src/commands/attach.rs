@@ -81,7 +81,7 @@ impl RingArgs {
             Some(kb) => u64::from(kb) * 1024,
             None => u64::from(bytes / 4),
         };
-        Kernel::load_with_wake(pid, bytes, wake)
+        Kernel::load(pid, bytes, wake)
     }
 }
 

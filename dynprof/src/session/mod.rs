@@ -171,7 +171,7 @@ impl Session {
         };
         tokio::pin!(sleep_until);
 
-        let end = 'outer: loop {
+        let mut end = 'outer: loop {
             tokio::select! {
                 guard = ring.readable_mut() => {
                     let mut guard = guard?;
@@ -182,11 +182,8 @@ impl Session {
                     let stop = self.drain(guard.get_inner_mut(), observers, &limits)?;
                     if let Some(r) = stop { break 'outer r; }
                 }
-                _ = exit_fd.readable() => {
-                    // Drain what the target emitted before it died.
-                    let stop = self.drain(ring.get_mut(), observers, &limits)?;
-                    break stop.unwrap_or(EndReason::TargetExited);
-                }
+                // What it emitted before it died is read below.
+                _ = exit_fd.readable() => break EndReason::TargetExited,
                 Some(mut cmd) = async { match commands.as_mut() { Some(c) => c.recv().await, None => None } } => {
                     let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
                     for o in observers.iter_mut() {
@@ -209,10 +206,16 @@ impl Session {
                 _ = sigterm.recv() => break EndReason::Interrupted,
             }
         };
-        if matches!(end, EndReason::Interrupted | EndReason::Duration) {
-            // Batched events of steps that already happened belong to the
-            // output (an interrupted window keeps the steps it recorded).
-            self.drain(ring.get_mut(), observers, &limits)?;
+        // Whatever is still in the ring happened before the end and belongs
+        // to the output (an interrupted or detached window keeps the steps it
+        // recorded); only a step limit cuts it short.
+        if end != EndReason::StepsReached {
+            while let Some(r) = self.drain(ring.get_mut(), observers, &limits)? {
+                if r == EndReason::StepsReached {
+                    end = r;
+                    break;
+                }
+            }
         }
         let mut ctx = Ctx {
             kernel: &mut self.kernel,

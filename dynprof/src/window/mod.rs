@@ -187,10 +187,6 @@ pub fn disarm(kernel: &mut Kernel) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn gate(p: &PlanConfig, k: u64) -> bool {
-        p.gate(k)
-    }
-
     /// The hits whose step events wake user space: exactly the ones where
     /// the scheduler acts (arm two steps ahead, open, first recorded step,
     /// close), per cycle; none without a plan.
@@ -230,7 +226,7 @@ mod tests {
             gap: 0,
         };
         let cfg = p.kernel_config(5);
-        let open: Vec<u64> = (0..20).filter(|k| gate(&cfg, *k)).collect();
+        let open: Vec<u64> = (0..20).filter(|k| cfg.gate(*k)).collect();
         assert_eq!(open, vec![5, 6, 7, 8]);
     }
 
@@ -244,7 +240,7 @@ mod tests {
             gap: 1,
         };
         let cfg = p.kernel_config(3);
-        let open: Vec<u64> = (0..30).filter(|k| gate(&cfg, *k)).collect();
+        let open: Vec<u64> = (0..30).filter(|k| cfg.gate(*k)).collect();
         assert_eq!(open, vec![3, 4, 6, 7, 9, 10]);
     }
 
@@ -258,9 +254,9 @@ mod tests {
             gap: 0,
         };
         let mut cfg = p.kernel_config(10);
-        assert!(gate(&cfg, 10) && gate(&cfg, 1_000_000));
+        assert!(cfg.gate(10) && cfg.gate(1_000_000));
         cfg.end = 13;
-        let open: Vec<u64> = (0..30).filter(|k| gate(&cfg, *k)).collect();
+        let open: Vec<u64> = (0..30).filter(|k| cfg.gate(*k)).collect();
         assert_eq!(open, vec![10, 11, 12]);
     }
 

@@ -156,9 +156,6 @@ fn window(
 }
 
 pub fn run(ctx: &Ctx) -> Result<Section> {
-    if !ctx.has_flag("--collect") {
-        bail!("this dynprof has no api collector yet (`attach --collect`)");
-    }
     let calls_per_step: u64 = 2000;
     let log = ctx.work.join("acl-trainer.log");
     let mut target = Proc::spawn(

@@ -20,8 +20,6 @@ pub struct Ctx {
     pub hitloop: PathBuf,
     /// `py-spy`, when it installed from PyPI into <target>/bench/venv.
     pub pyspy: Result<PathBuf, String>,
-    /// `dynprof attach --help`, to tell which features have landed.
-    pub attach_help: String,
     pub version: String,
     pub git: String,
     /// PyTorch bare steps/s measured by the overhead section (0 = not yet).
@@ -57,7 +55,6 @@ impl Ctx {
         )
         .context("compiling bench/hitloop.c")?;
         let python = PathBuf::from("/usr/bin/python3");
-        let attach_help = stdout_of(Command::new(&dynprof).args(["attach", "--help"]))?;
         let version = stdout_of(Command::new(&dynprof).arg("--version"))?
             .trim()
             .to_string();
@@ -90,7 +87,6 @@ impl Ctx {
             python,
             hitloop,
             pyspy,
-            attach_help,
             version,
             git,
             torch_sps: Default::default(),
@@ -103,13 +99,6 @@ impl Ctx {
     }
     pub fn reps(&self) -> usize {
         self.opts.reps
-    }
-
-    /// Does `dynprof attach` take this flag yet?
-    pub fn has_flag(&self, flag: &str) -> bool {
-        self.attach_help
-            .split(|c: char| c.is_whitespace() || c == ',' || c == '=' || c == '[' || c == '<')
-            .any(|w| w == flag)
     }
 
     pub fn dynprof_cmd(&self) -> Command {

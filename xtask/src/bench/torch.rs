@@ -297,12 +297,13 @@ pub fn window_args(ctx: &Ctx, steps: u64) -> Vec<String> {
 }
 
 pub fn run(ctx: &Ctx) -> Result<Section> {
-    let mut conds = vec![Cond::Bare, Cond::Idle];
-    let window_ready = ctx.has_flag("--collect") && ctx.has_flag("--start-step");
-    if window_ready {
-        conds.push(Cond::Window);
-    }
-    conds.extend([Cond::Prof, Cond::ProfStack]);
+    let mut conds = vec![
+        Cond::Bare,
+        Cond::Idle,
+        Cond::Window,
+        Cond::Prof,
+        Cond::ProfStack,
+    ];
     if ctx.pyspy.is_ok() {
         conds.push(Cond::PySpy);
     }

@@ -26,70 +26,49 @@ use super::{
 pub fn run(ctx: &Ctx) -> Result<Section> {
     let mut s = Section::new("");
     let mut raw = Json::obj(vec![]);
-    if ctx.has_flag("--interactive") {
-        if let Err(e) = windows(ctx, &mut s, &mut raw) {
-            say(format!("trigger windows: {e:#}"));
-            s.figures.push(
-                Figure::new(
-                    "wrong_start_windows",
-                    "windows starting at the wrong step, of 100",
-                    Unit::Count,
-                    Goal::AtMost(0.0),
-                    "0",
-                )
-                .missing(format!("could not run: {e:#}")),
-            );
-        }
-    } else {
-        s.figures.push(
+    type Part = fn(&Ctx, &mut Section, &mut Json) -> Result<()>;
+    // Each part's headline figure, reported as missing if the part fails.
+    let parts: [(&str, Part, Figure); 3] = [
+        (
+            "windows",
+            windows,
             Figure::new(
                 "wrong_start_windows",
                 "windows starting at the wrong step, of 100",
                 Unit::Count,
                 Goal::AtMost(0.0),
                 "0",
-            )
-            .missing("this dynprof has no windows yet (`attach --interactive`)"),
-        );
-    }
-    if let Err(e) = latency(ctx, &mut s, &mut raw) {
-        say(format!("trigger latency: {e:#}"));
-        s.figures.push(
+            ),
+        ),
+        (
+            "latency",
+            latency,
             Figure::new(
                 "boundary_to_user_p99_ms",
                 "boundary → user space, p99",
                 Unit::Ms,
                 Goal::AtMost(1.0),
                 "≤ 1 ms",
-            )
-            .missing(format!("could not run: {e:#}")),
-        );
-    }
-    if ctx.has_flag("--msprof") {
-        if let Err(e) = msprof(ctx, &mut s, &mut raw) {
-            say(format!("trigger msprof: {e:#}"));
-            s.figures.push(
-                Figure::new(
-                    "boundary_to_msprof_start_p99_ms",
-                    "boundary → msprof `start` written, p99",
-                    Unit::Ms,
-                    Goal::AtMost(5.0),
-                    "≤ 5 ms",
-                )
-                .missing(format!("could not run: {e:#}")),
-            );
-        }
-    } else {
-        s.figures.push(
+            ),
+        ),
+        (
+            "msprof",
+            msprof,
             Figure::new(
                 "boundary_to_msprof_start_p99_ms",
                 "boundary → msprof `start` written, p99",
                 Unit::Ms,
                 Goal::AtMost(5.0),
                 "≤ 5 ms",
-            )
-            .missing("this dynprof has no msprof collector yet"),
-        );
+            ),
+        ),
+    ];
+    for (name, part, headline) in parts {
+        if let Err(e) = part(ctx, &mut s, &mut raw) {
+            say(format!("trigger {name}: {e:#}"));
+            s.figures
+                .push(headline.missing(format!("could not run: {e:#}")));
+        }
     }
     poll_figures(ctx, &mut s, &mut raw);
     s.raw = raw;
@@ -194,10 +173,8 @@ fn windows(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             "0",
             "--output",
         ])
-        .arg(&out);
-    if ctx.has_flag("--collect") {
-        cmd.args(["--collect", "cpu"]);
-    }
+        .arg(&out)
+        .args(["--collect", "cpu"]);
     let mut dp = Proc::spawn("dynprof attach --interactive", &mut cmd)?;
     dp.wait_event(Duration::from_secs(60), "attached")?;
     dp.wait_for(Duration::from_secs(30), |l| {
