@@ -11,6 +11,7 @@ pub mod output;
 pub mod probes;
 pub mod session;
 pub mod symbols;
+pub mod sys;
 pub mod target;
 pub mod trigger;
 pub mod types;

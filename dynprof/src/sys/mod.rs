@@ -1,0 +1,16 @@
+//! The one room for OS plumbing: everything that talks to the kernel through
+//! raw syscalls, `/proc` or `unsafe` lives here (or in `bpf.rs` for the eBPF
+//! objects), so that domain code stays safe and testable without root.
+//!
+//! | module | job |
+//! |---|---|
+//! | `rootfs` | open files *inside* a target's root, never following a link out of it |
+//! | `creds` | a target's credentials (uids, gids, groups, capabilities, no_new_privs, namespaces, cgroup) |
+//! | `exec` | start a process with a target's credentials in its namespaces and cgroup |
+//! | `hostfs` | create files on the host without following links planted by others |
+//! | `caps` | dynprof's own capabilities: check, and drop after attach |
+pub mod caps;
+pub mod creds;
+pub mod exec;
+pub mod hostfs;
+pub mod rootfs;
