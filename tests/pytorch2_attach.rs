@@ -1,8 +1,10 @@
-//! `dynprof attach --marker auto` on PyTorch 2.x, from the venv at
-//! /opt/dynprof-torch2 (override with DYNPROF_TORCH2_PYTHON). The venv is not
-//! part of `cargo xtask setup` (a ~5 GB, 5+ minute download; see
-//! docs/attach.md for the one command that installs it). Without it these
-//! tests print a LOUD skip line and pass, unless DYNPROF_REQUIRE_TORCH2=1.
+//! `dynprof attach --marker auto` on PyTorch 2.x, from the venv that
+//! `cargo xtask setup` installs once into a cache outside the checkout
+//! (xtask/src/setup.rs, `torch2_venv`): `$DYNPROF_TORCH2_VENV`, by default
+//! /var/cache/dynprof/venv-torch2. `DYNPROF_TORCH2_PYTHON` names another
+//! interpreter. `cargo xtask test` sets both that and DYNPROF_REQUIRE_TORCH2=1,
+//! so in CI a missing venv fails these tests; a plain `cargo test` without the
+//! venv prints a LOUD skip line and passes.
 #[path = "attach_util.rs"]
 mod attach_util;
 mod common;
@@ -13,19 +15,31 @@ use attach_util::*;
 
 const T: Duration = Duration::from_secs(600);
 
+/// Same default as `TORCH2_VENV_DEFAULT` in xtask/src/setup.rs
+/// (xtask/tests/doc_links.rs checks that they agree).
+const TORCH2_VENV_DEFAULT: &str = "/var/cache/dynprof/venv-torch2";
+
 fn torch2_python(test: &str) -> Option<String> {
-    let py = std::env::var("DYNPROF_TORCH2_PYTHON")
-        .unwrap_or_else(|_| "/opt/dynprof-torch2/bin/python".into());
+    let py = std::env::var("DYNPROF_TORCH2_PYTHON").unwrap_or_else(|_| {
+        let venv = std::env::var("DYNPROF_TORCH2_VENV")
+            .ok()
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| TORCH2_VENV_DEFAULT.into());
+        format!("{venv}/bin/python")
+    });
     if PathBuf::from(&py).exists() {
         return Some(py);
     }
     if std::env::var("DYNPROF_REQUIRE_TORCH2").is_ok_and(|v| v == "1") {
-        panic!("{test}: {py} is missing and DYNPROF_REQUIRE_TORCH2=1 forbids skipping");
+        panic!(
+            "{test}: {py} is missing and DYNPROF_REQUIRE_TORCH2=1 forbids skipping; \
+             `cargo xtask setup` installs it"
+        );
     }
     use std::io::Write as _;
     let _ = writeln!(
         std::io::stderr(),
-        "\n!!!!!!!! SKIPPED (no PyTorch 2.x venv at {py}; see docs/attach.md to install it): {test} !!!!!!!!\n"
+        "\n!!!!!!!! SKIPPED (no PyTorch 2.x venv at {py}; `cargo xtask setup` installs it, see docs/attach.md): {test} !!!!!!!!\n"
     );
     None
 }

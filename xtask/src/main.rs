@@ -1,7 +1,8 @@
 //! `cargo xtask`: developer and CI tasks for dynprof.
 //!
 //! - `setup`: idempotent machine setup (nightly + rust-src, bpf-linker built
-//!   against the nightly's LLVM, Debian packages the tests need, tracefs).
+//!   against the nightly's LLVM, Debian packages the tests need, tracefs,
+//!   and a cached PyTorch 2.x venv outside the checkout).
 //! - `test`:  setup, build, then every test in the workspace.
 //! - `demo`:  setup, build, start the sample trainer, attach to it for 5 s.
 //! - `bench`: overhead, trigger precision, attach time, throughput and
@@ -55,7 +56,7 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     let result: Result<()> = match cli.cmd {
-        Cmd::Setup => setup::run(),
+        Cmd::Setup => setup::run_with_torch2(),
         Cmd::Test { args } => test::run(&args),
         Cmd::Demo => demo::run(),
         Cmd::Bench { args } => bench::run(&args),

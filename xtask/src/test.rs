@@ -16,7 +16,7 @@ use crate::{setup, util};
 const HOST_EXCLUDE: &[&str] = &["--exclude", "dynprof-ebpf"];
 
 pub fn run(extra: &[String]) -> Result<()> {
-    setup::run()?;
+    setup::run_with_torch2()?;
 
     let mut build = util::cargo();
     build.args(["build", "--workspace"]).args(HOST_EXCLUDE);
@@ -35,6 +35,7 @@ pub fn run(extra: &[String]) -> Result<()> {
         .args(cargo_args)
         .args(["--", "--test-threads=2"])
         .args(harness_args);
+    setup::torch2_test_env(&mut cmd);
     if std::io::stdout().is_terminal() {
         cmd.env("CARGO_TERM_COLOR", "always");
     }
