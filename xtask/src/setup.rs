@@ -350,7 +350,7 @@ fn tracefs() {
 //
 // Debian ships torch 1.13; the 2.x tests need a venv. PyPI has only the
 // default wheel for Linux, which pulls the CUDA libraries (5.3 GB installed,
-// 9.5 min here): `import torch` refuses to start without them even on a
+// 2.5 to 9.5 min here): `import torch` refuses to start without them even on a
 // machine with no GPU, and the smaller CPU-only wheel lives on an index that
 // this project's machines cannot reach. So it is installed once, into a cache
 // outside the checkout, and reused by every later run.
@@ -439,7 +439,7 @@ pub fn torch2_venv() -> Result<()> {
             Err(e) => say(&what, &format!("broken ({e}): reinstalling")),
         }
     } else if dir.exists() {
-        say(&what, "left incomplete by an earlier run: reinstalling");
+        say(&what, "present but never completed (no stamp): reinstalling");
     } else {
         say(
             &what,
