@@ -439,7 +439,10 @@ pub fn torch2_venv() -> Result<()> {
             Err(e) => say(&what, &format!("broken ({e}): reinstalling")),
         }
     } else if dir.exists() {
-        say(&what, "present but never completed (no stamp): reinstalling");
+        say(
+            &what,
+            "present but never completed (no stamp): reinstalling",
+        );
     } else {
         say(
             &what,
@@ -536,7 +539,10 @@ fn python3_venv_package() -> Result<()> {
     if !is_root() {
         bail!("missing Debian package {pkg}; run as root, or: sudo apt-get install -y {pkg}");
     }
-    say(&format!("package {pkg}"), "missing (venv for PyTorch 2.x), installing");
+    say(
+        &format!("package {pkg}"),
+        "missing (venv for PyTorch 2.x), installing",
+    );
     util::run(
         Command::new("apt-get")
             .args(["install", "-y", "-q", "--no-install-recommends", pkg])

@@ -167,13 +167,14 @@ fn dangling_links(root: &Path) -> Vec<String> {
     let mut bad = Vec::new();
     for page in pages(root) {
         let text = std::fs::read_to_string(&page).expect("reading a page");
-        let rel_page = page.strip_prefix(root).unwrap_or(&page).display().to_string();
+        let rel_page = page
+            .strip_prefix(root)
+            .unwrap_or(&page)
+            .display()
+            .to_string();
         for (lineno, line) in prose_lines(&text) {
             for target in link_targets(&line) {
-                if target.is_empty()
-                    || target.contains("://")
-                    || target.starts_with("mailto:")
-                {
+                if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
                     continue;
                 }
                 let (path, anchor) = match target.split_once('#') {
@@ -216,7 +217,9 @@ fn docs_named_in_code(dir: &Path, out: &mut Vec<(String, PathBuf, usize)>) {
     for e in std::fs::read_dir(dir).expect("readdir") {
         let p = e.expect("readdir").path();
         if p.is_dir() {
-            if p.file_name().is_some_and(|n| n != "target" && n != "fixtures") {
+            if p.file_name()
+                .is_some_and(|n| n != "target" && n != "fixtures")
+            {
                 docs_named_in_code(&p, out);
             }
             continue;
@@ -278,7 +281,10 @@ fn docs_named_in_the_code_exist() {
 fn readme_stays_a_readme() {
     let text = std::fs::read_to_string(root().join("README.md")).unwrap();
     let lines = text.lines().count();
-    assert!(lines <= 250, "README.md has {lines} lines; the manual goes in docs/");
+    assert!(
+        lines <= 250,
+        "README.md has {lines} lines; the manual goes in docs/"
+    );
     for cmd in ["cargo xtask demo", "cargo xtask test"] {
         assert!(text.contains(cmd), "README.md must show `{cmd}`");
     }
@@ -295,7 +301,10 @@ fn torch2_venv_default_agrees_between_setup_and_test() {
             .lines()
             .find(|l| l.contains("const TORCH2_VENV_DEFAULT: &str ="))
             .unwrap_or_else(|| panic!("{file} has no TORCH2_VENV_DEFAULT"));
-        line.split('"').nth(1).expect("a string literal").to_string()
+        line.split('"')
+            .nth(1)
+            .expect("a string literal")
+            .to_string()
     };
     assert_eq!(
         default_of(&setup, "setup.rs"),
@@ -336,8 +345,15 @@ fn checker_finds_what_it_should() {
 fn slugs_match_github() {
     assert_eq!(slug("`--marker auto`"), "--marker-auto");
     assert_eq!(
-        slug("Hooks: `--on-window-start CMD`, `--on-window-end CMD`".replace('`', "").as_str()),
+        slug(
+            "Hooks: `--on-window-start CMD`, `--on-window-end CMD`"
+                .replace('`', "")
+                .as_str()
+        ),
         "hooks---on-window-start-cmd---on-window-end-cmd"
     );
-    assert_eq!(slug("JSON output (`--json`)".replace('`', "").as_str()), "json-output---json");
+    assert_eq!(
+        slug("JSON output (`--json`)".replace('`', "").as_str()),
+        "json-output---json"
+    );
 }
