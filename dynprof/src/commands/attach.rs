@@ -28,7 +28,8 @@ Example: libtorch_cpu:c10::ivalue::ConstantString::create(std::string),arg=1:str
 pub struct AttachArgs {
     /// PID of the running job: a host PID, or with --in-pidns the PID seen
     /// inside that PID namespace (see `dynprof ps`).
-    #[arg(long, short = 'p', value_name = "PID")]
+    #[arg(long, short = 'p', value_name = "PID", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, crate::cli::PID_MAX))]
     pub pid: u32,
 
     /// Read --pid in this PID namespace: a host PID of any process in it,
@@ -39,20 +40,23 @@ pub struct AttachArgs {
     #[command(flatten)]
     pub window: crate::window::args::WindowArgs,
 
-    #[arg(long = "marker", short = 'm', value_name = "SPEC", long_help = MARKER_HELP)]
-    pub markers: Vec<String>,
+    #[arg(long = "marker", short = 'm', value_name = "SPEC", long_help = MARKER_HELP,
+          value_parser = marker_spec)]
+    pub markers: Vec<MarkerArg>,
 
     /// Print JSON lines on stdout (attached, step..., summary) instead of live text.
     #[arg(long)]
     pub json: bool,
 
     /// Detach after this many step boundaries.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, crate::cli::STEPS_MAX))]
     pub steps: Option<u64>,
 
     /// Detach after this many seconds.
-    #[arg(long, value_name = "SECS")]
-    pub duration: Option<f64>,
+    #[arg(long, value_name = "SECS", allow_negative_numbers = true,
+          value_parser = crate::cli::secs(crate::cli::Zero::Refused))]
+    pub duration: Option<Duration>,
 
     #[command(flatten)]
     pub ring: RingArgs,
@@ -62,14 +66,16 @@ pub struct AttachArgs {
 #[derive(Args, Debug, Clone, Copy)]
 pub struct RingArgs {
     /// Ring buffer size in KiB (a power of two, at least 4).
-    #[arg(long, default_value_t = 4096, value_name = "KIB")]
+    #[arg(long, default_value_t = 4096, value_name = "KIB", allow_negative_numbers = true,
+          value_parser = crate::cli::ring_kb)]
     pub ring_buffer_kb: u32,
 
     /// Unread KiB in the ring at which dynprof is woken to read it before
     /// the next window boundary or 100 ms tick (default: a quarter of the
     /// ring). Lower: fewer drops in bursts, more wakeups; at least the ring
     /// size: only boundaries and ticks wake dynprof.
-    #[arg(long, value_name = "KIB")]
+    #[arg(long, value_name = "KIB", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, *crate::cli::RING_KB.end()))]
     pub ring_wake_kb: Option<u32>,
 }
 
@@ -85,17 +91,24 @@ impl RingArgs {
     }
 }
 
-/// Parses all `--marker` SPECs, failing on the first malformed one.
-pub fn parse_markers(raw: &[String]) -> Result<Vec<MarkerArg>> {
-    if raw.is_empty() {
-        return Ok(vec![MarkerArg::Auto]);
+/// `--marker SPEC`, parsed while clap reads the command line: a malformed
+/// or over-long SPEC is a usage error naming the flag.
+pub fn marker_spec(s: &str) -> Result<MarkerArg, String> {
+    probes::spec::parse(s).map_err(|e| format!("{e:#}"))
+}
+
+/// The `--marker` list, `auto` when none was given.
+pub fn markers_or_auto(given: &[MarkerArg]) -> Vec<MarkerArg> {
+    if given.is_empty() {
+        vec![MarkerArg::Auto]
+    } else {
+        given.to_vec()
     }
-    raw.iter().map(|s| probes::spec::parse(s)).collect()
 }
 
 pub fn ring_bytes(kb: u32) -> Result<u32> {
-    if kb < 4 || !kb.is_power_of_two() {
-        bail!("--ring-buffer-kb must be a power of two and at least 4 (got {kb})");
+    if let Err(e) = crate::cli::ring_kb(&kb.to_string()) {
+        bail!("--ring-buffer-kb: {e}");
     }
     Ok(kb * 1024)
 }
@@ -174,7 +187,7 @@ pub fn collectors(
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
-    let markers = parse_markers(&args.markers)?;
+    let markers = markers_or_auto(&args.markers);
     let target = Target::open(crate::target::resolve_pid(
         args.pid,
         args.in_pidns.as_deref(),
@@ -184,7 +197,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
     crate::bpf::preflight()?;
     let lock = crate::window::lock::acquire(target.host_pid, "attach")?;
     let wait = match args.window.wait_for_marker {
-        Some(s) if s > 0.0 => super::launch::MarkerWait::For(Duration::from_secs_f64(s)),
+        Some(d) if !d.is_zero() => super::launch::MarkerWait::For(d),
         _ => super::launch::MarkerWait::No,
     };
     let d = super::launch::Drive {

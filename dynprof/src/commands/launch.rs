@@ -20,7 +20,7 @@ use clap::Args;
 use tokio::sync::mpsc;
 
 use super::{
-    attach::{self, attached_json, parse_markers, print_summary},
+    attach::{self, attached_json, markers_or_auto, print_summary},
     printer::StepPrinter,
 };
 use crate::{
@@ -44,20 +44,22 @@ pub struct LaunchArgs {
     pub window: WindowArgs,
 
     /// Step marker (repeatable); see `dynprof attach --help`. Default: auto.
-    #[arg(long = "marker", short = 'm', value_name = "SPEC")]
-    pub markers: Vec<String>,
+    #[arg(long = "marker", short = 'm', value_name = "SPEC", value_parser = attach::marker_spec)]
+    pub markers: Vec<MarkerArg>,
 
     /// Print JSON lines on stdout (attached, step..., window..., summary).
     #[arg(long)]
     pub json: bool,
 
     /// Detach after this many step boundaries.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, crate::cli::STEPS_MAX))]
     pub steps: Option<u64>,
 
     /// Detach after this many seconds.
-    #[arg(long, value_name = "SECS")]
-    pub duration: Option<f64>,
+    #[arg(long, value_name = "SECS", allow_negative_numbers = true,
+          value_parser = crate::cli::secs(crate::cli::Zero::Refused))]
+    pub duration: Option<Duration>,
 
     #[command(flatten)]
     pub ring: attach::RingArgs,
@@ -73,7 +75,7 @@ pub struct Drive<'a> {
     pub markers: Vec<MarkerArg>,
     pub json: bool,
     pub steps: Option<u64>,
-    pub duration: Option<f64>,
+    pub duration: Option<Duration>,
     pub ring: attach::RingArgs,
     /// `attach` or `launch` (recorded in the lock file).
     pub mode_name: &'static str,
@@ -313,7 +315,7 @@ pub async fn drive(
     }
     let limits = Limits {
         steps: d.steps,
-        duration: d.duration.map(Duration::from_secs_f64),
+        duration: d.duration,
     };
     let summary = session
         .run(&mut observers, limits, Some(rx))
@@ -390,7 +392,7 @@ fn spawn_gated(
 }
 
 pub async fn run(args: LaunchArgs) -> Result<()> {
-    let markers = parse_markers(&args.markers)?;
+    let markers = markers_or_auto(&args.markers);
     let stdin_tty = std::io::stdin().is_terminal();
     let mode = args.window.mode(
         stdin_tty,
