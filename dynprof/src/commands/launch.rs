@@ -28,7 +28,7 @@ use crate::{
     collect::{Collector, WindowHook},
     probes::{self, MarkerArg, ResolvedProbe},
     session::{Command, Limits, Observer, Session, SessionSummary},
-    target::Target,
+    target::{Target, exited_during},
     trigger::{config_file::ConfigFileTrigger, console},
     types::HostPid,
     window::{
@@ -144,12 +144,22 @@ pub fn resolve_waiting(
 ) -> Result<(Vec<ResolvedProbe>, Option<Frozen>)> {
     let started = Instant::now();
     let mut said = false;
-    let mut last_maps = String::new();
+    // None until the first read: even an empty first map is resolved (and
+    // refused) once rather than polled forever as "unchanged".
+    let mut last_maps: Option<String> = None;
     loop {
-        let maps =
-            std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)).unwrap_or_default();
-        if maps != last_maps {
-            last_maps = maps;
+        let maps = match std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)) {
+            Ok(m) => m,
+            Err(e) => {
+                return Err(crate::target::gone_or(
+                    target.host_pid,
+                    e,
+                    "reading its memory map",
+                ));
+            }
+        };
+        if last_maps.as_ref() != Some(&maps) {
+            last_maps = Some(maps);
             let frozen = freeze_target.then(|| freeze(target.host_pid));
             match probes::resolve_markers(target, markers) {
                 Ok(v) => {
@@ -224,12 +234,16 @@ pub async fn drive(
     let collect = d.window.collectors()?;
 
     let t_resolve = Instant::now();
-    let (resolved, frozen) = resolve_waiting(&target, &d.markers, wait, d.mode_name == "launch")?;
+    let (resolved, frozen) = resolve_waiting(&target, &d.markers, wait, d.mode_name == "launch")
+        .map_err(|e| exited_during(&target, "resolving its step markers", e))?;
     let resolve_ms = t_resolve.elapsed().as_secs_f64() * 1e3;
     let t_load = Instant::now();
     let mut kernel = match kernel {
         Some(k) => k,
-        None => d.ring.load(target.host_pid)?,
+        None => d
+            .ring
+            .load(target.host_pid)
+            .map_err(|e| exited_during(&target, "loading the eBPF programs", e))?,
     };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
 
@@ -257,11 +271,14 @@ pub async fn drive(
     }
     // The plan goes in before the markers, so even step 1 is on time.
     if let Some(s) = &mut sched {
-        s.begin(&mut kernel, &target, initial)?;
+        s.begin(&mut kernel, &target, initial)
+            .map_err(|e| exited_during(&target, "arming the collectors", e))?;
     }
     let t_attach = Instant::now();
     for p in probes::attach_order(&resolved) {
-        kernel.attach_marker(p)?;
+        kernel
+            .attach_marker(p)
+            .map_err(|e| exited_during(&target, "attaching its step markers", e))?;
     }
     let attach_ms = t_attach.elapsed().as_secs_f64() * 1e3;
     drop(frozen);
