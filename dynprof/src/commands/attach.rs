@@ -5,8 +5,12 @@ use anyhow::{Result, bail};
 use clap::Args;
 use serde_json::json;
 
+use std::io::IsTerminal as _;
+
 use crate::{
     bpf::Kernel,
+    sys::caps::Need,
+    window::args::Mode,
     probes::{self, MarkerArg, ResolvedProbe},
     session::{EndReason, SessionSummary},
     target::Target,
@@ -174,6 +178,39 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
     }
 }
 
+/// What the session may do, for the capability check at start and the
+/// drop after attach: attach always; with windows, the collectors
+/// `--collect` allows (all by default: a console or config-file window may
+/// choose any of them) and the vendor hooks.
+pub fn needs(w: &crate::window::args::WindowArgs, mode: &Mode) -> Result<Vec<Need>> {
+    use crate::collect::vendor_args::VendorCollector;
+    let mut v = vec![Need::Attach];
+    if *mode == Mode::None {
+        return Ok(v);
+    }
+    let builtin = w.collectors()?.unwrap_or_else(|| {
+        crate::window::args::COLLECTORS
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    });
+    for c in builtin {
+        v.push(match c.as_str() {
+            "api" => Need::Api,
+            "cpu" => Need::Cpu,
+            "offcpu" => Need::Offcpu,
+            other => bail!("--collect: unknown collector `{other}`"),
+        });
+    }
+    if w.vendor.wants(VendorCollector::Msprof) {
+        v.push(Need::Msprof);
+    }
+    if w.vendor.wants(VendorCollector::TorchNpuDp) {
+        v.push(Need::TorchNpuDp);
+    }
+    Ok(v)
+}
+
 /// The built-in collectors the window scheduler may arm (`--collect`
 /// chooses among them; config files choose through `activities`).
 pub fn collectors(
@@ -188,6 +225,13 @@ pub fn collectors(
 
 pub async fn run(args: AttachArgs) -> Result<()> {
     let markers = markers_or_auto(&args.markers);
+    // Before anything touches the target: a missing capability is named
+    // here, not met as a bare EACCES half-way through attaching.
+    let mode = args.window.mode(
+        std::io::stdin().is_terminal(),
+        args.steps.is_some() || args.duration.is_some() || args.json,
+    )?;
+    crate::sys::caps::check(&needs(&args.window, &mode)?)?;
     let target = Target::open(crate::target::resolve_pid(
         args.pid,
         args.in_pidns.as_deref(),

@@ -282,6 +282,12 @@ pub async fn drive(
     }
     let attach_ms = t_attach.elapsed().as_secs_f64() * 1e3;
     drop(frozen);
+    // Loaded and attached: keep only what the windows and the detach need.
+    let kept = crate::sys::caps::drop_after_attach(&attach::needs(d.window, &mode)?)?;
+    log::info!(
+        "capabilities kept after attach: {}",
+        kept.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")
+    );
     let mut session = Session::new(kernel, target, resolved);
     if d.json {
         let mut line = attached_json(&session.target, &session.probes);
@@ -423,6 +429,7 @@ pub async fn run(args: LaunchArgs) -> Result<()> {
         crate::trigger::config_file::check_dir(d)?;
     }
     attach::ring_bytes(args.ring.ring_buffer_kb)?;
+    crate::sys::caps::check(&attach::needs(&args.window, &mode)?)?;
     let stdin_null = matches!(mode, Mode::Console { .. });
     let (pid, release) = spawn_gated(&args.cmd, stdin_null)?;
     let prep = (|| -> Result<(lock::TargetLock, Kernel)> {
