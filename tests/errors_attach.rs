@@ -179,14 +179,22 @@ fn errors_missing_privileges_names_the_capability() {
     );
     assert!(!st.success(), "{err}");
     assert!(out.is_empty());
+    // One line naming every missing capability, then one line per
+    // capability and part saying why it is needed, then the hint.
     let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "one line: {err}");
-    assert!(lines[0].contains("missing privileges"), "{err}");
+    assert!(
+        lines[0].starts_with("dynprof: error: missing capabilities: "),
+        "{err}"
+    );
     assert!(
         lines[0].contains("CAP_BPF") && lines[0].contains("CAP_PERFMON"),
         "{err}"
     );
-    assert!(lines[0].contains("hint"), "{err}");
+    assert!(
+        lines[1..lines.len() - 1].iter().all(|l| l.starts_with("  CAP_")),
+        "{err}"
+    );
+    assert!(lines[lines.len() - 1].starts_with("hint:"), "{err}");
     assert!(p.is_running_check());
 }
 

@@ -6,9 +6,11 @@
 //! docs/capabilities.md; [`Need::at_start`] and [`Need::in_session`] are
 //! that table as code.
 //!
-//! Capabilities are per thread: the drop changes the calling thread, so it
-//! runs while dynprof has a single thread, and checks that no other thread
-//! holds more than the kept set.
+//! Capabilities are per thread, and capset(2) changes only the calling
+//! one: the drop runs on every thread dynprof has at that point (a signal
+//! makes each thread drop its own, as glibc does for setuid), then checks
+//! that none holds more than the kept set. Threads started later inherit
+//! the dropped sets.
 use anyhow::{Context as _, Result, bail};
 use caps::{CapSet, Capability, CapsHashSet};
 
@@ -273,8 +275,129 @@ pub fn drop_after_attach(needs: &[Need]) -> Result<Vec<Capability>> {
             );
         }
     }
+    let keep_mask = sorted(&keep).iter().fold(0u64, |m, c| m | 1u64 << (*c as u8));
+    broadcast_drop(keep_mask, may_lower_bounding);
     check_other_threads(&keep)?;
     Ok(sorted(&keep))
+}
+
+// ------------------------------------------------------- other threads
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+
+static KEEP_MASK: AtomicU64 = AtomicU64::new(0);
+static LOWER_BOUNDING: AtomicBool = AtomicBool::new(false);
+static THREADS_DONE: AtomicUsize = AtomicUsize::new(0);
+
+/// capset(2)'s header and data (`_LINUX_CAPABILITY_VERSION_3`: two words).
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// The drop of the calling thread, with raw syscalls only: it runs in a
+/// signal handler (prctl and capset are async-signal-safe).
+fn drop_this_thread(keep: u64, lower_bounding: bool) {
+    // SAFETY: prctl and capset with valid arguments and pointers to local
+    // memory; no allocation, no lock.
+    unsafe {
+        if lower_bounding {
+            for c in 0..64u64 {
+                if keep & (1 << c) == 0 {
+                    // EINVAL past the kernel's last capability: nothing to drop.
+                    libc::prctl(libc::PR_CAPBSET_DROP, c, 0, 0, 0);
+                }
+            }
+        }
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        );
+        let hdr = CapHeader {
+            version: LINUX_CAPABILITY_VERSION_3,
+            pid: 0,
+        };
+        let word = |w: u32| CapData {
+            effective: w,
+            permitted: w,
+            inheritable: 0,
+        };
+        let data = [word(keep as u32), word((keep >> 32) as u32)];
+        libc::syscall(libc::SYS_capset, &hdr as *const CapHeader, data.as_ptr());
+    }
+}
+
+extern "C" fn on_drop_signal(_: libc::c_int) {
+    drop_this_thread(KEEP_MASK.load(SeqCst), LOWER_BOUNDING.load(SeqCst));
+    THREADS_DONE.fetch_add(1, SeqCst);
+}
+
+/// The signal each other thread drops its capabilities on: one of the
+/// real-time signals glibc leaves to programs, far from those it uses.
+fn drop_signal() -> libc::c_int {
+    libc::SIGRTMAX() - 3
+}
+
+/// Makes every other thread of dynprof run [`drop_this_thread`], and waits
+/// (bounded) until each has, or has exited. [`check_other_threads`] then
+/// reads their sets back: that is the verdict.
+fn broadcast_drop(keep: u64, lower_bounding: bool) {
+    let me = rustix::thread::gettid().as_raw_nonzero().get();
+    let others: Vec<i32> = std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .filter(|t| *t != me)
+                .collect()
+        })
+        .unwrap_or_default();
+    if others.is_empty() {
+        return;
+    }
+    KEEP_MASK.store(keep, SeqCst);
+    LOWER_BOUNDING.store(lower_bounding, SeqCst);
+    THREADS_DONE.store(0, SeqCst);
+    // SAFETY: installs a handler that only makes async-signal-safe
+    // syscalls and touches atomics; SA_RESTART so that interrupted reads and
+    // sleeps of those threads resume. It stays installed: a late delivery
+    // must not fall back to the default action (terminate).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_drop_signal as *const () as usize;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(drop_signal(), &sa, std::ptr::null_mut());
+    }
+    let pid = std::process::id() as i32;
+    let mut sent = 0;
+    for tid in &others {
+        // SAFETY: tgkill to a thread of our own process.
+        if unsafe { libc::syscall(libc::SYS_tgkill, pid, *tid, drop_signal()) } == 0 {
+            sent += 1;
+        }
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while THREADS_DONE.load(SeqCst) < sent && std::time::Instant::now() < deadline {
+        let alive = others
+            .iter()
+            .filter(|t| std::path::Path::new(&format!("/proc/self/task/{t}")).exists())
+            .count();
+        if THREADS_DONE.load(SeqCst) >= alive {
+            break;
+        }
+        std::thread::yield_now();
+    }
 }
 
 /// capset(2) changes one thread: any other thread of dynprof must not hold
@@ -321,7 +444,12 @@ mod tests {
         let caps: Vec<Capability> = m.iter().map(|(c, _)| *c).collect();
         assert_eq!(
             caps,
-            vec![CAP_DAC_READ_SEARCH, CAP_SYS_PTRACE, CAP_SYS_ADMIN]
+            vec![
+                CAP_DAC_READ_SEARCH,
+                CAP_SYS_PTRACE,
+                CAP_SYS_ADMIN,
+                CAP_CHECKPOINT_RESTORE
+            ]
         );
         let old_kernel_root = set(&[CAP_SYS_ADMIN, CAP_SYS_PTRACE]);
         assert!(missing(&[Need::Cpu], &old_kernel_root).is_empty());
