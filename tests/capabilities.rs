@@ -8,12 +8,7 @@ mod common;
 #[path = "windows_util.rs"]
 mod windows_util;
 
-use std::{
-    os::unix::fs::PermissionsExt as _,
-    path::Path,
-    process::Command,
-    time::Duration,
-};
+use std::{os::unix::fs::PermissionsExt as _, path::Path, process::Command, time::Duration};
 
 use attach_util::*;
 use common::*;
@@ -84,7 +79,13 @@ fn cap_sets(pid: u32) -> [(String, u64); 5] {
 
 fn assert_sets(pid: u32, eff_prm: u64, bnd: u64, what: &str) {
     let sets = cap_sets(pid);
-    let want = [("CapInh", 0), ("CapPrm", eff_prm), ("CapEff", eff_prm), ("CapBnd", bnd), ("CapAmb", 0)];
+    let want = [
+        ("CapInh", 0),
+        ("CapPrm", eff_prm),
+        ("CapEff", eff_prm),
+        ("CapBnd", bnd),
+        ("CapAmb", 0),
+    ];
     for ((k, got), (wk, w)) in sets.iter().zip(want) {
         assert_eq!(k, wk);
         assert_eq!(*got, w, "{what}: {k} is {got:016x}, expected {w:016x}");
@@ -92,9 +93,7 @@ fn assert_sets(pid: u32, eff_prm: u64, bnd: u64, what: &str) {
 }
 
 fn trainer() -> Proc {
-    Proc::spawn_ready(
-        Command::new(&fixtures().trainer).args(["--steps", "0", "--step-ms", "10"]),
-    )
+    Proc::spawn_ready(Command::new(&fixtures().trainer).args(["--steps", "0", "--step-ms", "10"]))
 }
 
 #[test]
@@ -105,26 +104,52 @@ fn caps_nonroot_with_the_documented_set_collects_a_window() {
     let out = nobody_dir("caps-nonroot-out");
     let pid = target.pid.to_string();
     let args: Vec<String> = [
-        "attach", "--pid", &pid, "--json", "--marker", "exe:optimizer_step",
-        "--start-step", "3", "--active", "4", "-o",
+        "attach",
+        "--pid",
+        &pid,
+        "--json",
+        "--marker",
+        "exe:optimizer_step",
+        "--start-step",
+        "3",
+        "--active",
+        "4",
+        "-o",
     ]
     .iter()
     .map(|s| s.to_string())
     .chain([out.display().to_string()])
     .collect();
-    let mut dp = Dynprof::spawn(as_nobody(DOCUMENTED_SETPRIV, &lock).args(&args), args.clone());
+    let mut dp = Dynprof::spawn(
+        as_nobody(DOCUMENTED_SETPRIV, &lock).args(&args),
+        args.clone(),
+    );
     dp.wait_event("attached", T);
     // Every built-in collector arms again at each window: the session keeps
     // the whole set, but nothing inheritable or ambient (hooks, msprof), and
     // the bounding set setpriv gave.
-    assert_sets(dp.pid(), mask(DOCUMENTED), mask(DOCUMENTED), "uid 65534 after attach");
+    assert_sets(
+        dp.pid(),
+        mask(DOCUMENTED),
+        mask(DOCUMENTED),
+        "uid 65534 after attach",
+    );
     let f = dp.finish(T);
     f.assert_success();
     let dirs = windows_util::prof_dirs(&out);
     assert_eq!(dirs.len(), 1, "{f}");
-    let steps: Vec<u64> = windows_util::steps_csv(&dirs[0]).iter().map(|r| r.0).collect();
+    let steps: Vec<u64> = windows_util::steps_csv(&dirs[0])
+        .iter()
+        .map(|r| r.0)
+        .collect();
     assert_eq!(steps, vec![3, 4, 5, 6], "{f}");
-    for file in ["cpu.folded", "offcpu.folded", "api_summary.csv", "meta.json", "trace.json"] {
+    for file in [
+        "cpu.folded",
+        "offcpu.folded",
+        "api_summary.csv",
+        "meta.json",
+        "trace.json",
+    ] {
         assert!(dirs[0].join(file).is_file(), "{file} missing: {f}");
     }
     let owner = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&dirs[0]).unwrap());
@@ -142,14 +167,26 @@ fn caps_root_keeps_only_the_session_set_after_attach() {
     let out_s = out.display().to_string();
     let mut dp = Dynprof::attach(
         target.pid,
-        &["--marker", "exe:optimizer_step", "--collect", "cpu", "--start-step", "1000000", "-o", &out_s],
+        &[
+            "--marker",
+            "exe:optimizer_step",
+            "--collect",
+            "cpu",
+            "--start-step",
+            "1000000",
+            "-o",
+            &out_s,
+        ],
     );
     dp.wait_event("attached", T);
     let cpu = mask(&[CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF, CAP_CHECKPOINT_RESTORE]);
     assert_sets(dp.pid(), cpu, cpu, "root, --collect cpu");
     drop(dp);
     // No windows: only the detach's semaphore write through /proc/PID/mem.
-    let mut dp = Dynprof::attach(target.pid, &["--marker", "exe:optimizer_step", "--steps", "1000000"]);
+    let mut dp = Dynprof::attach(
+        target.pid,
+        &["--marker", "exe:optimizer_step", "--steps", "1000000"],
+    );
     dp.wait_event("attached", T);
     let ptrace = mask(&[CAP_SYS_PTRACE]);
     assert_sets(dp.pid(), ptrace, ptrace, "root, no windows");
@@ -167,27 +204,44 @@ fn caps_a_missing_capability_is_named_before_the_target_is_touched() {
     require_privileges!();
     let target = trainer();
     let lock = nobody_dir("caps-missing-lock");
-    let (st, out, err) = run_dynprof(
-        as_nobody("+bpf,+perfmon,+sys_ptrace", &lock).args([
-            "attach", "--pid", &target.pid.to_string(), "--marker", "exe:optimizer_step", "--steps", "5",
-        ]),
-    );
+    let (st, out, err) = run_dynprof(as_nobody("+bpf,+perfmon,+sys_ptrace", &lock).args([
+        "attach",
+        "--pid",
+        &target.pid.to_string(),
+        "--marker",
+        "exe:optimizer_step",
+        "--steps",
+        "5",
+    ]));
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(out.is_empty(), "{out}");
-    assert!(err.starts_with("dynprof: error: missing capability: CAP_SYS_ADMIN\n"), "{err}");
+    assert!(
+        err.starts_with("dynprof: error: missing capability: CAP_SYS_ADMIN\n"),
+        "{err}"
+    );
     assert!(err.contains("uprobe perf events"), "{err}");
     // Nothing was taken: no lock file.
     assert_eq!(std::fs::read_dir(&lock).unwrap().count(), 0, "{err}");
     // --collect offcpu needs CAP_DAC_READ_SEARCH on top.
     let (st, _, err) = run_dynprof(
         as_nobody("+bpf,+perfmon,+sys_ptrace,+sys_admin", &lock).args([
-            "attach", "--pid", &target.pid.to_string(), "--marker", "exe:optimizer_step",
-            "--collect", "offcpu", "--start-step", "3",
+            "attach",
+            "--pid",
+            &target.pid.to_string(),
+            "--marker",
+            "exe:optimizer_step",
+            "--collect",
+            "offcpu",
+            "--start-step",
+            "3",
         ]),
     );
     assert_eq!(st.code(), Some(1), "{err}");
     // (CAP_SYS_ADMIN stands in for CAP_CHECKPOINT_RESTORE, as in the kernel.)
-    assert!(err.starts_with("dynprof: error: missing capability: CAP_DAC_READ_SEARCH\n"), "{err}");
+    assert!(
+        err.starts_with("dynprof: error: missing capability: CAP_DAC_READ_SEARCH\n"),
+        "{err}"
+    );
     assert!(err.contains("(collector offcpu)"), "{err}");
     let _ = std::fs::remove_dir_all(&lock);
 }

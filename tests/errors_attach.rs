@@ -191,7 +191,9 @@ fn errors_missing_privileges_names_the_capability() {
         "{err}"
     );
     assert!(
-        lines[1..lines.len() - 1].iter().all(|l| l.starts_with("  CAP_")),
+        lines[1..lines.len() - 1]
+            .iter()
+            .all(|l| l.starts_with("  CAP_")),
         "{err}"
     );
     assert!(lines[lines.len() - 1].starts_with("hint:"), "{err}");

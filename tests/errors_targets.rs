@@ -111,12 +111,16 @@ fn targets_zombie_gets_its_own_message() {
         .trim_start()
         .starts_with('Z')
     {
-        assert!(Instant::now() < deadline, "PID {zombie} never became a zombie");
+        assert!(
+            Instant::now() < deadline,
+            "PID {zombie} never became a zombie"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let f = refused(zombie);
     assert!(
-        f.stderr.contains(&format!("PID {zombie} (python3) is a zombie"))
+        f.stderr
+            .contains(&format!("PID {zombie} (python3) is a zombie"))
             && f.stderr
                 .contains(&format!("parent (PID {}) to reap it", parent.host_pid())),
         "{f}"
@@ -131,7 +135,11 @@ fn targets_exit_during_attach_is_said_not_a_bare_errno() {
     let mut c = Command::new("sleep").arg("300").spawn().unwrap();
     let t = dynprof::target::Target::open(dynprof::types::HostPid(c.id())).unwrap();
     let alive = dynprof::target::exited_during(&t, "attaching", anyhow::anyhow!("ESRCH"));
-    assert_eq!(format!("{alive:#}"), "ESRCH", "a live target keeps the error");
+    assert_eq!(
+        format!("{alive:#}"),
+        "ESRCH",
+        "a live target keeps the error"
+    );
     c.kill().unwrap();
     c.wait().unwrap();
     let gone = dynprof::target::exited_during(

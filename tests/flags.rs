@@ -97,9 +97,9 @@ fn flags_the_error_gives_the_range() {
     ]));
     assert_eq!(st.code(), Some(2), "{err}");
     assert!(err.contains("0 ..= 2592000"), "{err}");
-    let (st, _, err) = run_dynprof(Command::new(dynprof_bin()).args([
-        "attach", "--pid", NO_PID, "--warmup", "1e300",
-    ]));
+    let (st, _, err) = run_dynprof(
+        Command::new(dynprof_bin()).args(["attach", "--pid", NO_PID, "--warmup", "1e300"]),
+    );
     assert_eq!(st.code(), Some(2), "{err}");
     assert!(err.contains("0..=1000000000000"), "{err}");
 }
@@ -147,5 +147,8 @@ fn flags_over_long_names_are_usage_errors() {
         &format!("python:{}", "é".repeat(31)),
     ]));
     assert_eq!(st.code(), Some(1), "{err}");
-    assert!(err.contains(&format!("no process with PID {NO_PID}")), "{err}");
+    assert!(
+        err.contains(&format!("no process with PID {NO_PID}")),
+        "{err}"
+    );
 }

@@ -69,13 +69,17 @@ fn parse_f64(s: &str, zero: Zero) -> Result<f64, String> {
 }
 
 /// The one duration parser: SECS (decimal, e.g. `0.25`) as a `Duration`.
-pub fn secs(zero: Zero) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+pub fn secs(
+    zero: Zero,
+) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
     move |s| parse_f64(s, zero).and_then(|v| check_secs(v, zero))
 }
 
 /// [`secs`] for flags kept as `f64` seconds (structs that code builds too,
 /// which convert with [`check_secs`]).
-pub fn secs_f64(zero: Zero) -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync + 'static {
+pub fn secs_f64(
+    zero: Zero,
+) -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync + 'static {
     move |s| parse_f64(s, zero)
 }
 
@@ -117,7 +121,9 @@ mod tests {
     #[test]
     fn secs_refuses_what_would_panic() {
         let p = secs(Zero::Refused);
-        for bad in ["inf", "-inf", "nan", "NaN", "1e300", "-1", "0", "", "x", "2592001"] {
+        for bad in [
+            "inf", "-inf", "nan", "NaN", "1e300", "-1", "0", "", "x", "2592001",
+        ] {
             assert!(p(bad).is_err(), "{bad:?} accepted");
         }
         assert_eq!(p("0.25").unwrap(), Duration::from_millis(250));
@@ -138,7 +144,15 @@ mod tests {
         }
         let p = int(1u64, 10);
         assert_eq!(p("10").unwrap(), 10);
-        for bad in ["0", "11", "-1", "1e300", "inf", "nan", "18446744073709551616"] {
+        for bad in [
+            "0",
+            "11",
+            "-1",
+            "1e300",
+            "inf",
+            "nan",
+            "18446744073709551616",
+        ] {
             let e = p(bad).unwrap_err();
             assert!(e.contains("1..=10"), "{bad:?}: {e}");
         }

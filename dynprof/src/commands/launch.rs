@@ -286,7 +286,10 @@ pub async fn drive(
     let kept = crate::sys::caps::drop_after_attach(&attach::needs(d.window, &mode)?)?;
     log::info!(
         "capabilities kept after attach: {}",
-        kept.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")
+        kept.iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
     );
     let mut session = Session::new(kernel, target, resolved);
     if d.json {

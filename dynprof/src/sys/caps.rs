@@ -245,8 +245,7 @@ pub fn drop_after_attach(needs: &[Need]) -> Result<Vec<Capability>> {
         }
     }
     caps::clear(None, CapSet::Ambient).map_err(|e| fail("CapAmb", e))?;
-    caps::set(None, CapSet::Inheritable, &CapsHashSet::new())
-        .map_err(|e| fail("CapInh", e))?;
+    caps::set(None, CapSet::Inheritable, &CapsHashSet::new()).map_err(|e| fail("CapInh", e))?;
     caps::set(None, CapSet::Effective, &keep).map_err(|e| fail("CapEff", e))?;
     caps::set(None, CapSet::Permitted, &keep).map_err(|e| fail("CapPrm", e))?;
 
@@ -275,7 +274,9 @@ pub fn drop_after_attach(needs: &[Need]) -> Result<Vec<Capability>> {
             );
         }
     }
-    let keep_mask = sorted(&keep).iter().fold(0u64, |m, c| m | 1u64 << (*c as u8));
+    let keep_mask = sorted(&keep)
+        .iter()
+        .fold(0u64, |m, c| m | 1u64 << (*c as u8));
     broadcast_drop(keep_mask, may_lower_bounding);
     check_other_threads(&keep)?;
     Ok(sorted(&keep))

@@ -185,7 +185,11 @@ pub fn parse_stat(stat: &str) -> Option<ProcStat> {
 /// Why a process cannot be attached to, if it cannot: the checks that turn
 /// a silent poll (`--pid 2`: its maps read as empty, forever) or a bare
 /// errno into a sentence.
-pub fn not_attachable(pid: HostPid, st: &ProcStat, maps: std::io::Result<String>) -> Option<String> {
+pub fn not_attachable(
+    pid: HostPid,
+    st: &ProcStat,
+    maps: std::io::Result<String>,
+) -> Option<String> {
     let who = format!("PID {pid} ({})", st.comm);
     if st.kernel_thread {
         return Some(format!(
@@ -216,12 +220,14 @@ pub fn not_attachable(pid: HostPid, st: &ProcStat, maps: std::io::Result<String>
              there is nothing to put a uprobe on.{init} (hint: `dynprof ps` lists AI jobs)"
         )),
         Ok(_) => None,
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM)) => Some(format!(
-            "dynprof may not read the memory map of {who} (/proc/{pid}/maps: {e}): \
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM)) => {
+            Some(format!(
+                "dynprof may not read the memory map of {who} (/proc/{pid}/maps: {e}): \
              the kernel refuses ptrace-read access to it (it is not dumpable, or it \
              belongs to a user namespace where dynprof lacks CAP_SYS_PTRACE).{init} \
              (hint: `dynprof ps` lists AI jobs; see docs/capabilities.md)"
-        )),
+            ))
+        }
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH)) => {
             Some(format!("{who} exited while dynprof was opening it"))
         }
