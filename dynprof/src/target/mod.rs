@@ -392,3 +392,47 @@ pub fn parse_ppid(status: &str) -> Option<HostPid> {
 pub fn exists_in(root: &Path, target_path: &str) -> bool {
     root.join(target_path.trim_start_matches('/')).exists()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io(errno: i32) -> std::io::Result<String> {
+        Err(std::io::Error::from_raw_os_error(errno))
+    }
+
+    #[test]
+    fn stat_with_spaces_and_parentheses_in_comm() {
+        let s = "42 (a (b) c) S 7 42 42 0 -1 4194560 0 0";
+        let st = parse_stat(s).unwrap();
+        assert_eq!(st.comm, "a (b) c");
+        assert_eq!((st.state, st.ppid, st.kernel_thread), ('S', 7, false));
+        let k = parse_stat("2 (kthreadd) S 0 0 0 0 -1 2129984 0").unwrap();
+        assert!(k.kernel_thread);
+        assert!(parse_stat("garbage").is_none());
+    }
+
+    #[test]
+    fn each_refusal_says_why() {
+        let st = |state, kt| ProcStat {
+            comm: "job".into(),
+            state,
+            ppid: 9,
+            kernel_thread: kt,
+        };
+        let p = HostPid(5);
+        let ok = || Ok("00400000-00401000 r-xp 0 08:01 1 /bin/job\n".to_string());
+        assert_eq!(not_attachable(p, &st('S', false), ok()), None);
+        let why = |s, m| not_attachable(p, &s, m).unwrap();
+        assert!(why(st('S', true), ok()).contains("is a kernel thread"));
+        assert!(
+            why(st('Z', false), ok()).contains("zombie")
+                && why(st('Z', false), ok()).contains("(PID 9)")
+        );
+        assert!(why(st('S', false), Ok(String::new())).contains("no user-space mappings"));
+        assert!(why(st('S', false), io(libc::EACCES)).contains("CAP_SYS_PTRACE"));
+        assert!(why(st('S', false), io(libc::ESRCH)).contains("exited while"));
+        let init = not_attachable(HostPid(1), &st('S', false), io(libc::EACCES)).unwrap();
+        assert!(init.contains("init process"), "{init}");
+    }
+}
