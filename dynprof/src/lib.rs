@@ -5,6 +5,7 @@
 //! kernel (`dynprof-ebpf`: count, gate, emit) → `session` (event loop, step
 //! clock) → `window` (plans, scheduler) → `collect` → `output`.
 pub mod bpf;
+pub mod cli;
 pub mod collect;
 pub mod commands;
 pub mod output;

@@ -26,7 +26,8 @@ pub const NAMES: &[&str] = &["api", "cpu", "offcpu"];
 #[command(next_help_heading = "Collectors")]
 pub struct CollectArgs {
     /// CPU sampling frequency of the `cpu` collector, per CPU (Hz).
-    #[arg(long, value_name = "HZ", default_value_t = cpu::DEFAULT_HZ)]
+    #[arg(long, value_name = "HZ", default_value_t = cpu::DEFAULT_HZ, allow_negative_numbers = true,
+          value_parser = crate::cli::int(1u64, 10_000))]
     pub cpu_hz: u64,
 
     /// Trace another function as a runtime API (repeatable):

@@ -12,7 +12,19 @@ use super::{
     msprof::{MsprofConfig, MsprofHook, args_from_profiler_config},
     torch_npu_dp::{DpConfig, TorchNpuDp},
 };
-use crate::target::Target;
+use crate::{
+    cli::{STEPS_MAX, Zero, check_secs, int, secs_f64},
+    target::Target,
+};
+
+/// msprof's own limit of start+stop commands per connection.
+const MSPROF_MAX_COMMANDS: u32 = 100;
+
+/// Seconds held as `f64` (the struct is also built by code, not only by
+/// clap) as a `Duration`, with the flag's name in the error.
+fn flag_secs(flag: &str, v: f64, zero: Zero) -> Result<Duration> {
+    check_secs(v, zero).map_err(|e| anyhow::anyhow!("{flag}: {e}"))
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum VendorCollector {
@@ -56,11 +68,13 @@ pub struct VendorArgs {
     pub msprof_env: Vec<String>,
 
     /// start+stop commands per msprof connection before dynprof reconnects (msprof's limit: 100).
-    #[arg(long, default_value_t = 100, value_name = "N")]
+    #[arg(long, default_value_t = 100, value_name = "N", allow_negative_numbers = true,
+          value_parser = int(2, MSPROF_MAX_COMMANDS))]
     pub msprof_max_commands: u32,
 
     /// Seconds to wait for msprof's prompt (connect, stop).
-    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    #[arg(long, default_value_t = 30.0, value_name = "SECS", allow_negative_numbers = true,
+          value_parser = secs_f64(Zero::Refused))]
     pub msprof_timeout: f64,
 
     /// The job's dynamic_profile directory (its dp.init(DIR) / PROF_CONFIG_PATH), as the
@@ -74,17 +88,20 @@ pub struct VendorArgs {
         long,
         default_value_t = 0,
         value_name = "N",
-        allow_hyphen_values = true
+        allow_negative_numbers = true,
+        value_parser = int(-(STEPS_MAX as i64), STEPS_MAX as i64)
     )]
     pub dp_step_offset: i64,
 
     /// Steps ahead of the observed step to ask torch_npu to start, covering its
     /// config poll. 0 writes start_step = -1 ("the step after torch_npu reads it").
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[arg(long, default_value_t = 0, value_name = "N", allow_negative_numbers = true,
+          value_parser = int(0, STEPS_MAX))]
     pub dp_lead_steps: u64,
 
     /// `active` written to profiler_config.json (steps torch_npu records).
-    #[arg(long, default_value_t = 1, value_name = "N")]
+    #[arg(long, default_value_t = 1, value_name = "N", allow_negative_numbers = true,
+          value_parser = int(1, STEPS_MAX))]
     pub dp_active: u64,
 
     /// Shell command run (sh -c) when a window opens. Env: DYNPROF_HOST_PID, DYNPROF_NS_PID,
@@ -97,13 +114,15 @@ pub struct VendorArgs {
     pub on_window_end: Option<String>,
 
     /// Seconds before a hook's process group is killed (SIGTERM, then SIGKILL).
-    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    #[arg(long, default_value_t = 30.0, value_name = "SECS", allow_negative_numbers = true,
+          value_parser = secs_f64(Zero::Refused))]
     pub hook_timeout: f64,
 
     /// Seconds a window's end waits for its hooks before writing meta.json;
     /// results that come later go to <window>/hooks/hooks.json. The wait holds
     /// up dynprof's event loop (not the target), so keep it short.
-    #[arg(long, default_value_t = 0.25, value_name = "SECS")]
+    #[arg(long, default_value_t = 0.25, value_name = "SECS", allow_negative_numbers = true,
+          value_parser = secs_f64(Zero::Allowed))]
     pub hook_wait: f64,
 
     /// The parsed profiler_config.json (not a flag): msprof's collection
@@ -168,9 +187,7 @@ impl VendorArgs {
             };
             env.push((k.to_string(), v.to_string()));
         }
-        if self.msprof_timeout.is_nan() || self.msprof_timeout <= 0.0 {
-            bail!("--msprof-timeout must be positive");
-        }
+        let timeout = flag_secs("--msprof-timeout", self.msprof_timeout, Zero::Refused)?;
         if self.msprof_max_commands < 2 {
             bail!("--msprof-max-commands must be at least 2 (one start and one stop)");
         }
@@ -185,7 +202,7 @@ impl VendorArgs {
                 None
             },
             max_commands: self.msprof_max_commands,
-            timeout: Duration::from_secs_f64(self.msprof_timeout),
+            timeout,
         })
     }
 }
@@ -213,17 +230,13 @@ pub fn build_hooks(args: &VendorArgs, _target: &Target) -> Result<Vec<Box<dyn Wi
         })));
     }
     if args.on_window_start.is_some() || args.on_window_end.is_some() {
-        if args.hook_timeout.is_nan() || args.hook_timeout <= 0.0 {
-            bail!("--hook-timeout must be positive");
-        }
-        if args.hook_wait.is_nan() || args.hook_wait < 0.0 {
-            bail!("--hook-wait must not be negative");
-        }
+        let timeout = flag_secs("--hook-timeout", args.hook_timeout, Zero::Refused)?;
+        let wait = flag_secs("--hook-wait", args.hook_wait, Zero::Allowed)?;
         hooks.push(Box::new(UserHooks::new(
             args.on_window_start.clone(),
             args.on_window_end.clone(),
-            Duration::from_secs_f64(args.hook_timeout),
-            Duration::from_secs_f64(args.hook_wait),
+            timeout,
+            wait,
         )));
     }
     Ok(hooks)

@@ -5,11 +5,15 @@ use anyhow::{Result, bail};
 use clap::Args;
 use serde_json::json;
 
+use std::io::IsTerminal as _;
+
 use crate::{
     bpf::Kernel,
     probes::{self, MarkerArg, ResolvedProbe},
     session::{EndReason, SessionSummary},
+    sys::caps::Need,
     target::Target,
+    window::args::Mode,
 };
 
 const MARKER_HELP: &str = "\
@@ -28,7 +32,8 @@ Example: libtorch_cpu:c10::ivalue::ConstantString::create(std::string),arg=1:str
 pub struct AttachArgs {
     /// PID of the running job: a host PID, or with --in-pidns the PID seen
     /// inside that PID namespace (see `dynprof ps`).
-    #[arg(long, short = 'p', value_name = "PID")]
+    #[arg(long, short = 'p', value_name = "PID", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, crate::cli::PID_MAX))]
     pub pid: u32,
 
     /// Read --pid in this PID namespace: a host PID of any process in it,
@@ -39,20 +44,23 @@ pub struct AttachArgs {
     #[command(flatten)]
     pub window: crate::window::args::WindowArgs,
 
-    #[arg(long = "marker", short = 'm', value_name = "SPEC", long_help = MARKER_HELP)]
-    pub markers: Vec<String>,
+    #[arg(long = "marker", short = 'm', value_name = "SPEC", long_help = MARKER_HELP,
+          value_parser = marker_spec)]
+    pub markers: Vec<MarkerArg>,
 
     /// Print JSON lines on stdout (attached, step..., summary) instead of live text.
     #[arg(long)]
     pub json: bool,
 
     /// Detach after this many step boundaries.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, crate::cli::STEPS_MAX))]
     pub steps: Option<u64>,
 
     /// Detach after this many seconds.
-    #[arg(long, value_name = "SECS")]
-    pub duration: Option<f64>,
+    #[arg(long, value_name = "SECS", allow_negative_numbers = true,
+          value_parser = crate::cli::secs(crate::cli::Zero::Refused))]
+    pub duration: Option<Duration>,
 
     #[command(flatten)]
     pub ring: RingArgs,
@@ -62,14 +70,16 @@ pub struct AttachArgs {
 #[derive(Args, Debug, Clone, Copy)]
 pub struct RingArgs {
     /// Ring buffer size in KiB (a power of two, at least 4).
-    #[arg(long, default_value_t = 4096, value_name = "KIB")]
+    #[arg(long, default_value_t = 4096, value_name = "KIB", allow_negative_numbers = true,
+          value_parser = crate::cli::ring_kb)]
     pub ring_buffer_kb: u32,
 
     /// Unread KiB in the ring at which dynprof is woken to read it before
     /// the next window boundary or 100 ms tick (default: a quarter of the
     /// ring). Lower: fewer drops in bursts, more wakeups; at least the ring
     /// size: only boundaries and ticks wake dynprof.
-    #[arg(long, value_name = "KIB")]
+    #[arg(long, value_name = "KIB", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, *crate::cli::RING_KB.end()))]
     pub ring_wake_kb: Option<u32>,
 }
 
@@ -85,17 +95,24 @@ impl RingArgs {
     }
 }
 
-/// Parses all `--marker` SPECs, failing on the first malformed one.
-pub fn parse_markers(raw: &[String]) -> Result<Vec<MarkerArg>> {
-    if raw.is_empty() {
-        return Ok(vec![MarkerArg::Auto]);
+/// `--marker SPEC`, parsed while clap reads the command line: a malformed
+/// or over-long SPEC is a usage error naming the flag.
+pub fn marker_spec(s: &str) -> Result<MarkerArg, String> {
+    probes::spec::parse(s).map_err(|e| format!("{e:#}"))
+}
+
+/// The `--marker` list, `auto` when none was given.
+pub fn markers_or_auto(given: &[MarkerArg]) -> Vec<MarkerArg> {
+    if given.is_empty() {
+        vec![MarkerArg::Auto]
+    } else {
+        given.to_vec()
     }
-    raw.iter().map(|s| probes::spec::parse(s)).collect()
 }
 
 pub fn ring_bytes(kb: u32) -> Result<u32> {
-    if kb < 4 || !kb.is_power_of_two() {
-        bail!("--ring-buffer-kb must be a power of two and at least 4 (got {kb})");
+    if let Err(e) = crate::cli::ring_kb(&kb.to_string()) {
+        bail!("--ring-buffer-kb: {e}");
     }
     Ok(kb * 1024)
 }
@@ -161,6 +178,39 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
     }
 }
 
+/// What the session may do, for the capability check at start and the
+/// drop after attach: attach always; with windows, the collectors
+/// `--collect` allows (all by default: a console or config-file window may
+/// choose any of them) and the vendor hooks.
+pub fn needs(w: &crate::window::args::WindowArgs, mode: &Mode) -> Result<Vec<Need>> {
+    use crate::collect::vendor_args::VendorCollector;
+    let mut v = vec![Need::Attach];
+    if *mode == Mode::None {
+        return Ok(v);
+    }
+    let builtin = w.collectors()?.unwrap_or_else(|| {
+        crate::window::args::COLLECTORS
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    });
+    for c in builtin {
+        v.push(match c.as_str() {
+            "api" => Need::Api,
+            "cpu" => Need::Cpu,
+            "offcpu" => Need::Offcpu,
+            other => bail!("--collect: unknown collector `{other}`"),
+        });
+    }
+    if w.vendor.wants(VendorCollector::Msprof) {
+        v.push(Need::Msprof);
+    }
+    if w.vendor.wants(VendorCollector::TorchNpuDp) {
+        v.push(Need::TorchNpuDp);
+    }
+    Ok(v)
+}
+
 /// The built-in collectors the window scheduler may arm (`--collect`
 /// chooses among them; config files choose through `activities`).
 pub fn collectors(
@@ -174,7 +224,14 @@ pub fn collectors(
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
-    let markers = parse_markers(&args.markers)?;
+    let markers = markers_or_auto(&args.markers);
+    // Before anything touches the target: a missing capability is named
+    // here, not met as a bare EACCES half-way through attaching.
+    let mode = args.window.mode(
+        std::io::stdin().is_terminal(),
+        args.steps.is_some() || args.duration.is_some() || args.json,
+    )?;
+    crate::sys::caps::check(&needs(&args.window, &mode)?)?;
     let target = Target::open(crate::target::resolve_pid(
         args.pid,
         args.in_pidns.as_deref(),
@@ -184,7 +241,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
     crate::bpf::preflight()?;
     let lock = crate::window::lock::acquire(target.host_pid, "attach")?;
     let wait = match args.window.wait_for_marker {
-        Some(s) if s > 0.0 => super::launch::MarkerWait::For(Duration::from_secs_f64(s)),
+        Some(d) if !d.is_zero() => super::launch::MarkerWait::For(d),
         _ => super::launch::MarkerWait::No,
     };
     let d = super::launch::Drive {

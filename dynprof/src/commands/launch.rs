@@ -20,7 +20,7 @@ use clap::Args;
 use tokio::sync::mpsc;
 
 use super::{
-    attach::{self, attached_json, parse_markers, print_summary},
+    attach::{self, attached_json, markers_or_auto, print_summary},
     printer::StepPrinter,
 };
 use crate::{
@@ -28,7 +28,7 @@ use crate::{
     collect::{Collector, WindowHook},
     probes::{self, MarkerArg, ResolvedProbe},
     session::{Command, Limits, Observer, Session, SessionSummary},
-    target::Target,
+    target::{Target, exited_during},
     trigger::{config_file::ConfigFileTrigger, console},
     types::HostPid,
     window::{
@@ -44,20 +44,22 @@ pub struct LaunchArgs {
     pub window: WindowArgs,
 
     /// Step marker (repeatable); see `dynprof attach --help`. Default: auto.
-    #[arg(long = "marker", short = 'm', value_name = "SPEC")]
-    pub markers: Vec<String>,
+    #[arg(long = "marker", short = 'm', value_name = "SPEC", value_parser = attach::marker_spec)]
+    pub markers: Vec<MarkerArg>,
 
     /// Print JSON lines on stdout (attached, step..., window..., summary).
     #[arg(long)]
     pub json: bool,
 
     /// Detach after this many step boundaries.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, crate::cli::STEPS_MAX))]
     pub steps: Option<u64>,
 
     /// Detach after this many seconds.
-    #[arg(long, value_name = "SECS")]
-    pub duration: Option<f64>,
+    #[arg(long, value_name = "SECS", allow_negative_numbers = true,
+          value_parser = crate::cli::secs(crate::cli::Zero::Refused))]
+    pub duration: Option<Duration>,
 
     #[command(flatten)]
     pub ring: attach::RingArgs,
@@ -73,7 +75,7 @@ pub struct Drive<'a> {
     pub markers: Vec<MarkerArg>,
     pub json: bool,
     pub steps: Option<u64>,
-    pub duration: Option<f64>,
+    pub duration: Option<Duration>,
     pub ring: attach::RingArgs,
     /// `attach` or `launch` (recorded in the lock file).
     pub mode_name: &'static str,
@@ -142,12 +144,22 @@ pub fn resolve_waiting(
 ) -> Result<(Vec<ResolvedProbe>, Option<Frozen>)> {
     let started = Instant::now();
     let mut said = false;
-    let mut last_maps = String::new();
+    // None until the first read: even an empty first map is resolved (and
+    // refused) once rather than polled forever as "unchanged".
+    let mut last_maps: Option<String> = None;
     loop {
-        let maps =
-            std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)).unwrap_or_default();
-        if maps != last_maps {
-            last_maps = maps;
+        let maps = match std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)) {
+            Ok(m) => m,
+            Err(e) => {
+                return Err(crate::target::gone_or(
+                    target.host_pid,
+                    e,
+                    "reading its memory map",
+                ));
+            }
+        };
+        if last_maps.as_ref() != Some(&maps) {
+            last_maps = Some(maps);
             let frozen = freeze_target.then(|| freeze(target.host_pid));
             match probes::resolve_markers(target, markers) {
                 Ok(v) => {
@@ -222,12 +234,16 @@ pub async fn drive(
     let collect = d.window.collectors()?;
 
     let t_resolve = Instant::now();
-    let (resolved, frozen) = resolve_waiting(&target, &d.markers, wait, d.mode_name == "launch")?;
+    let (resolved, frozen) = resolve_waiting(&target, &d.markers, wait, d.mode_name == "launch")
+        .map_err(|e| exited_during(&target, "resolving its step markers", e))?;
     let resolve_ms = t_resolve.elapsed().as_secs_f64() * 1e3;
     let t_load = Instant::now();
     let mut kernel = match kernel {
         Some(k) => k,
-        None => d.ring.load(target.host_pid)?,
+        None => d
+            .ring
+            .load(target.host_pid)
+            .map_err(|e| exited_during(&target, "loading the eBPF programs", e))?,
     };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
 
@@ -255,14 +271,26 @@ pub async fn drive(
     }
     // The plan goes in before the markers, so even step 1 is on time.
     if let Some(s) = &mut sched {
-        s.begin(&mut kernel, &target, initial)?;
+        s.begin(&mut kernel, &target, initial)
+            .map_err(|e| exited_during(&target, "arming the collectors", e))?;
     }
     let t_attach = Instant::now();
     for p in probes::attach_order(&resolved) {
-        kernel.attach_marker(p)?;
+        kernel
+            .attach_marker(p)
+            .map_err(|e| exited_during(&target, "attaching its step markers", e))?;
     }
     let attach_ms = t_attach.elapsed().as_secs_f64() * 1e3;
     drop(frozen);
+    // Loaded and attached: keep only what the windows and the detach need.
+    let kept = crate::sys::caps::drop_after_attach(&attach::needs(d.window, &mode)?)?;
+    log::info!(
+        "capabilities kept after attach: {}",
+        kept.iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
     let mut session = Session::new(kernel, target, resolved);
     if d.json {
         let mut line = attached_json(&session.target, &session.probes);
@@ -313,7 +341,7 @@ pub async fn drive(
     }
     let limits = Limits {
         steps: d.steps,
-        duration: d.duration.map(Duration::from_secs_f64),
+        duration: d.duration,
     };
     let summary = session
         .run(&mut observers, limits, Some(rx))
@@ -390,7 +418,7 @@ fn spawn_gated(
 }
 
 pub async fn run(args: LaunchArgs) -> Result<()> {
-    let markers = parse_markers(&args.markers)?;
+    let markers = markers_or_auto(&args.markers);
     let stdin_tty = std::io::stdin().is_terminal();
     let mode = args.window.mode(
         stdin_tty,
@@ -404,6 +432,7 @@ pub async fn run(args: LaunchArgs) -> Result<()> {
         crate::trigger::config_file::check_dir(d)?;
     }
     attach::ring_bytes(args.ring.ring_buffer_kb)?;
+    crate::sys::caps::check(&attach::needs(&args.window, &mode)?)?;
     let stdin_null = matches!(mode, Mode::Console { .. });
     let (pid, release) = spawn_gated(&args.cmd, stdin_null)?;
     let prep = (|| -> Result<(lock::TargetLock, Kernel)> {

@@ -32,21 +32,21 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dy
 
 #[derive(Args, Debug, Clone)]
 pub struct ProbeCostArgs {
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cli::int(1, crate::cli::PID_MAX))]
     pub pid: u32,
     /// One marker SPEC (same grammar as `attach --marker`).
-    #[arg(long)]
-    pub marker: String,
+    #[arg(long, value_parser = super::attach::marker_spec)]
+    pub marker: probes::MarkerArg,
     /// `marker` (the step-marker program) or `empty` (the empty uprobe).
     #[arg(long, default_value = "marker")]
     pub prog: String,
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = crate::cli::ring_kb)]
     pub ring_buffer_kb: u32,
     /// 0: block in poll(2) on the ring buffer, as `attach` does (epoll);
     /// N: never block on it, drain every N ms instead. With a consumer that
     /// lags, the kernel's adaptive wakeup (irq_work) fires once per drain
     /// instead of once per event.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::cli::int(0u64, 60_000))]
     pub drain_every_ms: u64,
 }
 
@@ -54,8 +54,7 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
     preflight()?;
     let t0 = Instant::now();
     let target = Target::open(HostPid(a.pid))?;
-    let spec = probes::spec::parse(&a.marker)?;
-    let resolved = probes::resolve_markers(&target, &[spec])?;
+    let resolved = probes::resolve_markers(&target, std::slice::from_ref(&a.marker))?;
     let p = resolved
         .first()
         .ok_or_else(|| anyhow!("marker did not resolve"))?;

@@ -116,7 +116,20 @@ fn bad(raw: &str, at: usize, what: &str) -> anyhow::Error {
     )
 }
 
+/// The longest SPEC accepted: room for long demangled C++ signatures, and a
+/// bound on what a typo (or a script) can make dynprof echo and search for.
+pub const SPEC_MAX: usize = 4096;
+
+/// The longest `name=LABEL`: it is printed on every step line.
+pub const LABEL_MAX: usize = 256;
+
 pub fn parse(raw: &str) -> Result<MarkerArg> {
+    if raw.len() > SPEC_MAX {
+        bail!(
+            "--marker SPEC is {} bytes; at most {SPEC_MAX} are accepted",
+            raw.len()
+        );
+    }
     let s = raw.trim();
     if s.is_empty() {
         bail!("empty --marker (hint: use `auto` or OBJECT:SYMBOL)");
@@ -134,6 +147,18 @@ pub fn parse(raw: &str) -> Result<MarkerArg> {
                 raw,
                 7,
                 "expected a Python function name after `python:`",
+            ));
+        }
+        // The kernel compares the name and its NUL in a PREFIX_LEN buffer.
+        if func.len() > PREFIX_LEN - 1 {
+            return Err(bad(
+                raw,
+                7,
+                &format!(
+                    "the Python function name is {} bytes; at most {} fit (UTF-8 bytes, not characters)",
+                    func.len(),
+                    PREFIX_LEN - 1
+                ),
             ));
         }
         return Ok(MarkerArg::Spec(MarkerSpec {
@@ -285,7 +310,12 @@ pub fn parse(raw: &str) -> Result<MarkerArg> {
                 }
                 text = Some((value.to_string(), key == "eq", vat));
             }
-            "name" => spec.label = Some(value.to_string()),
+            "name" => {
+                if value.is_empty() || value.len() > LABEL_MAX {
+                    return Err(bad(raw, vat, &format!("name= needs 1..={LABEL_MAX} bytes")));
+                }
+                spec.label = Some(value.to_string())
+            }
             _ => unreachable!(),
         }
     }
@@ -383,6 +413,21 @@ mod tests {
         assert!(m.filter.unwrap().exact);
         let p = spec("python:train_step");
         assert_eq!(p.filter.unwrap().text, "train_step");
+    }
+
+    #[test]
+    fn over_long_names_are_refused_not_truncated() {
+        // 63 bytes fit with the NUL the kernel compares; 64 do not.
+        assert!(parse(&format!("python:{}", "a".repeat(63))).is_ok());
+        let e = parse(&format!("python:{}", "a".repeat(64)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("64 bytes; at most 63"), "{e}");
+        // 32 two-byte characters are 64 bytes.
+        assert!(parse(&format!("python:{}", "é".repeat(32))).is_err());
+        assert!(parse(&format!("python:{}", "é".repeat(31))).is_ok());
+        assert!(parse(&format!("exe:f,name={}", "n".repeat(257))).is_err());
+        assert!(parse(&format!("exe:{}", "f".repeat(SPEC_MAX))).is_err());
     }
 
     #[test]

@@ -71,8 +71,9 @@ impl Target {
                  for a PID seen inside a container use `--in-pidns`)"
             );
         }
+        check_attachable(pid)?;
         let status = fs::read_to_string(proc_dir.join("status"))
-            .with_context(|| format!("reading /proc/{pid}/status"))?;
+            .map_err(|e| gone_or(pid, e, "reading its /proc status"))?;
         let ns_pids = parse_nspid(&status).unwrap_or_else(|| vec![NsPid(pid.0)]);
         let comm = fs::read_to_string(proc_dir.join("comm"))
             .unwrap_or_default()
@@ -148,6 +149,134 @@ impl Target {
     pub fn environ(&self) -> Result<Vec<(String, String)>> {
         read_environ(self.host_pid)
     }
+}
+
+/// The kernel's PF_KTHREAD in /proc/PID/stat's `flags`.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// What /proc/PID/stat says about a process before dynprof attaches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcStat {
+    pub comm: String,
+    /// R, S, D, T, t, Z, X, I...
+    pub state: char,
+    pub ppid: u32,
+    pub kernel_thread: bool,
+}
+
+/// Parses /proc/PID/stat (comm may hold spaces and parentheses: it runs to
+/// the last `)`).
+pub fn parse_stat(stat: &str) -> Option<ProcStat> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat.get(open + 1..close)?.to_string();
+    let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+    let state = rest.first()?.chars().next()?;
+    let ppid = rest.get(1)?.parse().ok()?;
+    let flags: u64 = rest.get(6)?.parse().ok()?;
+    Some(ProcStat {
+        comm,
+        state,
+        ppid,
+        kernel_thread: flags & PF_KTHREAD != 0,
+    })
+}
+
+/// Why a process cannot be attached to, if it cannot: the checks that turn
+/// a silent poll (`--pid 2`: its maps read as empty, forever) or a bare
+/// errno into a sentence.
+pub fn not_attachable(
+    pid: HostPid,
+    st: &ProcStat,
+    maps: std::io::Result<String>,
+) -> Option<String> {
+    let who = format!("PID {pid} ({})", st.comm);
+    if st.kernel_thread {
+        return Some(format!(
+            "{who} is a kernel thread: it has no user-space memory, so there is no \
+             training step to put a uprobe on (hint: `dynprof ps` lists AI jobs)"
+        ));
+    }
+    match st.state {
+        'Z' => {
+            return Some(format!(
+                "{who} is a zombie: it has exited and only waits for its parent \
+                 (PID {}) to reap it, so nothing is left to profile",
+                st.ppid
+            ));
+        }
+        'X' => return Some(format!("{who} has exited")),
+        _ => {}
+    }
+    let init = if pid.0 == 1 {
+        " It is the init process of dynprof's PID namespace, not a job \
+         (for PID 1 of a container, add `--in-pidns`)."
+    } else {
+        ""
+    };
+    match maps {
+        Ok(m) if m.trim().is_empty() => Some(format!(
+            "{who} has no user-space mappings (/proc/{pid}/maps is empty): \
+             there is nothing to put a uprobe on.{init} (hint: `dynprof ps` lists AI jobs)"
+        )),
+        Ok(_) => None,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM)) => {
+            Some(format!(
+                "dynprof may not read the memory map of {who} (/proc/{pid}/maps: {e}): \
+             the kernel refuses ptrace-read access to it (it is not dumpable, or it \
+             belongs to a user namespace where dynprof lacks CAP_SYS_PTRACE).{init} \
+             (hint: `dynprof ps` lists AI jobs; see docs/capabilities.md)"
+            ))
+        }
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH)) => {
+            Some(format!("{who} exited while dynprof was opening it"))
+        }
+        Err(e) => Some(format!("reading /proc/{pid}/maps of {who}: {e}")),
+    }
+}
+
+/// Refuses, with a sentence, a PID that has nothing to profile.
+pub fn check_attachable(pid: HostPid) -> Result<()> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_err(|e| gone_or(pid, e, "reading its /proc stat"))?;
+    let Some(st) = parse_stat(&stat) else {
+        bail!("/proc/{pid}/stat is not in the kernel's format: {stat:?}");
+    };
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps"));
+    match not_attachable(pid, &st, maps) {
+        Some(why) => bail!(why),
+        None => Ok(()),
+    }
+}
+
+/// An error reading /proc/PID: "exited" when the process is gone (ENOENT,
+/// ESRCH), else the error with what was being done.
+pub fn gone_or(pid: HostPid, e: std::io::Error, doing: &str) -> anyhow::Error {
+    if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH)) {
+        anyhow::anyhow!("PID {pid} exited while dynprof was attaching ({doing})")
+    } else {
+        anyhow::anyhow!("PID {pid}: {doing}: {e}")
+    }
+}
+
+/// `e`, or — when the target is no longer alive — a sentence saying it
+/// exited during `stage`, so that an errno from deep inside (ESRCH from
+/// perf_event_open, ENOENT from /proc) is not all the user sees.
+pub fn exited_during(target: &Target, stage: &str, e: anyhow::Error) -> anyhow::Error {
+    if target.is_alive() {
+        return e;
+    }
+    let zombie = fs::read_to_string(format!("/proc/{}/stat", target.host_pid))
+        .ok()
+        .and_then(|s| parse_stat(&s))
+        .is_some_and(|s| s.state == 'Z');
+    anyhow::anyhow!(
+        "PID {} ({}) exited while dynprof was {stage}{}; nothing stays attached \
+         (detail: {e:#})",
+        target.host_pid,
+        target.comm,
+        if zombie { " (it is now a zombie)" } else { "" }
+    )
 }
 
 pub fn read_environ(pid: HostPid) -> Result<Vec<(String, String)>> {
@@ -262,4 +391,48 @@ pub fn parse_ppid(status: &str) -> Option<HostPid> {
 /// Does this path exist in the target's mount namespace?
 pub fn exists_in(root: &Path, target_path: &str) -> bool {
     root.join(target_path.trim_start_matches('/')).exists()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io(errno: i32) -> std::io::Result<String> {
+        Err(std::io::Error::from_raw_os_error(errno))
+    }
+
+    #[test]
+    fn stat_with_spaces_and_parentheses_in_comm() {
+        let s = "42 (a (b) c) S 7 42 42 0 -1 4194560 0 0";
+        let st = parse_stat(s).unwrap();
+        assert_eq!(st.comm, "a (b) c");
+        assert_eq!((st.state, st.ppid, st.kernel_thread), ('S', 7, false));
+        let k = parse_stat("2 (kthreadd) S 0 0 0 0 -1 2129984 0").unwrap();
+        assert!(k.kernel_thread);
+        assert!(parse_stat("garbage").is_none());
+    }
+
+    #[test]
+    fn each_refusal_says_why() {
+        let st = |state, kt| ProcStat {
+            comm: "job".into(),
+            state,
+            ppid: 9,
+            kernel_thread: kt,
+        };
+        let p = HostPid(5);
+        let ok = || Ok("00400000-00401000 r-xp 0 08:01 1 /bin/job\n".to_string());
+        assert_eq!(not_attachable(p, &st('S', false), ok()), None);
+        let why = |s, m| not_attachable(p, &s, m).unwrap();
+        assert!(why(st('S', true), ok()).contains("is a kernel thread"));
+        assert!(
+            why(st('Z', false), ok()).contains("zombie")
+                && why(st('Z', false), ok()).contains("(PID 9)")
+        );
+        assert!(why(st('S', false), Ok(String::new())).contains("no user-space mappings"));
+        assert!(why(st('S', false), io(libc::EACCES)).contains("CAP_SYS_PTRACE"));
+        assert!(why(st('S', false), io(libc::ESRCH)).contains("exited while"));
+        let init = not_attachable(HostPid(1), &st('S', false), io(libc::EACCES)).unwrap();
+        assert!(init.contains("init process"), "{init}");
+    }
 }

@@ -5,7 +5,15 @@ use anyhow::{Result, bail};
 use clap::Args;
 
 use super::Plan;
-use crate::trigger::{PlanRequest, Source};
+use crate::{
+    cli::{SECS_MAX, STEPS_MAX, int},
+    trigger::{PlanRequest, Source},
+};
+
+/// A step count flag: `min..=STEPS_MAX`.
+fn steps(min: u64) -> impl Fn(&str) -> Result<u64, String> + Clone + Send + Sync + 'static {
+    int(min, STEPS_MAX)
+}
 
 /// Collectors `--collect` accepts.
 pub const COLLECTORS: &[&str] = &["api", "cpu", "offcpu"];
@@ -21,23 +29,24 @@ pub struct WindowArgs {
     /// First step of the window (warmup included): a step number counted
     /// from attach (hit k of the step marker begins step k), or -1 for the
     /// next boundary. Recorded steps: S+W .. S+W+A-1.
-    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    #[arg(long, value_name = "S", allow_negative_numbers = true,
+          value_parser = int(-1, STEPS_MAX as i64))]
     pub start_step: Option<i64>,
 
     /// Steps inside the window that are not recorded.
-    #[arg(long, value_name = "W")]
+    #[arg(long, value_name = "W", allow_negative_numbers = true, value_parser = steps(0))]
     pub warmup: Option<u64>,
 
     /// Steps recorded per window.
-    #[arg(long, value_name = "A")]
+    #[arg(long, value_name = "A", allow_negative_numbers = true, value_parser = steps(1))]
     pub active: Option<u64>,
 
     /// Windows after the first one (0 = once).
-    #[arg(long, value_name = "R")]
+    #[arg(long, value_name = "R", allow_negative_numbers = true, value_parser = steps(0))]
     pub repeat: Option<u64>,
 
     /// Steps between the end of one window and the start of the next.
-    #[arg(long, value_name = "G")]
+    #[arg(long, value_name = "G", allow_negative_numbers = true, value_parser = steps(0))]
     pub gap: Option<u64>,
 
     /// Where PROF_<time>_<pid>_<n>/ window directories are written.
@@ -51,7 +60,8 @@ pub struct WindowArgs {
 
     /// Console: detach after this many seconds without a command or a
     /// window (0 disables it).
-    #[arg(long, value_name = "SECS", default_value_t = 1800)]
+    #[arg(long, value_name = "SECS", default_value_t = 1800, allow_negative_numbers = true,
+          value_parser = int(0, SECS_MAX))]
     pub idle_timeout: u64,
 
     /// torch_npu dynamic_profile trigger: write DIR/profiler_config.json and
@@ -67,8 +77,9 @@ pub struct WindowArgs {
     /// Wait up to SECS for the step marker's library to be loaded when it is
     /// not mapped yet (a job still starting up). `launch` waits as long as
     /// the program runs.
-    #[arg(long, value_name = "SECS")]
-    pub wait_for_marker: Option<f64>,
+    #[arg(long, value_name = "SECS", allow_negative_numbers = true,
+          value_parser = crate::cli::secs(crate::cli::Zero::Allowed))]
+    pub wait_for_marker: Option<Duration>,
 
     /// Options of the built-in collectors (`--cpu-hz`, `--api`).
     #[command(flatten)]
