@@ -173,7 +173,7 @@ impl HostDir {
     /// Opens `name` for appending (created 0640 if absent), never through a
     /// symlink; refuses anything but a regular file with one link owned by
     /// root, by dynprof's euid or by `owner` (a log in a user's directory).
-    pub fn open_append(&self, name: &str, owner: Option<u32>) -> io::Result<File> {
+    pub fn open_append(&self, name: &str, owner: Option<u32>, mode: u32) -> io::Result<File> {
         let name = single(name)?;
         let fd = rfs::openat(
             &self.fd,
@@ -184,7 +184,7 @@ impl HostDir {
                 | OFlags::NOFOLLOW
                 | OFlags::NONBLOCK
                 | OFlags::CLOEXEC,
-            Mode::from_raw_mode(FILE_MODE),
+            Mode::from_raw_mode(mode),
         )?;
         let st = rfs::fstat(&fd)?;
         let euid = rustix::process::geteuid().as_raw();
@@ -676,7 +676,7 @@ mod tests {
         let d = open_dir_nofollow(&base).unwrap();
         symlink(&victim, base.join("planted")).unwrap();
         assert!(d.create_file("planted").is_err());
-        assert!(d.open_append("planted", None).is_err());
+        assert!(d.open_append("planted", None, FILE_MODE).is_err());
         d.write_atomic("planted", b"data").unwrap();
         // The link itself was replaced; its target is untouched.
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "secret");
