@@ -56,7 +56,14 @@ fn wait_file_contains(p: &Path, needle: &str, timeout: Duration) -> String {
 
 /// `attach` with a one-window plan into `out`; returns (exit code, stderr).
 fn one_window(pid: &str, out: &Path, locks: &Path, extra: &[&str]) -> (i32, String) {
-    let mut args = vec!["--start-step", "-1", "--active", "2", "-o", out.to_str().unwrap()];
+    let mut args = vec![
+        "--start-step",
+        "-1",
+        "--active",
+        "2",
+        "-o",
+        out.to_str().unwrap(),
+    ];
     args.extend_from_slice(extra);
     let o = dynprof_cmd(&attach_args(pid, &args))
         .env("DYNPROF_LOCK_DIR", locks)
@@ -81,8 +88,14 @@ fn output_that_others_control_is_refused_with_the_reason() {
     chmod(&open, 0o777);
     let (code, e) = one_window(&pid, &open.join("out"), &locks, &[]);
     assert_ne!(code, 0, "{e}");
-    assert!(e.contains("refusing output directory") && e.contains("sticky"), "{e}");
-    assert!(e.contains(open.to_str().unwrap()), "names the component: {e}");
+    assert!(
+        e.contains("refusing output directory") && e.contains("sticky"),
+        "{e}"
+    );
+    assert!(
+        e.contains(open.to_str().unwrap()),
+        "names the component: {e}"
+    );
     assert!(!open.join("out").exists(), "nothing created under it");
 
     // Owned by another user (the job's owner, who could swap what is inside).
@@ -101,7 +114,10 @@ fn output_that_others_control_is_refused_with_the_reason() {
     let (code, e) = one_window(&pid, &dir.join("link").join("out"), &locks, &[]);
     assert_ne!(code, 0, "{e}");
     assert!(e.contains("symbolic link") && e.contains("link"), "{e}");
-    assert!(!real.join("out").exists(), "nothing created through the link");
+    assert!(
+        !real.join("out").exists(),
+        "nothing created through the link"
+    );
 
     // The same run into a root-owned sticky 1777 directory works; the window
     // is 0750/0640, and meta.json keeps the command line but not the
@@ -122,7 +138,10 @@ fn output_that_others_control_is_refused_with_the_reason() {
     let mf = std::fs::metadata(dirs[0].join("steps.csv")).unwrap();
     assert_eq!(mf.mode() & 0o777, 0o640);
     let text = std::fs::read_to_string(dirs[0].join("meta.json")).unwrap();
-    assert!(!text.contains("hunter2-secret"), "environment leaked into meta.json");
+    assert!(
+        !text.contains("hunter2-secret"),
+        "environment leaked into meta.json"
+    );
     assert!(meta(&dirs[0])["target"]["cmdline"].is_array());
 }
 
@@ -221,19 +240,33 @@ fn user_owned_config_dir_cannot_write_outside_follow_links_or_inject_lines() {
     assert!(d.wait_exit(T).success(), "{}", d.transcript());
 
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root secret\n");
-    assert!(!anywhere.exists(), "prof_dir outside the output root was created");
+    assert!(
+        !anywhere.exists(),
+        "prof_dir outside the output root was created"
+    );
     assert!(!dir.join("x").exists() && !out.join("..").join("x").exists());
     assert_eq!(dirs.len(), 1);
     let log = std::fs::read_to_string(&dp).unwrap();
     assert!(log.contains("absolute paths are not allowed"), "{log}");
     assert!(log.contains("`..` is not allowed"), "{log}");
-    assert!(log.contains("\\ntouch X; id > X #"), "escaped key logged: {log}");
+    assert!(
+        log.contains("\\ntouch X; id > X #"),
+        "escaped key logged: {log}"
+    );
     for l in log.lines() {
-        assert!(l.starts_with('['), "a line dynprof did not write: {l:?}\n{log}");
+        assert!(
+            l.starts_with('['),
+            "a line dynprof did not write: {l:?}\n{log}"
+        );
     }
     // The planted links are still links, pointing where they did.
     for l in [cfg.join("profiler_config.json.tmp"), monitor] {
-        assert!(std::fs::symlink_metadata(&l).unwrap().file_type().is_symlink());
+        assert!(
+            std::fs::symlink_metadata(&l)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
     }
 }
 
@@ -267,10 +300,17 @@ fn disk_full_exits_nonzero_and_leaves_no_complete_looking_window() {
     let (code, e) = one_window(&pid, &out, &dir.join("locks"), &[]);
     assert_eq!(code, 3, "exit code for an unwritten window: {e}");
     assert!(e.contains("could not be written"), "{e}");
-    assert!(tmp_dirs(&out).is_empty(), "hidden window left: {:?}", tmp_dirs(&out));
+    assert!(
+        tmp_dirs(&out).is_empty(),
+        "hidden window left: {:?}",
+        tmp_dirs(&out)
+    );
     for d in prof_dirs_any(&out) {
         let name = d.file_name().unwrap().to_str().unwrap().to_string();
-        assert!(name.ends_with("_incomplete"), "complete-looking partial window {name}");
+        assert!(
+            name.ends_with("_incomplete"),
+            "complete-looking partial window {name}"
+        );
     }
 }
 
@@ -279,7 +319,13 @@ fn prof_dirs_any(out: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(out)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("PROF_"))
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("PROF_")
+        })
         .collect()
 }
 

@@ -46,8 +46,7 @@ pub struct HostDir {
 
 /// Refuses anything but one plain path component.
 fn single(name: &str) -> io::Result<&str> {
-    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0')
-    {
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("`{}` is not a single file name", escape_untrusted(name)),
@@ -200,7 +199,10 @@ impl HostDir {
         if let Some(why) = why {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
-                format!("{} {why}; not writing to it", self.path.join(name).display()),
+                format!(
+                    "{} {why}; not writing to it",
+                    self.path.join(name).display()
+                ),
             ));
         }
         Ok(File::from(fd))
@@ -239,7 +241,12 @@ impl HostDir {
 
     /// Renames `from` to `to` inside this directory, replacing `to`.
     pub fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        Ok(rfs::renameat(&self.fd, single(from)?, &self.fd, single(to)?)?)
+        Ok(rfs::renameat(
+            &self.fd,
+            single(from)?,
+            &self.fd,
+            single(to)?,
+        )?)
     }
 
     /// Renames `from` to `to` unless `to` exists (EEXIST then).
@@ -275,8 +282,7 @@ impl HostDir {
     /// The entries of this directory (without `.` and `..`).
     pub fn names(&self) -> io::Result<Vec<String>> {
         let mut out = Vec::new();
-        let mut it = rfs::Dir::read_from(&self.fd)?;
-        while let Some(e) = it.next() {
+        for e in rfs::Dir::read_from(&self.fd)? {
             let e = e?;
             let n = e.file_name().to_string_lossy().into_owned();
             if n != "." && n != ".." {
@@ -373,8 +379,8 @@ impl OutputRoot {
     /// Opens `path` (creating missing components, mode 0755), refusing a
     /// path through a symlink or a directory another user could change.
     pub fn open(path: &Path) -> Result<Self> {
-        let clean = absolute_clean(path)
-            .with_context(|| format!("output directory {}", path.display()))?;
+        let clean =
+            absolute_clean(path).with_context(|| format!("output directory {}", path.display()))?;
         let refuse = |at: &Path, why: &str| -> anyhow::Error {
             anyhow::anyhow!(
                 "refusing output directory {}: {} {why}; choose a directory only root (or you) can change, e.g. one under /var/lib or a root-owned sticky /tmp",
@@ -463,11 +469,15 @@ impl OutputRoot {
         let mut d = self.dir.try_clone()?;
         for c in rel.components() {
             let Component::Normal(n) = c else {
-                bail!("{}: only plain names are allowed below the output directory", rel.display());
+                bail!(
+                    "{}: only plain names are allowed below the output directory",
+                    rel.display()
+                );
             };
             let n = n.to_str().context("non-UTF-8 directory name")?;
             let next = d.create_subdir(n, ROOT_DIR_MODE).map_err(|e| {
-                if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::ENOTDIR) {
+                if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::ENOTDIR)
+                {
                     anyhow::anyhow!(
                         "{} is a symbolic link or not a directory; refused",
                         d.path.join(n).display()
@@ -612,10 +622,7 @@ mod tests {
     use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _, symlink};
 
     fn tempdir(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "dynprof-hostfs-{tag}-{}",
-            std::process::id()
-        ));
+        let d = std::env::temp_dir().join(format!("dynprof-hostfs-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -636,7 +643,11 @@ mod tests {
     fn confines_relative_paths() {
         assert_eq!(confine_relative("./").unwrap(), PathBuf::new());
         assert_eq!(confine_relative("a/./b").unwrap(), PathBuf::from("a/b"));
-        assert!(confine_relative("/anywhere").unwrap_err().contains("absolute"));
+        assert!(
+            confine_relative("/anywhere")
+                .unwrap_err()
+                .contains("absolute")
+        );
         assert!(confine_relative("../x").unwrap_err().contains(".."));
         assert!(confine_relative("a/../../x").unwrap_err().contains(".."));
         assert!(confine_relative("a\nb").is_err());
@@ -648,7 +659,10 @@ mod tests {
         let real = base.join("real");
         std::fs::create_dir(&real).unwrap();
         symlink(&real, base.join("link")).unwrap();
-        let e = format!("{:#}", OutputRoot::open(&base.join("link/out")).unwrap_err());
+        let e = format!(
+            "{:#}",
+            OutputRoot::open(&base.join("link/out")).unwrap_err()
+        );
         assert!(e.contains("link") && e.contains("symbolic link"), "{e}");
 
         let open = base.join("open");
@@ -680,7 +694,10 @@ mod tests {
         d.write_atomic("planted", b"data").unwrap();
         // The link itself was replaced; its target is untouched.
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "secret");
-        assert_eq!(std::fs::read_to_string(base.join("planted")).unwrap(), "data");
+        assert_eq!(
+            std::fs::read_to_string(base.join("planted")).unwrap(),
+            "data"
+        );
         let m = std::fs::symlink_metadata(base.join("planted")).unwrap();
         assert!(m.is_file() && m.mode() & 0o777 == FILE_MODE);
         // Nothing else stays behind.

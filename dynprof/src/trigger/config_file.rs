@@ -401,7 +401,10 @@ impl ConfigFileTrigger {
         // symlink anywhere in its path (the job's user owns DIR and may swap
         // anything inside it at any time).
         let dir_fd = hostfs::open_dir_nofollow(&dir).with_context(|| {
-            format!("opening {} (symlinks are not allowed in its path)", dir.display())
+            format!(
+                "opening {} (symlinks are not allowed in its path)",
+                dir.display()
+            )
         })?;
         let log_dir = dir_fd
             .create_subdir("log", 0o755)
@@ -912,7 +915,10 @@ mod tests {
         l.write("WARNING", "field `\ntouch X; id > X #` ignored");
         let text = fs::read_to_string(base.join("x.log")).unwrap();
         assert_eq!(text.lines().count(), 1, "{text}");
-        assert!(text.contains("field `\\ntouch X; id > X #` ignored"), "{text}");
+        assert!(
+            text.contains("field `\\ntouch X; id > X #` ignored"),
+            "{text}"
+        );
         // A symlink planted at the log's name is not written through.
         let victim = base.join("victim");
         fs::write(&victim, "keep").unwrap();

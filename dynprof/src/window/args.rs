@@ -87,7 +87,10 @@ pub struct WindowArgs {
 pub enum Chown {
     /// The target's own (effective) uid and gid.
     Target,
-    Id { uid: u32, gid: Option<u32> },
+    Id {
+        uid: u32,
+        gid: Option<u32>,
+    },
 }
 
 fn parse_chown(s: &str) -> std::result::Result<Chown, String> {
@@ -98,7 +101,9 @@ fn parse_chown(s: &str) -> std::result::Result<Chown, String> {
         v.parse::<u32>()
             .ok()
             .filter(|n| *n != u32::MAX)
-            .ok_or_else(|| format!("`{v}` is not a numeric {what} (expected `target` or UID[:GID])"))
+            .ok_or_else(|| {
+                format!("`{v}` is not a numeric {what} (expected `target` or UID[:GID])")
+            })
     };
     let (u, g) = match s.split_once(':') {
         Some((u, g)) => (u, Some(g)),

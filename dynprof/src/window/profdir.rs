@@ -98,9 +98,9 @@ impl ProfDir {
         let parent = parent
             .try_clone()
             .with_context(|| format!("opening {}", parent.path().display()))?;
-        let (tmp_name, handle) = parent
-            .create_temp_dir(&name)
-            .with_context(|| format!("creating a window directory in {}", parent.path().display()))?;
+        let (tmp_name, handle) = parent.create_temp_dir(&name).with_context(|| {
+            format!("creating a window directory in {}", parent.path().display())
+        })?;
         Ok(Self {
             tmp: parent.path().join(&tmp_name),
             dir: parent.path().join(&name),
@@ -185,9 +185,8 @@ impl ProfDir {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
                 Err(e) => {
-                    return Err(e).with_context(|| {
-                        format!("renaming {} to {name}", self.tmp.display())
-                    });
+                    return Err(e)
+                        .with_context(|| format!("renaming {} to {name}", self.tmp.display()));
                 }
             }
         }
@@ -246,7 +245,10 @@ mod tests {
         let p = ProfDir::create(r.dir(), HostPid(42), WindowId(3)).unwrap();
         let tmp = p.tmp.clone();
         let tname = tmp.file_name().unwrap().to_str().unwrap().to_string();
-        assert!(tname.starts_with(".PROF_") && tname.ends_with("_tmp"), "{tname}");
+        assert!(
+            tname.starts_with(".PROF_") && tname.ends_with("_tmp"),
+            "{tname}"
+        );
         // Unpredictable: a second window of the same name gets another one.
         let q = ProfDir::create(r.dir(), HostPid(42), WindowId(3)).unwrap();
         assert_ne!(q.tmp, tmp);
@@ -254,7 +256,9 @@ mod tests {
         use std::io::Write as _;
         p.create_file("steps.csv").unwrap().write_all(b"x").unwrap();
         assert!(p.create_file("steps.csv").is_err(), "O_EXCL");
-        let d = p.finish(&serde_json::json!({"complete": true}), false).unwrap();
+        let d = p
+            .finish(&serde_json::json!({"complete": true}), false)
+            .unwrap();
         let name = d.file_name().unwrap().to_str().unwrap().to_string();
         assert!(
             name.starts_with("PROF_") && name.ends_with("_42_3"),
@@ -273,8 +277,14 @@ mod tests {
         let p = ProfDir::create(r.dir(), HostPid(42), WindowId(1)).unwrap();
         drop(p);
         let q = ProfDir::create(r.dir(), HostPid(42), WindowId(2)).unwrap();
-        let d = q.finish(&serde_json::json!({"complete": false}), true).unwrap();
-        assert!(d.to_str().unwrap().ends_with("_42_2_incomplete"), "{}", d.display());
+        let d = q
+            .finish(&serde_json::json!({"complete": false}), true)
+            .unwrap();
+        assert!(
+            d.to_str().unwrap().ends_with("_42_2_incomplete"),
+            "{}",
+            d.display()
+        );
         let mut names: Vec<String> = fs::read_dir(r.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())

@@ -250,10 +250,9 @@ mod tests {
     /// only when all of them are.
     #[test]
     fn publishes_in_order_and_waits_for_all() {
-        let root = crate::sys::hostfs::OutputRoot::open(&crate::output::tests_support::tempdir(
-            "writer",
-        ))
-        .unwrap();
+        let root =
+            crate::sys::hostfs::OutputRoot::open(&crate::output::tests_support::tempdir("writer"))
+                .unwrap();
         let out = root.dir();
         let mut w = Writer::spawn().unwrap();
         let jobs: Vec<WriteJob> = (1..=3)
