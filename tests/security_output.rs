@@ -56,14 +56,10 @@ fn wait_file_contains(p: &Path, needle: &str, timeout: Duration) -> String {
 
 /// `attach` with a one-window plan into `out`; returns (exit code, stderr).
 fn one_window(pid: &str, out: &Path, locks: &Path, extra: &[&str]) -> (i32, String) {
-    let mut args = vec![
-        "--start-step",
-        "-1",
-        "--active",
-        "2",
-        "-o",
-        out.to_str().unwrap(),
-    ];
+    let mut args = vec!["--start-step", "-1", "-o", out.to_str().unwrap()];
+    if !extra.contains(&"--active") {
+        args.extend(["--active", "2"]);
+    }
     args.extend_from_slice(extra);
     let o = dynprof_cmd(&attach_args(pid, &args))
         .env("DYNPROF_LOCK_DIR", locks)
@@ -143,6 +139,52 @@ fn output_that_others_control_is_refused_with_the_reason() {
         "environment leaked into meta.json"
     );
     assert!(meta(&dirs[0])["target"]["cmdline"].is_array());
+}
+
+/// The attack of issue 11: the owner of `--output` waits for the hidden
+/// window directory, renames it away, recreates it and plants
+/// `<file>.tmp` symlinks to a root-only file. dynprof must refuse such an
+/// output up front; the root-only file must not change either way.
+#[test]
+fn racing_owner_of_output_changes_no_file_outside() {
+    require_privileges!();
+    let (p, _log, dir) = trainer("sec_output_race");
+    let pid = p.pid.to_string();
+    let out = dir.join("owned");
+    std::fs::create_dir(&out).unwrap();
+    chown(&out, Some(NOBODY), Some(NOBODY)).unwrap();
+    let victim = dir.join("root_only");
+    std::fs::write(&victim, "root secret\n").unwrap();
+    chmod(&victim, 0o600);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The directory's owner, racing (its rights: rename and create in `out`).
+    let attacker = {
+        let (out, victim, stop) = (out.clone(), victim.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for e in std::fs::read_dir(&out).unwrap().flatten() {
+                    let name = e.file_name().into_string().unwrap();
+                    if !name.starts_with(".PROF_") || name.contains("stolen") {
+                        continue;
+                    }
+                    n += 1;
+                    let _ = std::fs::rename(e.path(), out.join(format!("stolen{n}")));
+                    let _ = std::fs::create_dir(e.path());
+                    for f in ["steps.csv", "meta.json", "summary.json", "trace.json"] {
+                        let _ = symlink(&victim, e.path().join(format!("{f}.tmp")));
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let (code, e) = one_window(&pid, &out, &dir.join("locks"), &["--active", "20"]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    attacker.join().unwrap();
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root secret\n", "{e}");
+    assert_ne!(code, 0, "an output another user owns is refused: {e}");
+    assert!(e.contains("owned by uid 65534"), "{e}");
 }
 
 #[test]
