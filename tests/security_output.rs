@@ -182,9 +182,90 @@ fn racing_owner_of_output_changes_no_file_outside() {
     let (code, e) = one_window(&pid, &out, &dir.join("locks"), &["--active", "20"]);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     attacker.join().unwrap();
-    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "root secret\n", "{e}");
+    assert_eq!(
+        std::fs::read_to_string(&victim).unwrap(),
+        "root secret\n",
+        "{e}"
+    );
     assert_ne!(code, 0, "an output another user owns is refused: {e}");
     assert!(e.contains("owned by uid 65534"), "{e}");
+}
+
+/// `YYYYmmddHHMMSSmmm` (local time) of `ms` since the epoch: the timestamp
+/// in window directory names.
+fn local_stamp(ms: u64) -> String {
+    let secs = (ms / 1000) as libc::time_t;
+    // SAFETY: localtime_r writes into the tm we pass.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    unsafe { libc::localtime_r(&secs, &mut tm) };
+    format!(
+        "{:04}{:02}{:02}{:02}{:02}{:02}{:03}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec,
+        ms % 1000
+    )
+}
+
+/// A root-owned sticky output directory (a shared `/tmp`), where the job's
+/// user (uid 65534) has planted symlinks at every name dynprof could use for
+/// the next seconds (final and hidden window names) pointing at a root-only
+/// directory: nothing is written through them, and the window is published
+/// under a name of its own.
+#[test]
+fn sticky_output_with_planted_links_writes_nothing_through_them() {
+    require_privileges!();
+    let (p, _log, dir) = trainer("sec_output_sticky");
+    let pid = p.pid.to_string();
+    let out = dir.join("sticky");
+    std::fs::create_dir(&out).unwrap();
+    chmod(&out, 0o1777);
+    let victim = dir.join("root_only_dir");
+    std::fs::create_dir(&victim).unwrap();
+    chmod(&victim, 0o700);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for ms in now..now + 15_000 {
+        let ts = local_stamp(ms);
+        for name in [
+            format!("PROF_{ts}_{pid}_1"),
+            format!(".PROF_{ts}_{pid}_1_tmp"),
+        ] {
+            let l = out.join(name);
+            symlink(&victim, &l).unwrap();
+            std::os::unix::fs::lchown(&l, Some(NOBODY), Some(NOBODY)).unwrap();
+        }
+    }
+    let (code, e) = one_window(&pid, &out, &dir.join("locks"), &[]);
+    assert_eq!(code, 0, "{e}");
+    assert_eq!(
+        std::fs::read_dir(&victim).unwrap().count(),
+        0,
+        "written through a link"
+    );
+    let real: Vec<PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            !std::fs::symlink_metadata(p)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        })
+        .collect();
+    assert_eq!(real.len(), 1, "{real:?}");
+    let name = real[0].file_name().unwrap().to_str().unwrap();
+    assert!(
+        name.starts_with("PROF_") && name.ends_with("_1_1"),
+        "{name}"
+    );
+    assert!(meta(&real[0])["complete"].as_bool().unwrap(), "{e}");
+    assert!(real[0].join("steps.csv").is_file());
 }
 
 #[test]
