@@ -536,6 +536,24 @@ pub fn open_dir_nofollow(path: &Path) -> io::Result<HostDir> {
     })
 }
 
+/// Creates `path` and its missing parents (mode `mode`) one component at a
+/// time from `/`, never following a symlink (ELOOP/ENOTDIR instead), and
+/// returns it open. Unlike [`OutputRoot::open`] it does not judge owners:
+/// for directories that belong to a job's user by design (`--config-dir`).
+pub fn create_dir_all_nofollow(path: &Path, mode: u32) -> io::Result<HostDir> {
+    let clean = absolute_clean(path)?;
+    let mut d = open_dir_nofollow(Path::new("/"))?;
+    for c in clean.components() {
+        if let Component::Normal(n) = c {
+            let n = n
+                .to_str()
+                .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "non-UTF-8 path"))?;
+            d = d.create_subdir(n, mode)?;
+        }
+    }
+    Ok(d)
+}
+
 fn split(path: &Path) -> io::Result<(&Path, &str)> {
     let name = path
         .file_name()

@@ -302,6 +302,8 @@ pub fn check_dir(dir: &Path) -> Result<PathBuf> {
 /// link planted at its name is refused, never written through. Every line
 /// is escaped ([`escape_untrusted`]): a string from the target stays one line.
 pub struct RotatingLog {
+    /// Said once on stderr that the file is refused (not at every line).
+    refused: std::sync::atomic::AtomicBool,
     dir: HostDir,
     name: String,
     path: PathBuf,
@@ -317,6 +319,7 @@ impl RotatingLog {
             .and_then(|v| v.parse().ok())
             .unwrap_or(LOG_MAX_BYTES);
         Ok(Self {
+            refused: std::sync::atomic::AtomicBool::new(false),
             dir: dir.try_clone()?,
             name: name.to_string(),
             path: dir.path().join(name),
@@ -329,6 +332,15 @@ impl RotatingLog {
         &self.path
     }
 
+    fn refuse(&self, e: &std::io::Error) {
+        if !self
+            .refused
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            log::warn!("not logging to {}: {e}", self.path.display());
+        }
+    }
+
     pub fn write(&self, level: &str, msg: &str) {
         let line = format!(
             "[{}] [{level}] {}\n",
@@ -339,7 +351,7 @@ impl RotatingLog {
         let mut f = match open() {
             Ok(f) => f,
             Err(e) => {
-                log::warn!("not logging to {}: {e}", self.path.display());
+                self.refuse(&e);
                 return;
             }
         };
@@ -351,7 +363,7 @@ impl RotatingLog {
                 match open() {
                     Ok(g) => f = g,
                     Err(e) => {
-                        log::warn!("not logging to {}: {e}", self.path.display());
+                        self.refuse(&e);
                         return;
                     }
                 }
@@ -396,13 +408,12 @@ impl ConfigFileTrigger {
     /// file does not exist yet.
     pub fn setup(dir: &Path, target: &Target, output: &Path) -> Result<Self> {
         let dir = check_dir(dir)?;
-        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        // From here on, DIR is reached through one descriptor, opened with no
-        // symlink anywhere in its path (the job's user owns DIR and may swap
-        // anything inside it at any time).
-        let dir_fd = hostfs::open_dir_nofollow(&dir).with_context(|| {
+        // From here on, DIR is reached through one descriptor, created and
+        // opened with no symlink anywhere in its path (the job's user owns
+        // DIR and may swap anything inside it at any time).
+        let dir_fd = hostfs::create_dir_all_nofollow(&dir, 0o755).with_context(|| {
             format!(
-                "opening {} (symlinks are not allowed in its path)",
+                "creating {} (symlinks are not allowed in its path)",
                 dir.display()
             )
         })?;
