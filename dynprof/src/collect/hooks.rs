@@ -363,3 +363,55 @@ impl WindowHook for UserHooks {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hook log is a new file reached without following links: a symlink
+    /// planted at its name is not written through (the hook's output is
+    /// dropped and the error recorded). Strings from the target reach the
+    /// command only as environment values, which the shell does not run.
+    #[test]
+    fn hook_log_never_through_a_link_and_target_strings_stay_data() {
+        let base = crate::output::tests_support::tempdir("hooks-log");
+        let victim = base.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::fs::create_dir(base.join("hooks")).unwrap();
+        let log = base.join("hooks/on-window-start.log");
+        std::os::unix::fs::symlink(&victim, &log).unwrap();
+        let run = run_hook(
+            "on-window-start",
+            "echo written",
+            &[],
+            Duration::from_secs(10),
+            &log,
+            0,
+        );
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        assert!(
+            run.error.as_deref().unwrap_or("").contains("creating"),
+            "{run:?}"
+        );
+
+        let log2 = base.join("hooks/on-window-end.log");
+        let pwned = base.join("pwned");
+        let hostile = format!(
+            "c1; touch {} #$(touch {})",
+            pwned.display(),
+            pwned.display()
+        );
+        let run = run_hook(
+            "on-window-end",
+            "printf '%s' \"$DYNPROF_CONTAINER\"",
+            &[("DYNPROF_CONTAINER".into(), hostile.clone())],
+            Duration::from_secs(10),
+            &log2,
+            0,
+        );
+        assert_eq!(run.exit_code, Some(0), "{run:?}");
+        assert_eq!(std::fs::read_to_string(&log2).unwrap(), hostile);
+        assert!(!pwned.exists());
+        let _ = std::fs::remove_dir_all(&base);
+    }
+}
