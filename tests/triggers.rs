@@ -313,7 +313,7 @@ fn config_file_template_edit_invalid_and_unknown_fields() {
     // An edit triggers a window; prof_dir and metadata are honoured.
     write_config(
         &cfg,
-        json!({"start_step": -1, "warmup": 1, "active": 2, "prof_dir": out.to_str().unwrap(), "metadata": {"run": "first"}}),
+        json!({"start_step": -1, "warmup": 1, "active": 2, "prof_dir": ".", "metadata": {"run": "first"}}),
     );
     let dirs = wait_prof_dirs(&out, 1, T);
     let m = meta(&dirs[0]);
@@ -345,12 +345,12 @@ fn config_file_template_edit_invalid_and_unknown_fields() {
     // Unknown and no-effect fields: accepted, one warning each.
     write_config(
         &cfg,
-        json!({"start_step": -1, "active": 1, "prof_dir": out.to_str().unwrap(), "my_field": 1, "analyse": true}),
+        json!({"start_step": -1, "active": 1, "prof_dir": ".", "my_field": 1, "analyse": true}),
     );
     wait_prof_dirs(&out, 2, T);
     write_config(
         &cfg,
-        json!({"start_step": -1, "active": 1, "prof_dir": out.to_str().unwrap(), "my_field": 2, "analyse": true}),
+        json!({"start_step": -1, "active": 1, "prof_dir": ".", "my_field": 2, "analyse": true}),
     );
     wait_prof_dirs(&out, 3, T);
     let t = std::fs::read_to_string(&dp).unwrap();
@@ -391,7 +391,7 @@ fn config_file_edit_during_window_is_deferred_and_last_wins() {
     // A long window (500 steps of 10 ms).
     write_config(
         &cfg,
-        json!({"start_step": -1, "active": 500, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "A"}}),
+        json!({"start_step": -1, "active": 500, "prof_dir": ".", "metadata": {"tag": "A"}}),
     );
     let until = Instant::now() + T;
     while tmp_dirs(&out).is_empty() {
@@ -404,12 +404,12 @@ fn config_file_edit_during_window_is_deferred_and_last_wins() {
     }
     write_config(
         &cfg,
-        json!({"start_step": -1, "active": 2, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "B"}}),
+        json!({"start_step": -1, "active": 2, "prof_dir": ".", "metadata": {"tag": "B"}}),
     );
     wait_file_contains(&monitor, "change 2 deferred", T);
     write_config(
         &cfg,
-        json!({"start_step": -1, "active": 3, "prof_dir": out.to_str().unwrap(), "metadata": {"tag": "C"}}),
+        json!({"start_step": -1, "active": 3, "prof_dir": ".", "metadata": {"tag": "C"}}),
     );
     wait_file_contains(&monitor, "change 3 deferred", T);
     let dirs = wait_prof_dirs(&out, 2, T);
@@ -459,13 +459,13 @@ fn config_file_rank_filter() {
     );
     write_config(
         &cfg,
-        json!({"start_step": -1, "is_rank": true, "rank_list": [0, 1], "prof_dir": out.to_str().unwrap()}),
+        json!({"start_step": -1, "is_rank": true, "rank_list": [0, 1], "prof_dir": "."}),
     );
     let t = wait_file_contains(&monitor, "change 1 did not take effect", T);
     assert!(t.contains("rank 3 is not in rank_list"), "{t}");
     write_config(
         &cfg,
-        json!({"start_step": -1, "is_rank": true, "rank_list": [1, 3], "prof_dir": out.to_str().unwrap()}),
+        json!({"start_step": -1, "is_rank": true, "rank_list": [1, 3], "prof_dir": "."}),
     );
     let dirs = wait_prof_dirs(&out, 1, T);
     assert_eq!(meta(&dirs[0])["target"]["rank"], 3);

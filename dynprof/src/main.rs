@@ -55,7 +55,12 @@ fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("dynprof: error: {e:#}");
-        std::process::exit(1);
+        // Exit codes: docs/exit-codes.md.
+        let code = match e.downcast_ref::<dynprof::window::writer::WindowsNotWritten>() {
+            Some(_) => dynprof::window::writer::WindowsNotWritten::EXIT_CODE,
+            None => 1,
+        };
+        std::process::exit(code);
     }
 }
 

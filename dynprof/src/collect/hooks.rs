@@ -47,13 +47,17 @@ pub struct HookRun {
 }
 
 /// The final name of a window directory still being written
-/// (`.PROF_x_tmp` → `PROF_x`).
+/// (`.PROF_x.<random>_tmp` → `PROF_x`; see `window::profdir`).
 pub fn final_dir(dir: &Path) -> PathBuf {
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    match name.strip_prefix('.').and_then(|n| n.strip_suffix("_tmp")) {
+    match name
+        .strip_prefix('.')
+        .and_then(|n| n.strip_suffix("_tmp"))
+        .and_then(|n| n.split('.').next())
+    {
         Some(n) => dir.with_file_name(n),
         None => dir.to_path_buf(),
     }
@@ -116,11 +120,9 @@ pub fn run_hook(
         error: None,
         log: log.to_path_buf(),
     };
-    let out = log
-        .parent()
-        .map(std::fs::create_dir_all)
-        .transpose()
-        .and_then(|_| std::fs::File::create(log));
+    // A new file (O_EXCL|O_NOFOLLOW) in the window directory, reached
+    // without following any symlink: never an existing file or a link.
+    let out = crate::sys::hostfs::create_file_path(log);
     let (stdout, stderr) = match out.and_then(|f| Ok((f.try_clone()?, f))) {
         Ok((a, b)) => (Stdio::from(a), Stdio::from(b)),
         Err(e) => {
@@ -248,10 +250,12 @@ fn write_late(tmp: &Path, v: &Value) {
     let fin = final_dir(tmp);
     let mut text = serde_json::to_vec_pretty(v).unwrap_or_default();
     text.push(b'\n');
+    // The window may belong to the job's user by now (`--chown`): reach it
+    // without following links, write through a random O_EXCL temporary.
     let write = |d: &Path| -> std::io::Result<()> {
-        std::fs::create_dir_all(d.join("hooks"))?;
-        std::fs::write(d.join("hooks/.hooks.json.tmp"), &text)?;
-        std::fs::rename(d.join("hooks/.hooks.json.tmp"), d.join("hooks/hooks.json"))
+        crate::sys::hostfs::open_dir_nofollow(d)?
+            .create_subdir("hooks", crate::sys::hostfs::DIR_MODE)?
+            .write_atomic("hooks.json", &text)
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -357,5 +361,57 @@ impl WindowHook for UserHooks {
             let _ = h.join();
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hook log is a new file reached without following links: a symlink
+    /// planted at its name is not written through (the hook's output is
+    /// dropped and the error recorded). Strings from the target reach the
+    /// command only as environment values, which the shell does not run.
+    #[test]
+    fn hook_log_never_through_a_link_and_target_strings_stay_data() {
+        let base = crate::output::tests_support::tempdir("hooks-log");
+        let victim = base.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::fs::create_dir(base.join("hooks")).unwrap();
+        let log = base.join("hooks/on-window-start.log");
+        std::os::unix::fs::symlink(&victim, &log).unwrap();
+        let run = run_hook(
+            "on-window-start",
+            "echo written",
+            &[],
+            Duration::from_secs(10),
+            &log,
+            0,
+        );
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        assert!(
+            run.error.as_deref().unwrap_or("").contains("creating"),
+            "{run:?}"
+        );
+
+        let log2 = base.join("hooks/on-window-end.log");
+        let pwned = base.join("pwned");
+        let hostile = format!(
+            "c1; touch {} #$(touch {})",
+            pwned.display(),
+            pwned.display()
+        );
+        let run = run_hook(
+            "on-window-end",
+            "printf '%s' \"$DYNPROF_CONTAINER\"",
+            &[("DYNPROF_CONTAINER".into(), hostile.clone())],
+            Duration::from_secs(10),
+            &log2,
+            0,
+        );
+        assert_eq!(run.exit_code, Some(0), "{run:?}");
+        assert_eq!(std::fs::read_to_string(&log2).unwrap(), hostile);
+        assert!(!pwned.exists());
+        let _ = std::fs::remove_dir_all(&base);
     }
 }

@@ -232,6 +232,7 @@ pub async fn drive(
         _ => None,
     };
     let collect = d.window.collectors()?;
+    let chown = d.window.chown_owner(target.host_pid)?;
 
     let t_resolve = Instant::now();
     let (resolved, frozen) = resolve_waiting(&target, &d.markers, wait, d.mode_name == "launch")
@@ -257,6 +258,7 @@ pub async fn drive(
             },
             json: d.json,
             collect: collect.clone(),
+            chown,
         });
         for c in std::mem::take(&mut d.collectors) {
             s.add_collector(c);
@@ -266,6 +268,7 @@ pub async fn drive(
         }
         s
     });
+    let failures = sched.as_ref().map(|s| s.failures());
     if let (Some(s), Some(c)) = (&mut sched, config) {
         s.set_config_trigger(c);
     }
@@ -350,6 +353,11 @@ pub async fn drive(
     drop(tx);
     print_summary(d.json, &session.target, &summary);
     drop(lock);
+    // A window that was asked for and is not on disk is a failure.
+    let failed = failures.map_or(0, |f| f.load(std::sync::atomic::Ordering::Relaxed));
+    if failed > 0 {
+        return Err(crate::window::writer::WindowsNotWritten(failed).into());
+    }
     Ok(summary)
 }
 

@@ -6,8 +6,6 @@ pub mod model;
 pub mod report;
 pub mod tables;
 
-use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -71,22 +69,14 @@ pub fn write_window_files(
     Ok(written)
 }
 
-/// Writes `path` via `path.tmp` and a rename, so that a reader (or a crash)
-/// sees either the whole file or none of it.
+/// Writes `path` completely or not at all: a new file under an
+/// unpredictable name next to it (`O_CREAT|O_EXCL|O_NOFOLLOW`), fsynced,
+/// then renamed over `path`. The parent directory is opened without
+/// following any symlink (see [`crate::sys::hostfs`]), so a link planted in
+/// a window directory or on its path is never written through.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let result = (|| -> std::io::Result<()> {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result.with_context(|| format!("writing {}", path.display()))
+    crate::sys::hostfs::write_atomic_path(path, bytes)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 #[cfg(test)]

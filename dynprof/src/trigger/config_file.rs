@@ -16,8 +16,8 @@
 use std::{
     collections::BTreeSet,
     ffi::CString,
-    fs::{self, OpenOptions},
-    io::Write as _,
+    fs,
+    io::{Read as _, Write as _},
     os::unix::ffi::OsStrExt as _,
     path::{Component, Path, PathBuf},
     time::{Duration, SystemTime},
@@ -28,7 +28,12 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{PlanRequest, Source};
-use crate::{session::Command, target::Target, window::Plan};
+use crate::{
+    session::Command,
+    sys::hostfs::{self, HostDir, escape_untrusted},
+    target::Target,
+    window::Plan,
+};
 
 pub const CONFIG_FILE: &str = "profiler_config.json";
 
@@ -289,45 +294,82 @@ pub fn check_dir(dir: &Path) -> Result<PathBuf> {
     Ok(clean)
 }
 
-/// A size-rotated log file.
+/// A size-rotated log file in the (user-owned) log directory.
+///
+/// The directory is held open; the file is opened relative to it with
+/// `O_NOFOLLOW|O_APPEND` at every write and must be a regular file with one
+/// link, owned by root, dynprof or the directory's owner: a symlink or hard
+/// link planted at its name is refused, never written through. Every line
+/// is escaped ([`escape_untrusted`]): a string from the target stays one line.
 pub struct RotatingLog {
+    /// Said once on stderr that the file is refused (not at every line).
+    refused: std::sync::atomic::AtomicBool,
+    dir: HostDir,
+    name: String,
     path: PathBuf,
+    /// The log directory's owner (the job's user, typically).
+    owner: u32,
     max: u64,
 }
 
 impl RotatingLog {
-    pub fn new(path: PathBuf) -> Self {
+    pub fn new(dir: &HostDir, name: &str) -> Result<Self> {
         let max = std::env::var("DYNPROF_CONFIG_LOG_MAX_BYTES")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(LOG_MAX_BYTES);
-        Self { path, max }
+        Ok(Self {
+            refused: std::sync::atomic::AtomicBool::new(false),
+            dir: dir.try_clone()?,
+            name: name.to_string(),
+            path: dir.path().join(name),
+            owner: dir.stat()?.st_uid,
+            max,
+        })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
+    fn refuse(&self, e: &std::io::Error) {
+        if !self
+            .refused
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            log::warn!("not logging to {}: {e}", self.path.display());
+        }
+    }
+
     pub fn write(&self, level: &str, msg: &str) {
-        if fs::metadata(&self.path)
-            .map(|m| m.len() >= self.max)
-            .unwrap_or(false)
-        {
-            let mut rotated = self.path.as_os_str().to_owned();
-            rotated.push(".1");
-            let _ = fs::rename(&self.path, PathBuf::from(rotated));
-        }
         let line = format!(
-            "[{}] [{level}] {msg}\n",
-            crate::window::profdir::local_timestamp_human()
+            "[{}] [{level}] {}\n",
+            crate::window::profdir::local_timestamp_human(),
+            escape_untrusted(msg)
         );
-        if let Ok(mut f) = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.path)
-        {
-            let _ = f.write_all(line.as_bytes());
+        let open = || self.dir.open_append(&self.name, Some(self.owner), 0o644);
+        let mut f = match open() {
+            Ok(f) => f,
+            Err(e) => {
+                self.refuse(&e);
+                return;
+            }
+        };
+        if f.metadata().map(|m| m.len() >= self.max).unwrap_or(false) {
+            let rotated = format!("{}.1", self.name);
+            // renameat inside the held directory replaces a name, never
+            // follows it.
+            if self.dir.rename(&self.name, &rotated).is_ok() {
+                match open() {
+                    Ok(g) => f = g,
+                    Err(e) => {
+                        self.refuse(&e);
+                        return;
+                    }
+                }
+            }
         }
+        let _ = f.write_all(line.as_bytes());
     }
 }
 
@@ -346,6 +388,8 @@ fn hostname() -> String {
 pub struct ConfigFileTrigger {
     pub dir: PathBuf,
     pub path: PathBuf,
+    /// DIR, held open: every file in it is reached through this descriptor.
+    dir_fd: HostDir,
     log: RotatingLog,
     monitor: RotatingLog,
     rank: Option<u32>,
@@ -364,16 +408,27 @@ impl ConfigFileTrigger {
     /// file does not exist yet.
     pub fn setup(dir: &Path, target: &Target, output: &Path) -> Result<Self> {
         let dir = check_dir(dir)?;
-        fs::create_dir_all(dir.join("log"))
-            .with_context(|| format!("creating {}/log", dir.display()))?;
+        // From here on, DIR is reached through one descriptor, created and
+        // opened with no symlink anywhere in its path (the job's user owns
+        // DIR and may swap anything inside it at any time).
+        let dir_fd = hostfs::create_dir_all_nofollow(&dir, 0o755).with_context(|| {
+            format!(
+                "creating {} (symlinks are not allowed in its path)",
+                dir.display()
+            )
+        })?;
+        let log_dir = dir_fd
+            .create_subdir("log", 0o755)
+            .with_context(|| format!("opening {}/log (a symlink is refused)", dir.display()))?;
         let rank = target.rank.map(i64::from).unwrap_or(-1);
         let stem = format!("dp_{}_{}_rank_{rank}.log", hostname(), target.host_pid);
-        let log = RotatingLog::new(dir.join("log").join(&stem));
-        let monitor = RotatingLog::new(dir.join("log").join(format!("monitor_{stem}")));
+        let log = RotatingLog::new(&log_dir, &stem)?;
+        let monitor = RotatingLog::new(&log_dir, &format!("monitor_{stem}"))?;
         let path = dir.join(CONFIG_FILE);
         let mut t = Self {
             dir: dir.clone(),
             path: path.clone(),
+            dir_fd,
             log,
             monitor,
             rank: target.rank,
@@ -383,17 +438,16 @@ impl ConfigFileTrigger {
             changes: 0,
             initial: None,
         };
-        if path.exists() {
+        let text = serde_json::to_string_pretty(&template())? + "\n";
+        if t.write_template(text.as_bytes())? {
+            t.info(&format!("wrote the template {}", path.display()));
+        } else {
             t.info(&format!(
                 "{} exists; it takes effect when it is next saved",
                 path.display()
             ));
-        } else {
-            let text = serde_json::to_string_pretty(&template())? + "\n";
-            crate::output::write_atomic(&path, text.as_bytes())?;
-            t.info(&format!("wrote the template {}", path.display()));
         }
-        t.initial = stamp(&path);
+        t.initial = stamp(&t.dir_fd);
         let hello = format!(
             "dynprof {} (PID {}) watching {} for target PID {} (rank {rank})",
             env!("CARGO_PKG_VERSION"),
@@ -404,6 +458,42 @@ impl ConfigFileTrigger {
         t.info(&hello);
         t.monitor.write("INFO", &hello);
         Ok(t)
+    }
+
+    /// Writes the template unless a file is already there: a random
+    /// O_EXCL|O_NOFOLLOW temporary in DIR, handed to DIR's owner (who edits
+    /// it), then renamed to `profiler_config.json` without replacing
+    /// anything. Returns whether it was written.
+    fn write_template(&self, bytes: &[u8]) -> Result<bool> {
+        let d = &self.dir_fd;
+        if rustix::fs::statat(d, CONFIG_FILE, rustix::fs::AtFlags::SYMLINK_NOFOLLOW).is_ok() {
+            return Ok(false);
+        }
+        let (tmp, mut f) = d
+            .create_temp_file(CONFIG_FILE)
+            .with_context(|| format!("creating a temporary file in {}", self.dir.display()))?;
+        let st = d.stat()?;
+        let r = (|| -> std::io::Result<bool> {
+            f.write_all(bytes)?;
+            rustix::fs::fchmod(&f, rustix::fs::Mode::from_raw_mode(0o644))?;
+            if st.st_uid != rustix::process::geteuid().as_raw() {
+                rustix::fs::fchown(
+                    &f,
+                    Some(rustix::process::Uid::from_raw(st.st_uid)),
+                    Some(rustix::process::Gid::from_raw(st.st_gid)),
+                )?;
+            }
+            f.sync_all()?;
+            match d.rename_noreplace(&tmp, CONFIG_FILE) {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+                Err(e) => Err(e),
+            }
+        })();
+        if !matches!(r, Ok(true)) {
+            let _ = d.unlink(&tmp);
+        }
+        r.with_context(|| format!("writing {}", self.path.display()))
     }
 
     pub fn log_path(&self) -> &Path {
@@ -417,11 +507,11 @@ impl ConfigFileTrigger {
         self.log.write("INFO", m);
     }
     pub fn warn(&self, m: &str) {
-        log::warn!("{m}");
+        log::warn!("{}", escape_untrusted(m));
         self.log.write("WARNING", m);
     }
     pub fn error(&self, m: &str) {
-        log::error!("{m}");
+        log::error!("{}", escape_untrusted(m));
         self.log.write("ERROR", m);
     }
 
@@ -522,15 +612,24 @@ impl ConfigFileTrigger {
             self.monitor.write("INFO", &m);
             // Still submitted: it cancels a pending plan.
         }
-        let prof = PathBuf::from(&parsed.prof_dir);
-        let output = if prof.is_absolute() {
-            prof
-        } else {
-            self.output.join(prof)
+        // The file is the job's input: it may choose a place inside the
+        // output directory the operator gave, nothing else.
+        let rel = match hostfs::confine_relative(&parsed.prof_dir) {
+            Ok(rel) => rel,
+            Err(why) => {
+                let m = format!(
+                    "change {n} did not take effect: prof_dir \"{}\" refused: {why}; windows go below {}",
+                    escape_untrusted(&parsed.prof_dir),
+                    self.output.display()
+                );
+                self.error(&m);
+                self.monitor.write("ERROR", &m);
+                return None;
+            }
         };
         let mut req = PlanRequest::new(parsed.plan, Source::ConfigFile);
         req.collect = Some(parsed.collect.clone());
-        req.output = Some(output);
+        req.output = (!rel.as_os_str().is_empty()).then_some(rel);
         req.metadata = parsed.metadata.clone();
         req.config = Some(parsed.raw.clone());
         req.change = Some(n);
@@ -573,7 +672,7 @@ impl ConfigFileTrigger {
     /// [`ConfigChanged`] command.
     pub fn spawn_watcher(&self, tx: UnboundedSender<Command>) -> Result<()> {
         let dir = self.dir.clone();
-        let path = self.path.clone();
+        let dir_fd = self.dir_fd.try_clone()?;
         let initial = self.initial.clone();
         let fd = inotify_watch(&dir);
         match &fd {
@@ -609,7 +708,7 @@ impl ConfigFileTrigger {
                     if !changed {
                         continue;
                     }
-                    let now = stamp(&path);
+                    let now = stamp(&dir_fd);
                     if now == last || now.is_none() {
                         continue;
                     }
@@ -620,7 +719,7 @@ impl ConfigFileTrigger {
                         continue;
                     }
                     last = now.clone();
-                    let content = fs::read_to_string(&path).map_err(|e| e.to_string());
+                    let content = read_config(&dir_fd).map_err(|e| e.to_string());
                     if tx.send(Box::new(ConfigChanged { content })).is_err() {
                         return;
                     }
@@ -631,13 +730,34 @@ impl ConfigFileTrigger {
     }
 }
 
+/// Largest profiler_config.json read (the template is under 1 KiB).
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Reads profiler_config.json through DIR's descriptor: a symlink, FIFO or
+/// device at the name is refused (it would let the job's user make root
+/// read, and quote in the log, a file they cannot read), and at most
+/// [`MAX_CONFIG_BYTES`] are read.
+fn read_config(dir: &HostDir) -> std::io::Result<String> {
+    let f = dir.open_read(CONFIG_FILE)?;
+    let mut text = String::new();
+    std::io::Read::take(f, MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {MAX_CONFIG_BYTES} bytes"),
+        ));
+    }
+    Ok(text)
+}
+
 /// (mtime, size, content): two events of one save compare equal.
-fn stamp(p: &Path) -> Option<(SystemTime, u64, String)> {
-    let m = fs::metadata(p).ok()?;
+fn stamp(dir: &HostDir) -> Option<(SystemTime, u64, String)> {
+    let f = dir.open_read(CONFIG_FILE).ok()?;
+    let m = f.metadata().ok()?;
     Some((
         m.modified().ok()?,
         m.len(),
-        fs::read_to_string(p).unwrap_or_default(),
+        read_config(dir).unwrap_or_default(),
     ))
 }
 
@@ -791,10 +911,8 @@ mod tests {
     fn log_rotates() {
         let base = std::env::temp_dir().join(format!("dynprof-cfglog-{}", std::process::id()));
         fs::create_dir_all(&base).unwrap();
-        let l = RotatingLog {
-            path: base.join("x.log"),
-            max: 100,
-        };
+        let mut l = RotatingLog::new(&hostfs::open_dir_nofollow(&base).unwrap(), "x.log").unwrap();
+        l.max = 100;
         for i in 0..10 {
             l.write(
                 "INFO",
@@ -803,6 +921,22 @@ mod tests {
         }
         assert!(base.join("x.log.1").is_file());
         assert!(fs::metadata(base.join("x.log")).unwrap().len() < 200);
+        // A newline in a message stays on its line.
+        let _ = fs::remove_file(base.join("x.log"));
+        l.write("WARNING", "field `\ntouch X; id > X #` ignored");
+        let text = fs::read_to_string(base.join("x.log")).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(
+            text.contains("field `\\ntouch X; id > X #` ignored"),
+            "{text}"
+        );
+        // A symlink planted at the log's name is not written through.
+        let victim = base.join("victim");
+        fs::write(&victim, "keep").unwrap();
+        let _ = fs::remove_file(base.join("x.log"));
+        std::os::unix::fs::symlink(&victim, base.join("x.log")).unwrap();
+        l.write("INFO", "hello");
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
         let _ = fs::remove_dir_all(&base);
     }
 }

@@ -4,7 +4,7 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::{Result, bail};
 use clap::Args;
 
-use super::Plan;
+use super::{Plan, profdir::Owner};
 use crate::{
     cli::{SECS_MAX, STEPS_MAX, int},
     trigger::{PlanRequest, Source},
@@ -53,6 +53,13 @@ pub struct WindowArgs {
     #[arg(long, short = 'o', value_name = "DIR", default_value = ".")]
     pub output: PathBuf,
 
+    /// Hand each finished window (directory and files) to the job's owner
+    /// (`target`: the target's effective uid and gid) or to UID[:GID]
+    /// (GID defaults to UID's primary group). Default: windows stay owned by
+    /// the user running dynprof, mode 0750/0640.
+    #[arg(long, value_name = "target|UID[:GID]", value_parser = parse_chown)]
+    pub chown: Option<Chown>,
+
     /// Interactive console (`dynprof>` prompt: start, stop, capture, status,
     /// quit, help). Default when no plan flags are given and stdin is a TTY.
     #[arg(long)]
@@ -84,6 +91,39 @@ pub struct WindowArgs {
     /// Options of the built-in collectors (`--cpu-hz`, `--api`).
     #[command(flatten)]
     pub collector_opts: crate::collect::CollectArgs,
+}
+
+/// `--chown`: who finished windows are handed to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Chown {
+    /// The target's own (effective) uid and gid.
+    Target,
+    Id {
+        uid: u32,
+        gid: Option<u32>,
+    },
+}
+
+fn parse_chown(s: &str) -> std::result::Result<Chown, String> {
+    if s == "target" {
+        return Ok(Chown::Target);
+    }
+    let num = |v: &str, what: &str| {
+        v.parse::<u32>()
+            .ok()
+            .filter(|n| *n != u32::MAX)
+            .ok_or_else(|| {
+                format!("`{v}` is not a numeric {what} (expected `target` or UID[:GID])")
+            })
+    };
+    let (u, g) = match s.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (s, None),
+    };
+    Ok(Chown::Id {
+        uid: num(u, "uid")?,
+        gid: g.map(|g| num(g, "gid")).transpose()?,
+    })
 }
 
 /// Which trigger drives the session.
@@ -178,7 +218,52 @@ impl WindowArgs {
         Ok(r)
     }
 
+    /// The owner `--chown` names, resolved against the target.
+    pub fn chown_owner(&self, target: crate::types::HostPid) -> Result<Option<Owner>> {
+        Ok(match self.chown {
+            None => None,
+            Some(Chown::Target) => {
+                let (uid, gid) = crate::sys::hostfs::process_owner(target.0)?;
+                Some(Owner {
+                    uid,
+                    gid: Some(gid),
+                })
+            }
+            Some(Chown::Id { uid, gid }) => Some(Owner {
+                uid,
+                gid: gid.or_else(|| crate::sys::hostfs::primary_gid(uid)),
+            }),
+        })
+    }
+
     pub fn idle_timeout(&self) -> Option<Duration> {
         (self.idle_timeout > 0).then(|| Duration::from_secs(self.idle_timeout))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chown_values() {
+        assert_eq!(parse_chown("target"), Ok(Chown::Target));
+        assert_eq!(
+            parse_chown("1000"),
+            Ok(Chown::Id {
+                uid: 1000,
+                gid: None
+            })
+        );
+        assert_eq!(
+            parse_chown("1000:50"),
+            Ok(Chown::Id {
+                uid: 1000,
+                gid: Some(50)
+            })
+        );
+        for bad in ["", "alice", "-1", "1:x", "4294967295"] {
+            assert!(parse_chown(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -14,6 +14,10 @@
 //!   cycle is at most two steps away.
 use std::{
     path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -35,6 +39,7 @@ use crate::{
         model::{Drops, StepSpan, WindowData},
     },
     session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
+    sys::hostfs::OutputRoot,
     target::Target,
     trigger::{
         ConsoleCommand, ConsoleRequest, NoticePrinter, PlanRequest, Reply, SetNoticePrinter,
@@ -72,6 +77,8 @@ pub struct SchedulerOptions {
     pub json: bool,
     /// Collectors for plans that do not name theirs (`--collect`); `None` = all.
     pub collect: Option<Vec<String>>,
+    /// `--chown`: who finished windows are handed to.
+    pub chown: Option<super::profdir::Owner>,
 }
 
 /// One window written to disk.
@@ -150,6 +157,10 @@ pub struct Scheduler {
     rate: f64,
     /// Publishes closed windows off the event loop (started on first use).
     writer: Option<Writer>,
+    /// `opts.output`, validated and held open (see [`crate::sys::hostfs`]).
+    root: Option<OutputRoot>,
+    /// Windows that were asked for but could not be written (exit code).
+    failures: Arc<AtomicUsize>,
 }
 
 impl Scheduler {
@@ -174,7 +185,24 @@ impl Scheduler {
             target: None,
             rate: 0.0,
             writer: None,
+            root: None,
+            failures: Arc::new(AtomicUsize::new(0)),
         }
+    }
+
+    /// Counts windows that were asked for but could not be written; read it
+    /// after the session to choose the exit code.
+    pub fn failures(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.failures)
+    }
+
+    /// The output root, validated on first use: a path through a symlink or
+    /// a directory another user could change is refused here.
+    fn root(&mut self) -> Result<&OutputRoot> {
+        if self.root.is_none() {
+            self.root = Some(OutputRoot::open(&self.opts.output)?);
+        }
+        Ok(self.root.as_ref().expect("just set"))
     }
 
     /// Registers a collector; plans arm it when their `collect` list names it
@@ -220,6 +248,8 @@ impl Scheduler {
         initial: Option<PlanRequest>,
     ) -> Result<()> {
         self.remember_target(target);
+        // Before anything is attached: a bad --output is a startup error.
+        self.root()?;
         self.prepare_hooks(target);
         if let Some(req) = initial {
             let msg = self.submit(req, kernel)?;
@@ -283,6 +313,7 @@ impl Scheduler {
                     msg
                 }
                 Err(e) => {
+                    self.failures.fetch_add(1, Ordering::Relaxed);
                     let m = format!("window {id} could not be written: {e:#}");
                     log::error!("{m}");
                     m
@@ -589,6 +620,7 @@ impl Scheduler {
                 if let Err(e) = self.open_window(cycle, base, k, ts, ctx) {
                     // E.g. an unwritable output directory: give up this
                     // plan, keep the session (and other triggers) alive.
+                    self.failures.fetch_add(1, Ordering::Relaxed);
                     let m = format!("window could not be opened, plan cancelled: {e:#}");
                     log::error!("{m}");
                     if let Some(c) = &mut self.config {
@@ -624,11 +656,16 @@ impl Scheduler {
         self.arm(ctx.kernel);
         let id = WindowId(self.next_id);
         self.next_id += 1;
-        let output = req
-            .output
-            .clone()
-            .unwrap_or_else(|| self.opts.output.clone());
-        let prof = ProfDir::create(&output, ctx.target.host_pid, id)?;
+        let chown = self.opts.chown;
+        let root = self.root()?;
+        // A config file's `prof_dir` was confined to a relative path below
+        // the root when it was parsed; no symlink is followed here either.
+        let parent = match &req.output {
+            Some(rel) => root.subdir(rel)?,
+            None => root.dir().try_clone()?,
+        };
+        let mut prof = ProfDir::create(&parent, ctx.target.host_pid, id)?;
+        prof.set_owner(chown);
         let first_recorded = base + req.plan.warmup;
         let last_recorded = match stop_last {
             Some(l) => l,

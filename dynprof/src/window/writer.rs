@@ -22,6 +22,28 @@ use crate::{
     types::{StepIndex, WindowId},
 };
 
+/// The session ended with window(s) asked for but not written (disk
+/// full, unwritable output): `dynprof` exits with [`WindowsNotWritten::EXIT_CODE`].
+#[derive(Debug)]
+pub struct WindowsNotWritten(pub usize);
+
+impl WindowsNotWritten {
+    /// See docs/exit-codes.md.
+    pub const EXIT_CODE: i32 = 3;
+}
+
+impl std::fmt::Display for WindowsNotWritten {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} requested window(s) could not be written (see the messages above)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for WindowsNotWritten {}
+
 /// One window to publish.
 pub struct WriteJob {
     pub id: WindowId,
@@ -163,7 +185,9 @@ fn publish(job: WriteJob) -> Result<WindowRecord> {
         last,
         ..
     } = job;
+    let mut files_missing = false;
     if let Err(e) = write_window_files(&prof.tmp, &data, &ran) {
+        files_missing = true;
         let m = format!("writing window files: {e:#}");
         if let Some(Value::Array(errors)) = meta.get_mut("errors") {
             errors.push(json!(m));
@@ -176,8 +200,17 @@ fn publish(job: WriteJob) -> Result<WindowRecord> {
         meta["incomplete_reason"] = json!(reason);
     }
     let dir: PathBuf = prof
-        .finish(&meta)
+        .finish(&meta, files_missing)
         .context("finishing the window directory")?;
+    if files_missing {
+        // The directory says so (`PROF_…_incomplete`, complete: false), but
+        // a window that was asked for is not on disk: the exit code says so.
+        anyhow::bail!(
+            "{}: {}",
+            dir.display(),
+            reason.as_deref().unwrap_or("files could not be written")
+        );
+    }
     Ok(WindowRecord {
         id,
         dir,
@@ -193,7 +226,7 @@ mod tests {
     use super::*;
     use crate::types::HostPid;
 
-    fn job(out: &std::path::Path, id: u32, tag: Option<u64>) -> WriteJob {
+    fn job(out: &crate::sys::hostfs::HostDir, id: u32, tag: Option<u64>) -> WriteJob {
         let prof = ProfDir::create(out, HostPid(7), WindowId(id)).unwrap();
         WriteJob {
             id: WindowId(id),
@@ -217,11 +250,13 @@ mod tests {
     /// only when all of them are.
     #[test]
     fn publishes_in_order_and_waits_for_all() {
-        let out = std::env::temp_dir().join(format!("dynprof-writer-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&out);
+        let root =
+            crate::sys::hostfs::OutputRoot::open(&crate::output::tests_support::tempdir("writer"))
+                .unwrap();
+        let out = root.dir();
         let mut w = Writer::spawn().unwrap();
         let jobs: Vec<WriteJob> = (1..=3)
-            .map(|i| job(&out, i, (i == 2).then_some(9)))
+            .map(|i| job(out, i, (i == 2).then_some(9)))
             .collect();
         let tmps: Vec<PathBuf> = jobs.iter().map(|j| j.prof.tmp.clone()).collect();
         for j in jobs {
@@ -243,6 +278,6 @@ mod tests {
             assert!(rec.dir.join("steps.csv").exists());
         }
         assert!(w.finished().is_empty());
-        let _ = std::fs::remove_dir_all(&out);
+        let _ = std::fs::remove_dir_all(root.path());
     }
 }
