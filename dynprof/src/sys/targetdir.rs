@@ -200,17 +200,21 @@ mod tests {
         std::fs::create_dir_all(&host).unwrap();
         std::fs::create_dir_all(host.join("PROF_host")).unwrap();
         let host_s = host.to_str().unwrap();
-        // Inside the root: /tmp -> <host dir>, which the root also has.
+        // Inside the root: /t -> <host dir>, which the root also has.
         std::fs::create_dir_all(base.join(host_s.trim_start_matches('/'))).unwrap();
-        symlink(host_s, base.join("tmp")).unwrap();
+        symlink(host_s, base.join("t")).unwrap();
         let root = TargetRoot::open(&base).unwrap();
-        assert_eq!(canonical(&root, "/tmp").unwrap(), host_s);
-        assert_eq!(canonical(&root, "/tmp/../tmp/./x").unwrap(), format!("{host_s}/x"));
+        assert_eq!(canonical(&root, "/t").unwrap(), host_s);
+        assert_eq!(canonical(&root, "/t/./").unwrap(), host_s);
+        // `..` after a link climbs from where the link led, as the kernel does.
+        let parent = host.parent().unwrap().to_str().unwrap();
+        assert_eq!(canonical(&root, "/t/..").unwrap(), parent);
+        assert!(canonical(&root, "/t/missing").is_err());
         let me = Owner {
             uid: rustix::process::getuid().as_raw(),
             gid: rustix::process::getgid().as_raw(),
         };
-        let d = ensure_dir(&root, "/tmp/out/a", me, true).unwrap();
+        let d = ensure_dir(&root, "/t/out/a", me, true).unwrap();
         assert!(d.created);
         assert_eq!(d.path, format!("{host_s}/out/a"));
         let inside = base.join(host_s.trim_start_matches('/')).join("out/a");
@@ -219,14 +223,14 @@ mod tests {
         // Nothing appeared on the host.
         let names: Vec<_> = std::fs::read_dir(&host).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["PROF_host"]);
-        assert!(ensure_dir(&root, "/tmp/out/a", me, true).is_err(), "fresh");
-        assert!(!ensure_dir(&root, "/tmp/out/a", me, false).unwrap().created);
+        assert!(ensure_dir(&root, "/t/out/a", me, true).is_err(), "fresh");
+        assert!(!ensure_dir(&root, "/t/out/a", me, false).unwrap().created);
         std::fs::create_dir(inside.join("PROF_1")).unwrap();
         symlink("/", inside.join("PROF_link")).unwrap();
-        assert_eq!(list_subdirs(&root, "/tmp/out/a", "PROF_").unwrap(), ["PROF_1"]);
-        assert_eq!(list_subdirs(&root, "/tmp", "PROF_").unwrap(), Vec::<String>::new());
+        assert_eq!(list_subdirs(&root, "/t/out/a", "PROF_").unwrap(), ["PROF_1"]);
+        assert_eq!(list_subdirs(&root, "/t", "PROF_").unwrap(), Vec::<String>::new());
         let other = Owner { uid: me.uid + 1, gid: me.gid };
-        let e = ensure_dir(&root, "/tmp/out/a", other, false).unwrap_err();
+        let e = ensure_dir(&root, "/t/out/a", other, false).unwrap_err();
         assert!(e.contains("owned by uid"), "{e}");
         let _ = std::fs::remove_dir_all(&base);
         let _ = std::fs::remove_dir_all(&host);
