@@ -126,7 +126,10 @@ fn pids_with(needle: &str) -> Vec<u32> {
         let Ok(cl) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
             continue;
         };
-        if String::from_utf8_lossy(&cl).replace('\0', " ").contains(needle) {
+        if String::from_utf8_lossy(&cl)
+            .replace('\0', " ")
+            .contains(needle)
+        {
             out.push(pid);
         }
     }
@@ -153,7 +156,11 @@ fn one_hook(args: &VendorArgs, target: &Target) -> Box<dyn WindowHook> {
 }
 
 /// One window: its msprof metadata (the PROF dir must be there).
-fn one_window(hook: &mut Box<dyn WindowHook>, target: &Target, scratch: &Path) -> serde_json::Value {
+fn one_window(
+    hook: &mut Box<dyn WindowHook>,
+    target: &Target,
+    scratch: &Path,
+) -> serde_json::Value {
     let w = window(1, scratch);
     hook.on_window_start(&w, target).unwrap();
     let meta = hook
@@ -163,7 +170,11 @@ fn one_window(hook: &mut Box<dyn WindowHook>, target: &Target, scratch: &Path) -
     assert_eq!(dirs.len(), 1, "{meta:#}");
     let name = dirs[0]["name"].as_str().unwrap();
     assert!(name.starts_with("PROF_"));
-    assert_eq!(dirs[0]["link"], format!("msprof/{name}"), "relative to the window");
+    assert_eq!(
+        dirs[0]["link"],
+        format!("msprof/{name}"),
+        "relative to the window"
+    );
     assert!(
         w.dir.join("msprof").join(name).join("end_info").is_file(),
         "{meta:#}"
@@ -218,9 +229,15 @@ fn msprof_of_a_uid_65534_job_runs_as_65534_with_the_jobs_capabilities_only() {
     let meta = one_window(&mut hook, &target, &scratch);
     // The default output: fresh, unpredictable, owned by the job's uid.
     let out = meta["output_in_target"].as_str().unwrap();
-    let name = Path::new(out).file_name().unwrap().to_string_lossy().into_owned();
+    let name = Path::new(out)
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     let prefix = format!("dynprof_msprof_{pid}_");
-    let suffix = name.strip_prefix(&prefix).unwrap_or_else(|| panic!("{out}"));
+    let suffix = name
+        .strip_prefix(&prefix)
+        .unwrap_or_else(|| panic!("{out}"));
     assert!(
         suffix.len() == 16 && suffix.chars().all(|c| c.is_ascii_hexdigit()),
         "{out}"
@@ -307,7 +324,10 @@ fn msprof_of_a_rootless_container_runs_in_its_user_pid_and_mount_namespaces() {
     }
     let target = Target::open(HostPid(host)).unwrap();
     let want = proc_status(host);
-    assert_eq!(want["Uid"], "65534 65534 65534 65534", "as the host sees it");
+    assert_eq!(
+        want["Uid"], "65534 65534 65534 65534",
+        "as the host sees it"
+    );
 
     let mut hook = one_hook(&args(&shared), &target);
     hook.prepare(&target).unwrap();
@@ -322,10 +342,7 @@ fn msprof_of_a_rootless_container_runs_in_its_user_pid_and_mount_namespaces() {
     }
     // From the host: the tool and the process that forked it into the PID
     // namespace both run as 65534, never as root.
-    let out = format!(
-        "--output={}",
-        hook_output(&mut hook, &target, &scratch)
-    );
+    let out = format!("--output={}", hook_output(&mut hook, &target, &scratch));
     let ms = pids_with(&out);
     assert_eq!(ms.len(), 1, "{ms:?}");
     let st = proc_status(ms[0]);
@@ -384,7 +401,15 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
     );
     let ns = Proc::spawn_ready(
         Command::new("unshare")
-            .args(["--mount", "--pid", "--fork", "--kill-child", "sh", "-c", &script])
+            .args([
+                "--mount",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "sh",
+                "-c",
+                &script,
+            ])
             .env("PROFILING_MODE", "dynamic"),
     );
     let u = ns.host_pid();
@@ -416,7 +441,10 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
     assert!(w.dir.join("msprof").join(name).join("end_info").is_file());
     let out = meta["output_in_target"].as_str().unwrap().to_string();
     // The default /tmp/dynprof_msprof_* resolved inside the container's root.
-    assert!(out.starts_with(&format!("{}/dynprof_msprof_", victim.display())), "{out}");
+    assert!(
+        out.starts_with(&format!("{}/dynprof_msprof_", victim.display())),
+        "{out}"
+    );
     let host_names: Vec<String> = std::fs::read_dir(&victim)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -433,6 +461,10 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(profs.len(), 1, "msprof wrote inside the container: {profs:?}");
+    assert_eq!(
+        profs.len(),
+        1,
+        "msprof wrote inside the container: {profs:?}"
+    );
     drop(ns);
 }

@@ -417,7 +417,9 @@ fn supervisor(shared: Arc<Shared>) {
             .any(|l| l.contains("No collection") || l.to_lowercase().contains("idle"))
         {
             "idle exit".to_string()
-        } else if cmds >= launch.max_commands || tail.iter().any(|l| l.contains("closed the connection")) {
+        } else if cmds >= launch.max_commands
+            || tail.iter().any(|l| l.contains("closed the connection"))
+        {
             "command limit".to_string()
         } else {
             format!("msprof exited ({status})")
@@ -572,7 +574,11 @@ impl MsprofHook {
         let (out, fresh) = match &self.cfg.output {
             Some(o) => (o.clone(), false),
             None => (
-                format!("/tmp/dynprof_msprof_{}_{}", target.host_pid, random_suffix()?),
+                format!(
+                    "/tmp/dynprof_msprof_{}_{}",
+                    target.host_pid,
+                    random_suffix()?
+                ),
                 true,
             ),
         };

@@ -299,9 +299,7 @@ pub fn cgroup_procs_path(e: &CgroupEntry, mounts: &[CgroupMount]) -> Option<Path
     mounts.iter().find_map(|m| {
         let matches = match &m.v1_controllers {
             None => e.is_v2(),
-            Some(have) => {
-                !e.is_v2() && e.controllers.iter().all(|c| have.iter().any(|h| h == c))
-            }
+            Some(have) => !e.is_v2() && e.controllers.iter().all(|c| have.iter().any(|h| h == c)),
         };
         if !matches {
             return None;
@@ -374,9 +372,7 @@ impl TargetCreds {
                 (Some(a), Some(b)) if a == b => {}
                 (None, None) => {} // this kernel lacks the namespace kind
                 (Some(_), Some(_)) => foreign_ns.push(kind),
-                (_, None) => bail!(
-                    "cannot read /proc/{p}/ns/{kind} (has PID {p} exited?)"
-                ),
+                (_, None) => bail!("cannot read /proc/{p}/ns/{kind} (has PID {p} exited?)"),
                 (None, Some(_)) => bail!("cannot read /proc/self/ns/{kind}"),
             }
         }
@@ -535,8 +531,9 @@ nonvoluntary_ctxt_switches:\t0
 
     #[test]
     fn id_maps_translate_host_ids_and_refuse_unmapped() {
-        let m = IdMap::parse("         0      65534          1\n      1000     100000      65536\n")
-            .unwrap();
+        let m =
+            IdMap::parse("         0      65534          1\n      1000     100000      65536\n")
+                .unwrap();
         assert_eq!(m.to_inside(65534), Some(0));
         assert_eq!(m.to_inside(100000), Some(1000));
         assert_eq!(m.to_inside(165535), Some(66535));

@@ -235,7 +235,9 @@ impl AsTarget {
         let mut cgroup_procs = Vec::new();
         for path in tc.cgroup_procs()? {
             let fd = rustix::fs::open(&path, OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty())
-                .with_context(|| format!("opening {} to join the target's cgroup", path.display()))?;
+                .with_context(|| {
+                    format!("opening {} to join the target's cgroup", path.display())
+                })?;
             cgroup_procs.push(fd);
         }
         let mut ns = Vec::new();
@@ -257,8 +259,7 @@ impl AsTarget {
             .context("parsing /proc/sys/kernel/cap_last_cap")?;
         let bounding_drop = bits(!c.caps.bounding, last_cap).collect();
         let ambient = bits(c.caps.ambient, last_cap).collect();
-        let fork =
-            tc.foreign_ns.contains(&NsKind::Pid) || tc.foreign_ns.contains(&NsKind::Time);
+        let fork = tc.foreign_ns.contains(&NsKind::Pid) || tc.foreign_ns.contains(&NsKind::Time);
         let mut fds = [0 as RawFd; 2];
         // SAFETY: pipe2 writes two fds into the array we pass.
         // Non-blocking: spawn() may fail after our steps (exec), with nothing written.
@@ -306,9 +307,7 @@ impl AsTarget {
     /// Spawns `cmd` as the target. Other `pre_exec` hooks registered on `cmd`
     /// before (setsid, the controlling tty) run first, as root.
     pub fn spawn(self, cmd: &mut Command) -> Result<std::process::Child> {
-        let AsTarget {
-            err_rd, err_wr, ..
-        } = &self;
+        let AsTarget { err_rd, err_wr, .. } = &self;
         let mut err_rd = err_rd.try_clone()?;
         let wr = err_wr.as_raw_fd();
         let plan = std::sync::Arc::new(self);
@@ -325,23 +324,21 @@ impl AsTarget {
             });
         }
         let res = cmd.spawn();
-        // Drop the pre_exec closure (and its copy of the plan's fds) now.
+        // The closure (and the plan's fds) stay with `cmd`; the caller drops it.
         drop(plan);
-        let res = match res {
-            Ok(child) => Ok(child),
-            Err(e) => {
-                let mut b = [0u8; 1];
-                let step = match err_rd.read(&mut b) {
-                    Ok(1) => Step::ALL.iter().find(|s| **s as u8 == b[0]).copied(),
-                    _ => None,
-                };
-                match step {
-                    Some(s) => Err(anyhow!("{}: {e}", s.describe())),
-                    None => Err(anyhow!(e)),
-                }
+        res.map_err(|e| {
+            // The child wrote the failed step before exiting (nothing when
+            // exec itself failed); the pipe is non-blocking.
+            let mut b = [0u8; 1];
+            let step = match err_rd.read(&mut b) {
+                Ok(1) => Step::ALL.iter().find(|s| **s as u8 == b[0]).copied(),
+                _ => None,
+            };
+            match step {
+                Some(s) => anyhow!("{}: {e}", s.describe()),
+                None => anyhow!(e),
             }
-        };
-        res
+        })
     }
 
     /// Runs in the child between fork and exec. Raw syscalls only.
@@ -355,7 +352,12 @@ impl AsTarget {
         unsafe {
             // Every fd still open becomes close-on-exec (fds opened without
             // O_CLOEXEC elsewhere never reach the target's tool).
-            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC);
+            libc::syscall(
+                libc::SYS_close_range,
+                3u32,
+                u32::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            );
             for fd in &self.cgroup_procs {
                 if libc::write(fd.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
                     return Err(err(Step::Cgroup));
@@ -397,11 +399,21 @@ impl AsTarget {
             }
             // Raw syscalls: glibc's wrappers would broadcast to other threads.
             ok(
-                libc::syscall(libc::SYS_setresgid, self.gids[0], self.gids[1], self.gids[2]),
+                libc::syscall(
+                    libc::SYS_setresgid,
+                    self.gids[0],
+                    self.gids[1],
+                    self.gids[2],
+                ),
                 Step::Gid,
             )?;
             ok(
-                libc::syscall(libc::SYS_setresuid, self.uids[0], self.uids[1], self.uids[2]),
+                libc::syscall(
+                    libc::SYS_setresuid,
+                    self.uids[0],
+                    self.uids[1],
+                    self.uids[2],
+                ),
                 Step::Uid,
             )?;
             let hdr = libc_cap_header();
@@ -453,7 +465,13 @@ impl AsTarget {
                 }
                 if child == 0 {
                     // The process that execs: dies with its intermediate.
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+                    libc::prctl(
+                        libc::PR_SET_PDEATHSIG,
+                        libc::SIGKILL as libc::c_ulong,
+                        0,
+                        0,
+                        0,
+                    );
                     return Ok(());
                 }
                 intermediate(child);

@@ -29,7 +29,11 @@ fn join(cur: &[String]) -> String {
 /// `path` with every symlink resolved inside the target's root: the path a
 /// process in the target would end up at (absolute, no `.`/`..`).
 pub fn canonical(root: &TargetRoot, path: &str) -> io::Result<String> {
-    let mut todo: Vec<String> = components(path).into_iter().rev().map(String::from).collect();
+    let mut todo: Vec<String> = components(path)
+        .into_iter()
+        .rev()
+        .map(String::from)
+        .collect();
     let mut cur: Vec<String> = Vec::new();
     let mut links = 0;
     while let Some(c) = todo.pop() {
@@ -194,7 +198,8 @@ mod tests {
     #[test]
     fn dirs_are_made_and_listed_inside_the_root_only() {
         let base = std::env::temp_dir().join(format!("dynprof-targetdir-{}", std::process::id()));
-        let host = std::env::temp_dir().join(format!("dynprof-targetdir-host-{}", std::process::id()));
+        let host =
+            std::env::temp_dir().join(format!("dynprof-targetdir-host-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&base);
         let _ = std::fs::remove_dir_all(&host);
         std::fs::create_dir_all(&host).unwrap();
@@ -221,15 +226,27 @@ mod tests {
         assert!(inside.is_dir());
         assert_eq!(std::fs::metadata(&inside).unwrap().mode() & 0o7777, 0o750);
         // Nothing appeared on the host.
-        let names: Vec<_> = std::fs::read_dir(&host).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let names: Vec<_> = std::fs::read_dir(&host)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(names, ["PROF_host"]);
         assert!(ensure_dir(&root, "/t/out/a", me, true).is_err(), "fresh");
         assert!(!ensure_dir(&root, "/t/out/a", me, false).unwrap().created);
         std::fs::create_dir(inside.join("PROF_1")).unwrap();
         symlink("/", inside.join("PROF_link")).unwrap();
-        assert_eq!(list_subdirs(&root, "/t/out/a", "PROF_").unwrap(), ["PROF_1"]);
-        assert_eq!(list_subdirs(&root, "/t", "PROF_").unwrap(), Vec::<String>::new());
-        let other = Owner { uid: me.uid + 1, gid: me.gid };
+        assert_eq!(
+            list_subdirs(&root, "/t/out/a", "PROF_").unwrap(),
+            ["PROF_1"]
+        );
+        assert_eq!(
+            list_subdirs(&root, "/t", "PROF_").unwrap(),
+            Vec::<String>::new()
+        );
+        let other = Owner {
+            uid: me.uid + 1,
+            gid: me.gid,
+        };
         let e = ensure_dir(&root, "/t/out/a", other, false).unwrap_err();
         assert!(e.contains("owned by uid"), "{e}");
         let _ = std::fs::remove_dir_all(&base);

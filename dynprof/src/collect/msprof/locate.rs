@@ -25,8 +25,12 @@ fn executable_in(root: &TargetRoot, path: &str) -> Option<(String, PathBuf)> {
     // The resolution happens inside the target's root (openat2
     // RESOLVE_IN_ROOT): a link to `/` or `..` never reaches the host.
     let resolved = targetdir::canonical(root, path).ok()?;
-    targetdir::is_executable_file(root, &resolved)
-        .then(|| (path.to_string(), root.path.join(resolved.trim_start_matches('/'))))
+    targetdir::is_executable_file(root, &resolved).then(|| {
+        (
+            path.to_string(),
+            root.path.join(resolved.trim_start_matches('/')),
+        )
+    })
 }
 
 /// The places msprof is looked for, in order, as (rule, target-view path).
@@ -148,7 +152,12 @@ mod tests {
         assert_eq!(f.host_path, exe);
         let env = vec![("ASCEND_HOME_PATH".to_string(), "/nowhere".to_string())];
         std::fs::create_dir_all(root.join("nothing")).unwrap();
-        let err = locate(&TargetRoot::open(&root.join("nothing")).unwrap(), None, &env).unwrap_err();
+        let err = locate(
+            &TargetRoot::open(&root.join("nothing")).unwrap(),
+            None,
+            &env,
+        )
+        .unwrap_err();
         assert!(err.contains("/nowhere/bin/msprof"), "{err}");
         std::fs::remove_dir_all(&root).unwrap();
     }
