@@ -192,7 +192,7 @@ fn msprof_of_a_uid_65534_job_runs_as_65534_with_the_jobs_capabilities_only() {
     let bin = standin_bin(&scratch);
     let log = shared.join("trainer.log");
     // The job: uid/gid 65534, group 100, one ambient capability, a trimmed
-    // bounding set, and its own `msprof` first in its PATH.
+    // bounding set, no_new_privs, and its own `msprof` first in its PATH.
     let mut job = Proc::spawn_ready(
         Command::new("setpriv")
             .args([
@@ -202,6 +202,7 @@ fn msprof_of_a_uid_65534_job_runs_as_65534_with_the_jobs_capabilities_only() {
                 "--inh-caps=+net_bind_service",
                 "--ambient-caps=+net_bind_service",
                 "--bounding-set=-sys_admin,-net_raw",
+                "--no-new-privs",
             ])
             .arg(&fixtures().trainer)
             .args(["--steps", "0", "--step-ms", "20", "--log"])
@@ -214,6 +215,7 @@ fn msprof_of_a_uid_65534_job_runs_as_65534_with_the_jobs_capabilities_only() {
     let want = proc_status(pid);
     assert_eq!(want["Uid"], "65534 65534 65534 65534");
     assert_eq!(want["CapEff"], "0000000000000400");
+    assert_eq!(want["NoNewPrivs"], "1");
 
     let mut hook = one_hook(&args(&shared), &target);
     hook.prepare(&target).unwrap();

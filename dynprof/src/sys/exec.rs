@@ -173,58 +173,8 @@ impl AsTarget {
     /// Refuses what cannot be reproduced (see the module docs).
     pub fn prepare(pid: HostPid, opts: ExecOptions) -> Result<Self> {
         let tc = TargetCreds::read(pid)?;
+        let (uids, gids) = reproducible_ids(&tc, opts)?;
         let c = &tc.creds;
-        match c.seccomp {
-            SeccompMode::Disabled => {}
-            SeccompMode::Strict => {
-                bail!("PID {pid} runs in seccomp strict mode; nothing can be run as it")
-            }
-            SeccompMode::Filter if opts.allow_unconfined => log::warn!(
-                "PID {pid} has a seccomp filter that dynprof cannot copy; running the vendor tool \
-                 without it (--msprof-allow-unconfined)"
-            ),
-            SeccompMode::Filter => bail!(
-                "PID {pid} runs under a seccomp filter, which dynprof cannot copy to the vendor \
-                 tool; refusing to run it less confined than the job. Pass \
-                 --msprof-allow-unconfined to run it anyway (with the job's ids, capabilities \
-                 and namespaces, but no seccomp filter)"
-            ),
-        }
-        if let Some(label) = &tc.lsm_label {
-            if !opts.allow_unconfined {
-                bail!(
-                    "PID {pid} runs under the LSM label {label:?}, which dynprof does not \
-                     reproduce; refusing to run the vendor tool less confined than the job. Pass \
-                     --msprof-allow-unconfined to run it anyway (without that label)"
-                );
-            }
-            log::warn!("PID {pid}: running the vendor tool without its LSM label {label:?}");
-        }
-        if c.uids.fs != c.uids.effective || c.gids.fs != c.gids.effective {
-            bail!(
-                "PID {pid} has a filesystem uid/gid ({}/{}) other than its effective one \
-                 ({}/{}); dynprof cannot reproduce that",
-                c.uids.fs,
-                c.gids.fs,
-                c.uids.effective,
-                c.gids.effective
-            );
-        }
-        let inside = |map: &super::creds::IdMap, what: &str, id: u32| {
-            map.to_inside(id).ok_or_else(|| {
-                anyhow!("PID {pid}'s {what} {id} is not mapped in its user namespace; refusing")
-            })
-        };
-        let uids = [
-            inside(&tc.uid_map, "uid", c.uids.real)?,
-            inside(&tc.uid_map, "uid", c.uids.effective)?,
-            inside(&tc.uid_map, "uid", c.uids.saved)?,
-        ];
-        let gids = [
-            inside(&tc.gid_map, "gid", c.gids.real)?,
-            inside(&tc.gid_map, "gid", c.gids.effective)?,
-            inside(&tc.gid_map, "gid", c.gids.saved)?,
-        ];
         let foreign_user = tc.foreign_ns.contains(&NsKind::User);
         let (host_groups, groups) = if foreign_user {
             (Some(c.groups.clone()), None)
@@ -481,6 +431,65 @@ impl AsTarget {
     }
 }
 
+/// The target's real/effective/saved uids and gids as its own user namespace
+/// names them, or why it cannot be reproduced. Pure: decides from `tc` only.
+pub fn reproducible_ids(tc: &TargetCreds, opts: ExecOptions) -> Result<([u32; 3], [u32; 3])> {
+    let c = &tc.creds;
+    let pid = tc.pid;
+    match c.seccomp {
+        SeccompMode::Disabled => {}
+        SeccompMode::Strict => {
+            bail!("PID {pid} runs in seccomp strict mode; nothing can be run as it")
+        }
+        SeccompMode::Filter if opts.allow_unconfined => log::warn!(
+            "PID {pid} has a seccomp filter that dynprof cannot copy; running the vendor tool \
+                 without it (--msprof-allow-unconfined)"
+        ),
+        SeccompMode::Filter => bail!(
+            "PID {pid} runs under a seccomp filter, which dynprof cannot copy to the vendor \
+                 tool; refusing to run it less confined than the job. Pass \
+                 --msprof-allow-unconfined to run it anyway (with the job's ids, capabilities \
+                 and namespaces, but no seccomp filter)"
+        ),
+    }
+    if let Some(label) = &tc.lsm_label {
+        if !opts.allow_unconfined {
+            bail!(
+                "PID {pid} runs under the LSM label {label:?}, which dynprof does not \
+                     reproduce; refusing to run the vendor tool less confined than the job. Pass \
+                     --msprof-allow-unconfined to run it anyway (without that label)"
+            );
+        }
+        log::warn!("PID {pid}: running the vendor tool without its LSM label {label:?}");
+    }
+    if c.uids.fs != c.uids.effective || c.gids.fs != c.gids.effective {
+        bail!(
+            "PID {pid} has a filesystem uid/gid ({}/{}) other than its effective one \
+                 ({}/{}); dynprof cannot reproduce that",
+            c.uids.fs,
+            c.gids.fs,
+            c.uids.effective,
+            c.gids.effective
+        );
+    }
+    let inside = |map: &super::creds::IdMap, what: &str, id: u32| {
+        map.to_inside(id).ok_or_else(|| {
+            anyhow!("PID {pid}'s {what} {id} is not mapped in its user namespace; refusing")
+        })
+    };
+    let uids = [
+        inside(&tc.uid_map, "uid", c.uids.real)?,
+        inside(&tc.uid_map, "uid", c.uids.effective)?,
+        inside(&tc.uid_map, "uid", c.uids.saved)?,
+    ];
+    let gids = [
+        inside(&tc.gid_map, "gid", c.gids.real)?,
+        inside(&tc.gid_map, "gid", c.gids.effective)?,
+        inside(&tc.gid_map, "gid", c.gids.saved)?,
+    ];
+    Ok((uids, gids))
+}
+
 /// The parent of the process forked into the PID namespace: closes what it
 /// holds (the exec-error pipe stays with the child), waits, and ends the way
 /// the child ended.
@@ -544,4 +553,86 @@ pub fn command_in_target(program: &str) -> Result<Command> {
     // Interior NULs would be cut by execve.
     CString::new(program).map_err(|_| anyhow!("{program:?} contains a NUL byte"))?;
     Ok(Command::new(program))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::creds::{CapSets, Creds, IdMap, IdMapRange, IdSet};
+
+    fn ids(v: u32) -> IdSet {
+        IdSet {
+            real: v,
+            effective: v,
+            saved: v,
+            fs: v,
+        }
+    }
+
+    fn target(uid: u32, seccomp: SeccompMode, map: IdMap) -> TargetCreds {
+        TargetCreds {
+            pid: HostPid(42),
+            creds: Creds {
+                uids: ids(uid),
+                gids: ids(uid),
+                groups: vec![],
+                caps: CapSets {
+                    inheritable: 0,
+                    permitted: 0,
+                    effective: 0,
+                    bounding: u64::MAX,
+                    ambient: 0,
+                },
+                no_new_privs: false,
+                seccomp,
+            },
+            foreign_ns: vec![NsKind::User],
+            uid_map: map.clone(),
+            gid_map: map,
+            cgroups: vec![],
+            lsm_label: None,
+        }
+    }
+
+    fn rootless() -> IdMap {
+        IdMap(vec![IdMapRange {
+            inside: 0,
+            outside: 65534,
+            count: 1,
+        }])
+    }
+
+    #[test]
+    fn ids_are_translated_into_the_targets_user_namespace() {
+        let t = target(65534, SeccompMode::Disabled, rootless());
+        let (u, g) = reproducible_ids(&t, ExecOptions::default()).unwrap();
+        assert_eq!((u, g), ([0, 0, 0], [0, 0, 0]));
+        // An id outside the map is refused, never guessed.
+        let mut t = target(65534, SeccompMode::Disabled, rootless());
+        t.creds.uids.saved = 0;
+        let e = reproducible_ids(&t, ExecOptions::default()).unwrap_err();
+        assert!(format!("{e}").contains("uid 0 is not mapped"), "{e}");
+        let mut t = target(65534, SeccompMode::Disabled, rootless());
+        t.creds.gids.fs = 7;
+        let e = reproducible_ids(&t, ExecOptions::default()).unwrap_err();
+        assert!(format!("{e}").contains("filesystem uid/gid"), "{e}");
+    }
+
+    #[test]
+    fn seccomp_and_lsm_are_refused_unless_the_operator_opts_in() {
+        let allow = ExecOptions {
+            allow_unconfined: true,
+        };
+        let t = target(65534, SeccompMode::Filter, rootless());
+        let e = reproducible_ids(&t, ExecOptions::default()).unwrap_err();
+        assert!(format!("{e}").contains("--msprof-allow-unconfined"), "{e}");
+        assert!(reproducible_ids(&t, allow).is_ok());
+        let t = target(65534, SeccompMode::Strict, rootless());
+        assert!(reproducible_ids(&t, allow).is_err(), "strict: never");
+        let mut t = target(65534, SeccompMode::Disabled, rootless());
+        t.lsm_label = Some("docker-default (enforce)".into());
+        let e = reproducible_ids(&t, ExecOptions::default()).unwrap_err();
+        assert!(format!("{e}").contains("docker-default"), "{e}");
+        assert!(reproducible_ids(&t, allow).is_ok());
+    }
 }
