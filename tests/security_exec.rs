@@ -6,6 +6,8 @@
 //! /proc/self/status, namespace links, cgroups) to `DIR/self.<pid>`.
 
 mod common;
+#[path = "containers_util.rs"]
+mod containers_util;
 
 use std::{
     collections::BTreeMap,
@@ -59,7 +61,8 @@ fn window(id: u32, dir: &Path) -> WindowInfo {
 }
 
 /// Waits (60 s at most) for the stand-in's self-report in `dir`.
-fn wait_self(dir: &Path) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+/// Returns (its status, its namespaces and cwd, its /proc/self/cgroup).
+fn wait_self(dir: &Path) -> (BTreeMap<String, String>, BTreeMap<String, String>, String) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let found = std::fs::read_dir(dir)
@@ -81,7 +84,8 @@ fn wait_self(dir: &Path) -> (BTreeMap<String, String>, BTreeMap<String, String>)
                 .filter_map(|l| l.split_once('='))
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect();
-            return (status, extra);
+            let cgroups = parts.next().unwrap().to_string();
+            return (status, extra, cgroups);
         }
         assert!(
             Instant::now() < deadline,
@@ -211,6 +215,14 @@ fn msprof_of_a_uid_65534_job_runs_as_65534_with_the_jobs_capabilities_only() {
             .env("PATH", format!("{}:/usr/bin:/bin", bin.display())),
     );
     let pid = job.host_pid();
+    // The job in a cgroup of its own (msprof must join it, not stay in ours).
+    let cg = containers_util::make_cgroup("sec", "job").expect("a writable cgroup hierarchy");
+    std::fs::write(cg.dir.join("cgroup.procs"), pid.to_string()).unwrap();
+    let job_cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    assert_ne!(
+        job_cgroups,
+        std::fs::read_to_string("/proc/self/cgroup").unwrap()
+    );
     let target = Target::open(HostPid(pid)).unwrap();
     let want = proc_status(pid);
     assert_eq!(want["Uid"], "65534 65534 65534 65534");
@@ -219,7 +231,8 @@ fn msprof_of_a_uid_65534_job_runs_as_65534_with_the_jobs_capabilities_only() {
 
     let mut hook = one_hook(&args(&shared), &target);
     hook.prepare(&target).unwrap();
-    let (got, _) = wait_self(&shared);
+    let (got, _, cgroups) = wait_self(&shared);
+    assert_eq!(cgroups, job_cgroups, "msprof is in the job's cgroups");
     assert_eq!(got["Uid"], "65534 65534 65534 65534", "never uid 0");
     assert_eq!(got["Gid"], "65534 65534 65534 65534");
     assert_eq!(got["Groups"], want["Groups"]);
@@ -249,6 +262,8 @@ fn msprof_of_a_uid_65534_job_runs_as_65534_with_the_jobs_capabilities_only() {
     hook.shutdown(&target).unwrap();
     assert!(job.is_running(), "the job is never disturbed");
     std::fs::remove_dir_all(out).unwrap();
+    drop(job); // before its cgroup is removed
+    drop(cg);
 }
 
 #[test]
@@ -333,7 +348,7 @@ fn msprof_of_a_rootless_container_runs_in_its_user_pid_and_mount_namespaces() {
 
     let mut hook = one_hook(&args(&shared), &target);
     hook.prepare(&target).unwrap();
-    let (got, links) = wait_self(&shared);
+    let (got, links, _) = wait_self(&shared);
     for n in ["user", "cgroup", "ipc", "uts", "net", "pid", "mnt"] {
         assert_eq!(links[n], ns_link(host, n), "{n} namespace");
     }
