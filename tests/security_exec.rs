@@ -359,7 +359,8 @@ fn msprof_of_a_rootless_container_runs_in_its_user_pid_and_mount_namespaces() {
     }
     // From the host: the tool and the process that forked it into the PID
     // namespace both run as 65534, never as root.
-    let out = format!("--output={}", hook_output(&mut hook, &target, &scratch));
+    let out_dir = hook_output(&mut hook, &target, &scratch);
+    let out = format!("--output={out_dir}");
     let ms = pids_with(&out);
     assert_eq!(ms.len(), 1, "{ms:?}");
     let st = proc_status(ms[0]);
@@ -370,6 +371,7 @@ fn msprof_of_a_rootless_container_runs_in_its_user_pid_and_mount_namespaces() {
         assert_eq!(st[k], want[k], "{k}");
     }
     hook.shutdown(&target).unwrap();
+    std::fs::remove_dir_all(out_dir).unwrap();
 }
 
 /// Runs one window and returns msprof's --output (as the target names it).
@@ -484,4 +486,48 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
         "msprof wrote inside the container: {profs:?}"
     );
     drop(ns);
+}
+
+#[test]
+fn a_job_under_a_seccomp_filter_gets_no_msprof_unless_the_operator_opts_in() {
+    require_privileges!();
+    let scratch = scratch_dir("security_exec_seccomp");
+    let shared = open_dir(&scratch.join("shared"));
+    let bin = standin_bin(&scratch);
+    let mut job = Proc::spawn_ready(
+        Command::new(fixtures().src_dir.join("seccomp_exec.py"))
+            .arg(&fixtures().trainer)
+            .args(["--steps", "0", "--step-ms", "20", "--log"])
+            .arg(shared.join("trainer.log"))
+            .env("PROFILING_MODE", "dynamic")
+            .env("PATH", format!("{}:/usr/bin:/bin", bin.display())),
+    );
+    let pid = job.host_pid();
+    assert_eq!(proc_status(pid)["Seccomp"], "2");
+    let target = Target::open(HostPid(pid)).unwrap();
+    let mut hook = one_hook(&args(&shared), &target);
+    hook.prepare(&target).unwrap();
+    let w = window(1, &scratch);
+    hook.on_window_start(&w, &target).unwrap();
+    let err = format!("{:#}", hook.on_window_end(&w, &target).unwrap_err());
+    assert!(
+        err.contains("seccomp filter") && err.contains("--msprof-allow-unconfined"),
+        "{err}"
+    );
+    hook.shutdown(&target).unwrap();
+    assert!(!shared.join("msprof.log").exists(), "msprof never started");
+
+    // The operator opts in: msprof runs as the job, without the filter.
+    let mut a = args(&shared);
+    a.msprof_allow_unconfined = true;
+    let mut hook = one_hook(&a, &target);
+    hook.prepare(&target).unwrap();
+    let (got, _, _) = wait_self(&shared);
+    assert_eq!(got["Seccomp"], "0");
+    assert_eq!(got["NoNewPrivs"], "1", "the job's no_new_privs is kept");
+    let meta = one_window(&mut hook, &target, &scratch.join("second"));
+    assert_eq!(meta["runs_as"]["seccomp"], "filter", "{meta:#}");
+    hook.shutdown(&target).unwrap();
+    assert!(job.is_running());
+    std::fs::remove_dir_all(meta["output_in_target"].as_str().unwrap()).unwrap();
 }
