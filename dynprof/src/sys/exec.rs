@@ -172,6 +172,14 @@ impl AsTarget {
     /// Reads the target's credentials and opens everything the child needs.
     /// Refuses what cannot be reproduced (see the module docs).
     pub fn prepare(pid: HostPid, opts: ExecOptions) -> Result<Self> {
+        // Held across every read below: if the process is still alive at the
+        // end, its PID was not reused by another process in between.
+        let pidfd = rustix::process::pidfd_open(
+            rustix::process::Pid::from_raw(pid.0 as i32)
+                .ok_or_else(|| anyhow!("invalid PID {pid}"))?,
+            rustix::process::PidfdFlags::empty(),
+        )
+        .with_context(|| format!("pidfd_open({pid})"))?;
         let tc = TargetCreds::read(pid)?;
         let (uids, gids) = reproducible_ids(&tc, opts)?;
         let c = &tc.creds;
@@ -210,6 +218,19 @@ impl AsTarget {
         let bounding_drop = bits(!c.caps.bounding, last_cap).collect();
         let ambient = bits(c.caps.ambient, last_cap).collect();
         let fork = tc.foreign_ns.contains(&NsKind::Pid) || tc.foreign_ns.contains(&NsKind::Time);
+        // SAFETY: pidfd_send_signal with signal 0 only checks the process exists.
+        let alive = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                pidfd.as_raw_fd(),
+                0,
+                std::ptr::null::<libc::siginfo_t>(),
+                0u32,
+            )
+        } == 0;
+        if !alive {
+            bail!("PID {pid} exited while dynprof was reading its credentials");
+        }
         let mut fds = [0 as RawFd; 2];
         // SAFETY: pipe2 writes two fds into the array we pass.
         // Non-blocking: spawn() may fail after our steps (exec), with nothing written.
