@@ -35,6 +35,7 @@ use serde_json::{Value, json};
 use super::{WindowHook, WindowInfo};
 use crate::{
     sys::{
+        creds::NsKind,
         exec::{AsTarget, ExecOptions, command_in_target},
         rootfs::TargetRoot,
         targetdir::{self, Owner},
@@ -482,7 +483,8 @@ pub struct MsprofHook {
     /// msprof's `--output`: the canonical path inside the target's root.
     output: String,
     /// What the window's links point at: `output` when the target shares
-    /// dynprof's root, else `/proc/<pid>/root/<output>`. Never opened by dynprof.
+    /// dynprof's mounts and root, else `/proc/<pid>/root/<output>`. Never
+    /// opened by dynprof.
     link_base: PathBuf,
     /// The target's root, held open: the output dir is listed through it.
     root: Option<TargetRoot>,
@@ -569,6 +571,7 @@ impl MsprofHook {
             "namespaces_entered": plan.creds.foreign_ns, "cgroups": plan.creds.cgroups,
             "lsm_label_not_reproduced": plan.creds.lsm_label,
         }));
+        let own_mounts = !plan.creds.foreign_ns.contains(&NsKind::Mnt);
         drop(plan);
         self.pid_arg = target.inner_pid().0;
         let (out, fresh) = match &self.cfg.output {
@@ -585,7 +588,9 @@ impl MsprofHook {
         let dir = targetdir::ensure_dir(&root, &out, owner, fresh)
             .map_err(|e| anyhow!("msprof's --output: {e}"))?;
         self.output = dir.path;
-        self.link_base = if same_root(target.host_pid) {
+        // Only a process with dynprof's mounts and root sees the same files
+        // under the same path (a container may mount its own /tmp).
+        self.link_base = if own_mounts && same_root(target.host_pid) {
             PathBuf::from(&self.output)
         } else {
             target.host_path(&self.output)
