@@ -202,6 +202,15 @@ impl AsTarget {
         let mut user_ns = None;
         for &k in &tc.foreign_ns {
             let fd = open_path(&format!("/proc/{p}/ns/{k}"), OFlags::RDONLY)?;
+            // The namespace held must still be one that differs from ours
+            // (the target may have moved since its credentials were read).
+            let ours = rustix::fs::stat(format!("/proc/self/ns/{k}"))?;
+            let held = rustix::fs::fstat(&fd)?;
+            if (ours.st_dev, ours.st_ino) == (held.st_dev, held.st_ino) {
+                bail!(
+                    "PID {pid} changed its {k} namespace while dynprof was reading it; try again"
+                );
+            }
             if k == NsKind::User {
                 user_ns = Some(fd);
             } else {
