@@ -1,10 +1,15 @@
 //! `--collector msprof`: drives Ascend's `msprof --dynamic=on --pid=N` (attach
 //! mode) at the window boundaries.
 //!
-//! - msprof runs inside the target's namespaces (`nsenter --target HOSTPID
-//!   --mount --uts --ipc --net --pid`), with the target's environment and its
-//!   innermost-namespace PID, as the vendor documentation requires for jobs in
-//!   containers; through a pty, because it is an interactive tool.
+//! - msprof runs *as the target* ([`crate::sys::exec`]): in its cgroups and
+//!   every one of its namespaces, chrooted to its root, with its uid, gids,
+//!   capability sets and no_new_privs, never as root; with the target's
+//!   environment and its innermost-namespace PID, as the vendor documentation
+//!   requires for jobs in containers; through a pty, because it is an
+//!   interactive tool.
+//! - msprof's `--output` directory is made, checked and listed only through
+//!   a descriptor of the target's root ([`crate::sys::targetdir`]), owned by
+//!   the target's uid; the default name is unpredictable.
 //! - One session is kept across windows: `start` is written at the window's
 //!   first boundary, `stop` at its end, `quit` at detach.
 //! - msprof's limits (100 start/stop commands per connection, the 30-minute
@@ -17,8 +22,8 @@ pub mod pty;
 use std::{
     collections::BTreeSet,
     io::{Read as _, Write as _},
-    path::{Path, PathBuf},
-    process::{Child, Command},
+    path::PathBuf,
+    process::Child,
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -28,7 +33,16 @@ use anyhow::{Result, anyhow, bail};
 use serde_json::{Value, json};
 
 use super::{WindowHook, WindowInfo};
-use crate::target::{Target, env_value};
+use crate::{
+    sys::{
+        creds::NsKind,
+        exec::{AsTarget, ExecOptions, command_in_target},
+        rootfs::TargetRoot,
+        targetdir::{self, Owner},
+    },
+    target::{Target, env_value},
+    types::HostPid,
+};
 
 /// CLOCK_MONOTONIC in ns (the clock of the kernel's boundary timestamps).
 pub fn monotonic_ns() -> u64 {
@@ -107,7 +121,8 @@ pub struct MsprofConfig {
     pub msprof: Option<String>,
     /// Collection arguments appended after `--output`.
     pub collection_args: Vec<String>,
-    /// `--output` as the target sees it; default `/tmp/dynprof_msprof_<hostpid>`.
+    /// `--output` as the target sees it; default
+    /// `/tmp/dynprof_msprof_<hostpid>_<random>` (made fresh, owned by the job's uid).
     pub output: Option<String>,
     /// Extra `KEY=VALUE`s for msprof's environment.
     pub env: Vec<(String, String)>,
@@ -120,6 +135,9 @@ pub struct MsprofConfig {
     pub max_commands: u32,
     /// How long to wait for msprof's prompt (at connect and after `stop`).
     pub timeout: Duration,
+    /// `--msprof-allow-unconfined`: run msprof even though the job has a
+    /// seccomp filter or LSM label dynprof cannot copy.
+    pub allow_unconfined: bool,
 }
 
 impl Default for MsprofConfig {
@@ -132,6 +150,7 @@ impl Default for MsprofConfig {
             profiler_config_path: None,
             max_commands: 100,
             timeout: Duration::from_secs(30),
+            allow_unconfined: false,
         }
     }
 }
@@ -268,23 +287,30 @@ impl Shared {
 
 /// Everything needed to (re)start msprof.
 struct Launch {
-    /// The program run on the host: `nsenter` or msprof itself.
+    /// msprof (a path inside the target's root) and its arguments.
     argv: Vec<String>,
     env: Vec<(String, String)>,
     timeout: Duration,
+    /// Whom msprof runs as (credentials are re-read at every connection).
+    target: HostPid,
+    exec: ExecOptions,
+    /// start+stop commands per connection (`--msprof-max-commands`).
+    max_commands: u32,
 }
 
 fn spawn_conn(l: &Launch, seq: u32, shared: &Arc<Shared>) -> Result<Conn> {
     let pty = pty::open().map_err(|e| anyhow!("opening a pty for msprof: {e}"))?;
-    let mut cmd = Command::new(&l.argv[0]);
+    let as_target = AsTarget::prepare(l.target, l.exec)
+        .map_err(|e| anyhow!("cannot run msprof as PID {}: {e:#}", l.target))?;
+    let mut cmd = command_in_target(&l.argv[0])?;
     cmd.args(&l.argv[1..])
         .env_clear()
         .envs(l.env.iter().map(|(k, v)| (k, v)));
     pty::attach_child(&mut cmd, &pty.slave)?;
     let started_ns = monotonic_ns();
-    let child = cmd
-        .spawn()
-        .map_err(|e| anyhow!("starting {}: {e}", l.argv[0]))?;
+    let child = as_target
+        .spawn(&mut cmd)
+        .map_err(|e| anyhow!("starting {} as PID {}: {e:#}", l.argv[0], l.target))?;
     drop(cmd); // closes our copies of the slave, so EOF comes when msprof exits
     drop(pty.slave);
     let pgid = child.id() as i32;
@@ -392,7 +418,9 @@ fn supervisor(shared: Arc<Shared>) {
             .any(|l| l.contains("No collection") || l.to_lowercase().contains("idle"))
         {
             "idle exit".to_string()
-        } else if cmds >= 100 || tail.iter().any(|l| l.contains("closed the connection")) {
+        } else if cmds >= launch.max_commands
+            || tail.iter().any(|l| l.contains("closed the connection"))
+        {
             "command limit".to_string()
         } else {
             format!("msprof exited ({status})")
@@ -452,28 +480,42 @@ pub struct MsprofHook {
     args_in_use: Vec<String>,
     supervisor: Option<JoinHandle<()>>,
     found: Option<locate::Found>,
+    /// msprof's `--output`: the canonical path inside the target's root.
     output: String,
-    host_output: PathBuf,
-    /// Host paths of the output dir's PROF_* entries already attributed.
+    /// What the window's links point at: `output` when the target shares
+    /// dynprof's mounts and root, else `/proc/<pid>/root/<output>`. Never
+    /// opened by dynprof.
+    link_base: PathBuf,
+    /// The target's root, held open: the output dir is listed through it.
+    root: Option<TargetRoot>,
+    /// Names of the output dir's PROF_* entries already attributed.
     known: BTreeSet<String>,
     win: Option<Win>,
-    same_mount_ns: bool,
     pid_arg: u32,
+    /// Whom msprof runs as (for msprof_meta.json).
+    runs_as: Option<Value>,
 }
 
-fn ns_link(pid: &str, ns: &str) -> Option<PathBuf> {
-    std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).ok()
+/// 16 random hex digits, so that no other user can create msprof's output
+/// directory in advance.
+fn random_suffix() -> Result<String> {
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| anyhow!("reading /dev/urandom: {e}"))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
-fn list_prof(dir: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("PROF_"))
-                .collect()
-        })
-        .unwrap_or_default()
+/// True when `/proc/<pid>/root` is dynprof's own `/`.
+fn same_root(pid: HostPid) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    match (
+        std::fs::metadata("/"),
+        std::fs::metadata(format!("/proc/{pid}/root")),
+    ) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 impl MsprofHook {
@@ -491,11 +533,12 @@ impl MsprofHook {
             supervisor: None,
             found: None,
             output: String::new(),
-            host_output: PathBuf::new(),
+            link_base: PathBuf::new(),
+            root: None,
             known: BTreeSet::new(),
             win: None,
-            same_mount_ns: false,
             pid_arg: 0,
+            runs_as: None,
         }
     }
 
@@ -506,38 +549,59 @@ impl MsprofHook {
 
     fn setup(&mut self, target: &Target) -> Result<()> {
         let env = target.environ().unwrap_or_default();
-        let found = locate::locate(&target.root(), self.cfg.msprof.as_deref(), &env)
-            .map_err(|e| anyhow!(e))?;
-        let hp = target.host_pid.to_string();
-        self.same_mount_ns = ns_link("self", "mnt") == ns_link(&hp, "mnt");
-        let same_pid_ns = ns_link("self", "pid") == ns_link(&hp, "pid");
+        let root = TargetRoot::open(&target.root())
+            .map_err(|e| anyhow!("opening {}: {e}", target.root().display()))?;
+        let found =
+            locate::locate(&root, self.cfg.msprof.as_deref(), &env).map_err(|e| anyhow!(e))?;
+        let exec = ExecOptions {
+            allow_unconfined: self.cfg.allow_unconfined,
+        };
+        // Refuse now, clearly, what cannot be reproduced (seccomp, LSM, ids).
+        let plan = AsTarget::prepare(target.host_pid, exec)
+            .map_err(|e| anyhow!("cannot run msprof as PID {}: {e:#}", target.host_pid))?;
+        let c = &plan.creds.creds;
+        let owner = Owner {
+            uid: c.uids.effective,
+            gid: c.gids.effective,
+        };
+        self.runs_as = Some(json!({
+            "host_uid": c.uids, "host_gid": c.gids, "groups": c.groups,
+            "uid_in_target_userns": plan.inner_uid(), "gid_in_target_userns": plan.inner_gid(),
+            "caps": c.caps, "no_new_privs": c.no_new_privs, "seccomp": c.seccomp,
+            "namespaces_entered": plan.creds.foreign_ns, "cgroups": plan.creds.cgroups,
+            "lsm_label_not_reproduced": plan.creds.lsm_label,
+        }));
+        let own_mounts = !plan.creds.foreign_ns.contains(&NsKind::Mnt);
+        drop(plan);
         self.pid_arg = target.inner_pid().0;
-        self.output = self
-            .cfg
-            .output
-            .clone()
-            .unwrap_or_else(|| format!("/tmp/dynprof_msprof_{}", target.host_pid));
-        self.host_output = target.host_path(&self.output);
-        std::fs::create_dir_all(&self.host_output).map_err(|e| {
-            anyhow!(
-                "creating msprof's --output {} ({}): {e}",
-                self.output,
-                self.host_output.display()
-            )
-        })?;
-        self.known = list_prof(&self.host_output);
+        let (out, fresh) = match &self.cfg.output {
+            Some(o) => (o.clone(), false),
+            None => (
+                format!(
+                    "/tmp/dynprof_msprof_{}_{}",
+                    target.host_pid,
+                    random_suffix()?
+                ),
+                true,
+            ),
+        };
+        let dir = targetdir::ensure_dir(&root, &out, owner, fresh)
+            .map_err(|e| anyhow!("msprof's --output: {e}"))?;
+        self.output = dir.path;
+        // Only a process with dynprof's mounts and root sees the same files
+        // under the same path (a container may mount its own /tmp).
+        self.link_base = if own_mounts && same_root(target.host_pid) {
+            PathBuf::from(&self.output)
+        } else {
+            target.host_path(&self.output)
+        };
+        self.known = targetdir::list_subdirs(&root, &self.output, "PROF_")
+            .map_err(|e| anyhow!("listing msprof's --output {}: {e}", self.output))?
+            .into_iter()
+            .collect();
+        self.root = Some(root);
 
         let mut argv: Vec<String> = Vec::new();
-        if !(self.same_mount_ns && same_pid_ns) {
-            // Enter the container: msprof must run there, with the PID it sees.
-            argv.extend(
-                [
-                    "nsenter", "--target", &hp, "--mount", "--uts", "--ipc", "--net", "--pid",
-                    "--root", "--wd", "--",
-                ]
-                .map(String::from),
-            );
-        }
         argv.push(found.path.clone());
         argv.push("--dynamic=on".into());
         argv.push(format!("--pid={}", self.pid_arg));
@@ -570,6 +634,9 @@ impl MsprofHook {
             argv,
             env: menv,
             timeout: self.cfg.timeout,
+            target: target.host_pid,
+            exec,
+            max_commands: self.cfg.max_commands,
         });
         Ok(())
     }
@@ -614,8 +681,14 @@ impl MsprofHook {
         let mut argv = self.base_argv.clone();
         argv.extend(now.iter().cloned());
         let l = self.launch.as_ref()?;
-        let (env, timeout) = (l.env.clone(), l.timeout);
-        self.set_launch(Launch { argv, env, timeout });
+        self.set_launch(Launch {
+            argv,
+            env: l.env.clone(),
+            timeout: l.timeout,
+            target: l.target,
+            exec: l.exec,
+            max_commands: l.max_commands,
+        });
         let mut g = self.shared.lock();
         if let Some(c) = g.conn.as_mut()
             && !c.eof()
@@ -698,22 +771,31 @@ impl MsprofHook {
         }
     }
 
-    fn link_dirs(&mut self, w: &WindowInfo, target: &Target) -> Vec<Value> {
-        let now = list_prof(&self.host_output);
+    /// The PROF_* directories msprof made during the window, listed through
+    /// the target's root descriptor; each gets a symlink in the window.
+    fn link_dirs(&mut self, w: &WindowInfo, target: &Target) -> (Vec<Value>, Option<String>) {
+        let Some(root) = &self.root else {
+            return (Vec::new(), None);
+        };
+        let now: BTreeSet<String> = match targetdir::list_subdirs(root, &self.output, "PROF_") {
+            Ok(v) => v.into_iter().collect(),
+            Err(e) => {
+                return (
+                    Vec::new(),
+                    Some(format!("listing msprof's --output {}: {e}", self.output)),
+                );
+            }
+        };
         let new: Vec<String> = now.difference(&self.known).cloned().collect();
         self.known = now;
         let link_dir = w.dir.join("msprof");
         let mut out = Vec::new();
         for name in new {
             let in_target = format!("{}/{}", self.output.trim_end_matches('/'), name);
-            let host = target.host_path(&in_target);
             // Outside a container the plain path outlives the target; inside
-            // one, /proc/PID/root is the only way in from the host.
-            let link_to = if self.same_mount_ns {
-                PathBuf::from(&in_target)
-            } else {
-                host.clone()
-            };
+            // one, /proc/PID/root is the only way in from the host. The link
+            // is for the reader; dynprof itself never follows it.
+            let link_to = self.link_base.join(&name);
             let link = link_dir.join(&name);
             let linked = std::fs::create_dir_all(&link_dir)
                 .and_then(|_| std::os::unix::fs::symlink(&link_to, &link))
@@ -721,12 +803,14 @@ impl MsprofHook {
             out.push(json!({
                 "name": name,
                 "path_in_target": in_target,
-                "host_path": host,
-                "link": linked.as_ref().ok().map(|_| link.clone()),
+                "host_path": target.host_path(&in_target),
+                // Relative to the window directory (which is renamed when
+                // the window is finished).
+                "link": linked.as_ref().ok().map(|_| format!("msprof/{name}")),
                 "link_error": linked.err(),
             }));
         }
-        out
+        (out, None)
     }
 }
 
@@ -936,7 +1020,10 @@ impl WindowHook for MsprofHook {
         }
         let args_used: Vec<String> = self.args_in_use.clone();
         let args_change = self.follow_config();
-        let dirs = self.link_dirs(w, target);
+        let (dirs, list_error) = self.link_dirs(w, target);
+        if error.is_none() {
+            error = list_error;
+        }
         let events = std::mem::take(&mut self.shared.lock().events);
         let errors: Vec<&String> = lines
             .iter()
@@ -951,7 +1038,8 @@ impl WindowHook for MsprofHook {
             "command": self.launch.as_ref().map(|l| l.argv.join(" ")),
             "pid_arg": self.pid_arg,
             "output_in_target": self.output,
-            "output_host": self.host_output,
+            "output_host": self.link_base,
+            "runs_as": self.runs_as,
             "connection": win.conn,
             "commands_in_connection": cmds,
             "connection_started_ns": conn_started_ns,

@@ -59,9 +59,18 @@ pub struct VendorArgs {
     #[arg(long, value_name = "ARGS", allow_hyphen_values = true)]
     pub msprof_args: Option<String>,
 
-    /// msprof's --output, as the target sees it. Default /tmp/dynprof_msprof_<hostpid>.
+    /// msprof's --output, as the target sees it (resolved inside its root). Created
+    /// for the job's uid if missing; an existing directory must belong to the job's uid.
+    /// Default: a fresh /tmp/dynprof_msprof_<hostpid>_<random>.
     #[arg(long, value_name = "DIR")]
     pub msprof_output: Option<String>,
+
+    /// msprof runs as the job (its uid, gids, capabilities, namespaces, cgroup). A job
+    /// under a seccomp filter or an LSM label (AppArmor/SELinux) cannot be reproduced
+    /// exactly, so dynprof refuses to start msprof for it; this flag runs msprof anyway,
+    /// as the job but without that filter or label.
+    #[arg(long)]
+    pub msprof_allow_unconfined: bool,
 
     /// Extra environment for msprof (repeatable); it otherwise gets the job's own.
     #[arg(long = "msprof-env", value_name = "KEY=VALUE")]
@@ -149,6 +158,7 @@ impl Default for VendorArgs {
             msprof: None,
             msprof_args: None,
             msprof_output: None,
+            msprof_allow_unconfined: false,
             msprof_env: Vec::new(),
             msprof_max_commands: 100,
             msprof_timeout: 30.0,
@@ -203,6 +213,7 @@ impl VendorArgs {
             },
             max_commands: self.msprof_max_commands,
             timeout,
+            allow_unconfined: self.msprof_allow_unconfined,
         })
     }
 }

@@ -1,76 +1,36 @@
-//! Finding msprof in the target's filesystem (its mount namespace, seen from
-//! the host through /proc/PID/root), following symlinks inside that root:
+//! Finding msprof in the target's filesystem (its mount namespace), through a
+//! [`TargetRoot`] descriptor, following symlinks inside that root only:
 //! an absolute symlink such as `latest -> /usr/local/Ascend/ascend-toolkit/8.0`
 //! must resolve against the container's root, not the host's.
-use std::{
-    os::unix::fs::PermissionsExt as _,
-    path::{Component, Path, PathBuf},
-};
+use std::path::PathBuf;
 
-use crate::target::env_value;
+use crate::{
+    sys::{rootfs::TargetRoot, targetdir},
+    target::env_value,
+};
 
 /// Where msprof was found.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Found {
     /// The path as the target sees it (what is executed inside its namespace).
     pub path: String,
-    /// The same file from the host, through /proc/PID/root.
+    /// The same file named from the host (/proc/PID/root + its canonical
+    /// path inside the root), for messages; never opened through.
     pub host_path: PathBuf,
     /// Which rule found it (`--msprof`, `PATH`, `ASCEND_HOME_PATH`, ...).
     pub via: String,
 }
 
-/// Resolves `path` (absolute, as the target names it) inside `root`,
-/// following symlinks relative to `root`. Returns the final target-view path.
-pub fn resolve_in_root(root: &Path, path: &str) -> Option<String> {
-    let mut todo: Vec<String> = components(path).into_iter().rev().collect();
-    let mut cur: Vec<String> = Vec::new();
-    let mut links = 0;
-    while let Some(c) = todo.pop() {
-        if c == ".." {
-            cur.pop();
-            continue;
-        }
-        let mut cand = cur.clone();
-        cand.push(c);
-        let host = root.join(cand.join("/"));
-        let meta = std::fs::symlink_metadata(&host).ok()?;
-        if meta.file_type().is_symlink() {
-            links += 1;
-            if links > 40 {
-                return None;
-            }
-            let dest = std::fs::read_link(&host).ok()?;
-            let dest = dest.to_string_lossy().into_owned();
-            if dest.starts_with('/') {
-                cur.clear();
-            }
-            for d in components(&dest).into_iter().rev() {
-                todo.push(d);
-            }
-        } else {
-            cur = cand;
-        }
-    }
-    Some(format!("/{}", cur.join("/")))
-}
-
-fn components(p: &str) -> Vec<String> {
-    Path::new(p)
-        .components()
-        .filter_map(|c| match c {
-            Component::Normal(s) => Some(s.to_string_lossy().into_owned()),
-            Component::ParentDir => Some("..".into()),
-            _ => None,
-        })
-        .collect()
-}
-
-fn executable_in(root: &Path, path: &str) -> Option<(String, PathBuf)> {
-    let resolved = resolve_in_root(root, path)?;
-    let host = root.join(resolved.trim_start_matches('/'));
-    let meta = std::fs::metadata(&host).ok()?;
-    (meta.is_file() && meta.permissions().mode() & 0o111 != 0).then_some((path.to_string(), host))
+fn executable_in(root: &TargetRoot, path: &str) -> Option<(String, PathBuf)> {
+    // The resolution happens inside the target's root (openat2
+    // RESOLVE_IN_ROOT): a link to `/` or `..` never reaches the host.
+    let resolved = targetdir::canonical(root, path).ok()?;
+    targetdir::is_executable_file(root, &resolved).then(|| {
+        (
+            path.to_string(),
+            root.path.join(resolved.trim_start_matches('/')),
+        )
+    })
 }
 
 /// The places msprof is looked for, in order, as (rule, target-view path).
@@ -138,7 +98,7 @@ pub fn candidates(explicit: Option<&str>, env: &[(String, String)]) -> Vec<(Stri
 /// Finds msprof for a target whose filesystem is at `root`, or explains
 /// where it looked.
 pub fn locate(
-    root: &Path,
+    root: &TargetRoot,
     explicit: Option<&str>,
     env: &[(String, String)],
 ) -> Result<Found, String> {
@@ -157,7 +117,7 @@ pub fn locate(
     Err(format!(
         "msprof not found in the target's filesystem ({}); looked at: {}. \
          Pass --msprof PATH (a path inside the target's container), or set ASCEND_HOME_PATH in the job's environment",
-        root.display(),
+        root.path.display(),
         looked.join(", ")
     ))
 }
@@ -165,6 +125,7 @@ pub fn locate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
 
     #[test]
     fn symlinks_resolve_inside_the_root() {
@@ -181,11 +142,22 @@ mod tests {
             root.join("usr/local/Ascend/ascend-toolkit/latest"),
         )
         .unwrap();
-        let f = locate(&root, None, &[]).unwrap();
+        // A link that would lead to the host's /bin/sh if followed from the host.
+        std::fs::create_dir_all(root.join("opt/bin")).unwrap();
+        std::os::unix::fs::symlink("/bin/sh", root.join("opt/bin/msprof")).unwrap();
+        let env = vec![("PATH".to_string(), "/opt/bin".to_string())];
+        let troot = TargetRoot::open(&root).unwrap();
+        let f = locate(&troot, None, &env).unwrap();
         assert_eq!(f.path, "/usr/local/Ascend/ascend-toolkit/latest/bin/msprof");
         assert_eq!(f.host_path, exe);
         let env = vec![("ASCEND_HOME_PATH".to_string(), "/nowhere".to_string())];
-        let err = locate(&root.join("nothing"), None, &env).unwrap_err();
+        std::fs::create_dir_all(root.join("nothing")).unwrap();
+        let err = locate(
+            &TargetRoot::open(&root.join("nothing")).unwrap(),
+            None,
+            &env,
+        )
+        .unwrap_err();
         assert!(err.contains("/nowhere/bin/msprof"), "{err}");
         std::fs::remove_dir_all(&root).unwrap();
     }

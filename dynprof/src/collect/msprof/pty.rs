@@ -49,7 +49,8 @@ pub fn open() -> io::Result<Pty> {
 
 /// Makes `cmd` run as a session leader with the pty's slave as its
 /// controlling terminal and stdio. Its process group id is then its pid, so
-/// `kill(-pid)` reaches it and everything it forks (nsenter's child included).
+/// `kill(-pid)` reaches it and everything it forks (the
+/// process forked into the target's PID namespace included).
 pub fn attach_child(cmd: &mut Command, slave: &OwnedFd) -> io::Result<()> {
     cmd.stdin(Stdio::from(slave.try_clone()?))
         .stdout(Stdio::from(slave.try_clone()?))
