@@ -72,6 +72,16 @@ const SETNS_MNT: Req = (
     CAP_SYS_CHROOT,
     "to enter the target's mount namespace (setns needs it besides CAP_SYS_ADMIN)",
 );
+const MSPROF_SETID: [Req; 2] = [
+    (CAP_SETUID, "to start msprof as the job's uid (setresuid)"),
+    (CAP_SETGID, "to start msprof with the job's gid and groups (setresgid, setgroups)"),
+];
+const MSPROF_REST: [Req; 4] = [
+    (CAP_SETPCAP, "to give msprof the job's bounding set"),
+    (CAP_DAC_OVERRIDE, "to move msprof into the job's cgroup (cgroup.procs)"),
+    (CAP_CHOWN, "to hand msprof's output directory to the job's uid"),
+    (CAP_DAC_READ_SEARCH, "to read the job's /proc files and root for msprof"),
+];
 const JOB_DIR: Req = (
     CAP_DAC_OVERRIDE,
     "to write profiler_config.json into the job's directory, owned by the job's user",
@@ -97,7 +107,12 @@ impl Need {
             Need::Api => vec![PERFMON, UPROBE_PMU, PTRACE],
             Need::Cpu => vec![LAZY_PROG, PERFMON, MAP_FILES, PTRACE],
             Need::Offcpu => vec![LAZY_PROG, PERFMON, TRACEFS, MAP_FILES],
-            Need::Msprof => vec![SETNS, SETNS_MNT, PTRACE],
+            Need::Msprof => {
+                let mut v = vec![SETNS, SETNS_MNT, PTRACE];
+                v.extend(MSPROF_SETID);
+                v.extend(MSPROF_REST);
+                v
+            }
             Need::TorchNpuDp => vec![PTRACE, JOB_DIR],
         }
     }
