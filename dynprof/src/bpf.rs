@@ -37,6 +37,8 @@ pub const API_ENTER_PROG: &str = "dynprof_api_enter";
 pub const API_EXIT_PROG: &str = "dynprof_api_exit";
 pub const CPU_PROG: &str = "dynprof_cpu";
 pub const SCHED_PROG: &str = "dynprof_sched_switch";
+/// Set to `proc_mem` to hold USDT semaphores through /proc/PID/mem.
+pub const SEMAPHORE_ENV: &str = "DYNPROF_USDT_SEMAPHORE";
 
 /// Checks the kernel and our privileges before touching bpf(2), so the
 /// user gets one actionable line instead of an EPERM from deep inside aya.
@@ -122,6 +124,10 @@ pub struct Kernel {
     /// Kept only once a semaphore is raised through /proc/PID/mem.
     ledger: Option<Ledger>,
     semaphores: SemaphoreReport,
+    /// `DYNPROF_USDT_SEMAPHORE=proc_mem`: use the fallback even where the
+    /// kernel could own the semaphore (tests; a site another tool already
+    /// probes without the offset).
+    forced_proc_mem: bool,
     api_links: Vec<(bool, UProbeLinkId)>,
     cpu_links: Vec<PerfEventLinkId>,
     sched_link: Option<TracePointLinkId>,
@@ -150,6 +156,7 @@ impl Kernel {
                 kernel_owned_supported: sys_uprobe::kernel_owns_semaphores(),
                 ..Default::default()
             },
+            forced_proc_mem: std::env::var_os(SEMAPHORE_ENV).is_some_and(|v| v == "proc_mem"),
             api_links: Vec::new(),
             cpu_links: Vec::new(),
             sched_link: None,
@@ -211,7 +218,7 @@ impl Kernel {
         };
         let mut owner = None;
         let event = match &p.semaphore {
-            Some(s) if self.semaphores.kernel_owned_supported => {
+            Some(s) if self.semaphores.kernel_owned_supported && !self.forced_proc_mem => {
                 match sys_uprobe::open_uprobe(
                     &p.attach_path,
                     p.file_offset,
@@ -240,11 +247,13 @@ impl Kernel {
                 }
             }
             Some(_) => {
-                self.semaphores.fallback_reason = Some(
+                self.semaphores.fallback_reason = Some(if self.forced_proc_mem {
+                    format!("{SEMAPHORE_ENV}=proc_mem: dynprof raises USDT semaphores through /proc/PID/mem")
+                } else {
                     "this kernel's uprobe PMU has no ref_ctr_offset (Linux < 4.20): \
                      dynprof raises USDT semaphores through /proc/PID/mem"
-                        .into(),
-                );
+                        .into()
+                });
                 sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
                     .with_context(what)?
             }
