@@ -73,7 +73,12 @@ fn python_trainer(tag: &str, private_copy: bool) -> (Proc, PathBuf, PathBuf) {
 /// `dynprof attach --pid PID --json ARGS` with a private lock directory and
 /// extra environment.
 fn attach_env(pid: u32, locks: &Path, env: &[(&str, &str)], args: &[&str]) -> Dynprof {
-    let mut all: Vec<String> = vec!["attach".into(), "--pid".into(), pid.to_string(), "--json".into()];
+    let mut all: Vec<String> = vec![
+        "attach".into(),
+        "--pid".into(),
+        pid.to_string(),
+        "--json".into(),
+    ];
     all.extend(args.iter().map(|s| s.to_string()));
     let mut cmd = Command::new(dynprof_bin());
     cmd.args(&all).env("DYNPROF_LOCK_DIR", locks);
@@ -149,7 +154,11 @@ fn usdt_semaphore_sigkill_mid_window_leaves_it_at_zero_and_next_attach_is_clean(
         let att = d.wait_event("attached", T);
         assert_eq!(att["markers"][0]["usdt_semaphore"], addr, "{att}");
         assert_eq!(owners(&att), ["kernel"], "round {round}: {att}");
-        assert_eq!(att["usdt_semaphores"]["fallback_reason"], Value::Null, "{att}");
+        assert_eq!(
+            att["usdt_semaphores"]["fallback_reason"],
+            Value::Null,
+            "{att}"
+        );
         d.wait_event("step", T);
         d.wait_event("step", T);
         // Raised by exactly one, whatever earlier kills did.
@@ -215,7 +224,11 @@ fn usdt_semaphore_fallback_left_raised_by_a_killed_dynprof_is_repaired_by_the_ne
     );
     kill(d);
     // What the fallback cannot avoid: the count stays up after a SIGKILL.
-    assert_eq!(read_u16(p.pid, addr), 1, "left raised by the killed fallback");
+    assert_eq!(
+        read_u16(p.pid, addr),
+        1,
+        "left raised by the killed fallback"
+    );
     assert!(ledger.is_file());
 
     // The next attach (kernel-owned) lowers it first, then holds it itself.
@@ -241,7 +254,16 @@ fn usdt_semaphore_fallback_left_raised_by_a_killed_dynprof_is_repaired_by_the_ne
     // A clean fallback detach lowers the semaphore and leaves no ledger.
     let run = Dynprof::spawn(
         Command::new(dynprof_bin())
-            .args(["attach", "--pid", &p.pid.to_string(), "--json", "--marker", MARKER, "--steps", "3"])
+            .args([
+                "attach",
+                "--pid",
+                &p.pid.to_string(),
+                "--json",
+                "--marker",
+                MARKER,
+                "--steps",
+                "3",
+            ])
             .env("DYNPROF_LOCK_DIR", &locks)
             .env("DYNPROF_USDT_SEMAPHORE", "proc_mem"),
         vec![],
@@ -263,7 +285,11 @@ fn bpftool(args: &[&str]) -> Value {
         .args(args)
         .output()
         .unwrap_or_else(|e| panic!("running bpftool ({e}); install it with `cargo xtask setup` (Debian package bpftool)"));
-    assert!(out.status.success(), "bpftool {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -280,7 +306,11 @@ fn dynprof_progs() -> Vec<LoadedProg> {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|p| p["name"].as_str().is_some_and(|n| n.starts_with("dynprof_")))
+        .filter(|p| {
+            p["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("dynprof_"))
+        })
         .map(|p| LoadedProg {
             id: p["id"].as_u64().unwrap(),
             name: p["name"].as_str().unwrap().to_string(),
@@ -304,7 +334,10 @@ fn rodata_holds(id: u64, tgid: u32) -> bool {
             .as_array()
             .into_iter()
             .flatten()
-            .filter_map(|b| b.as_str().and_then(|s| u8::from_str_radix(s.trim_start_matches("0x"), 16).ok()))
+            .filter_map(|b| {
+                b.as_str()
+                    .and_then(|s| u8::from_str_radix(s.trim_start_matches("0x"), 16).ok())
+            })
             .collect();
         bytes
             .chunks_exact(4)
@@ -330,7 +363,10 @@ fn prog_ids_held_by(pid: u32) -> BTreeSet<u64> {
         .filter_map(|e| std::fs::read_to_string(e.path()).ok())
         .flat_map(|t| {
             t.lines()
-                .filter_map(|l| l.strip_prefix("prog_id:").and_then(|v| v.trim().parse().ok()))
+                .filter_map(|l| {
+                    l.strip_prefix("prog_id:")
+                        .and_then(|v| v.trim().parse().ok())
+                })
                 .collect::<Vec<u64>>()
         })
         .collect()
@@ -355,20 +391,29 @@ fn links_of(prog_ids: &BTreeSet<u64>) -> Vec<Value> {
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|l| l["prog_id"].as_u64().is_some_and(|id| prog_ids.contains(&id)))
+        .filter(|l| {
+            l["prog_id"]
+                .as_u64()
+                .is_some_and(|id| prog_ids.contains(&id))
+        })
         .cloned()
         .collect()
 }
 
 fn fd_count(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
 }
 
 fn uprobe_events() -> String {
-    ["/sys/kernel/tracing/uprobe_events", "/sys/kernel/debug/tracing/uprobe_events"]
-        .iter()
-        .find_map(|p| std::fs::read_to_string(p).ok())
-        .unwrap_or_default()
+    [
+        "/sys/kernel/tracing/uprobe_events",
+        "/sys/kernel/debug/tracing/uprobe_events",
+    ]
+    .iter()
+    .find_map(|p| std::fs::read_to_string(p).ok())
+    .unwrap_or_default()
 }
 
 fn read_mem_byte(pid: u32, addr: u64) -> u8 {
@@ -389,13 +434,19 @@ fn runtime_addr(pid: u32, path: &Path, fo: u64) -> u64 {
             continue;
         }
         let (a, b) = f[0].split_once('-').unwrap();
-        let (start, end) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+        let (start, end) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
         let off = u64::from_str_radix(f[2], 16).unwrap();
         if fo >= off && fo < off + (end - start) {
             return start + (fo - off);
         }
     }
-    panic!("file offset {fo:#x} of {} not mapped in {pid}", want.display());
+    panic!(
+        "file offset {fo:#x} of {} not mapped in {pid}",
+        want.display()
+    );
 }
 
 /// Cycles for the leak test: one takes ~0.65 s here (a fresh dynprof loads
@@ -437,7 +488,9 @@ fn usdt_attach_detach_cycles_leak_no_program_link_uprobe_fd_or_semaphore() {
             let progs = progs_for(pid);
             let held = prog_ids_held_by(d.pid());
             assert!(
-                progs.iter().any(|(id, n)| n == "dynprof_marker" && held.contains(id)),
+                progs
+                    .iter()
+                    .any(|(id, n)| n == "dynprof_marker" && held.contains(id)),
                 "while attached, bpftool must list dynprof_marker for {pid}, held by dynprof {} ({held:?}): {progs:?}",
                 d.pid()
             );
@@ -457,24 +510,47 @@ fn usdt_attach_detach_cycles_leak_no_program_link_uprobe_fd_or_semaphore() {
         if round > 0 {
             assert_eq!(run.steps().len(), 1, "round {round}: {run}");
         }
-        assert_eq!(read_u16(pid, addr), 0, "round {round}: semaphore after detach");
+        assert_eq!(
+            read_u16(pid, addr),
+            0,
+            "round {round}: semaphore after detach"
+        );
         assert!(p.is_running(), "round {round}: the target died");
     }
     let took = t0.elapsed();
-    eprintln!("usdt leak test: {n} attach/detach cycles in {:.1} s", took.as_secs_f64());
+    eprintln!(
+        "usdt leak test: {n} attach/detach cycles in {:.1} s",
+        took.as_secs_f64()
+    );
 
     // Every child has exited; nothing of theirs may remain.
     let progs = progs_for(pid);
-    assert!(progs.is_empty(), "dynprof programs for target {pid} still loaded: {progs:?}");
+    assert!(
+        progs.is_empty(),
+        "dynprof programs for target {pid} still loaded: {progs:?}"
+    );
     let maps = rodata_maps_for(pid);
-    assert!(maps.is_empty(), "dynprof read-only data maps for target {pid} remain: {maps:?}");
+    assert!(
+        maps.is_empty(),
+        "dynprof read-only data maps for target {pid} remain: {maps:?}"
+    );
     assert_eq!(read_u16(pid, addr), 0, "semaphore");
-    assert_eq!(read_mem_byte(pid, site), original_byte, "probe site restored");
-    assert_eq!(uprobe_events(), uprobes_before, "tracefs uprobe_events changed");
+    assert_eq!(
+        read_mem_byte(pid, site),
+        original_byte,
+        "probe site restored"
+    );
+    assert_eq!(
+        uprobe_events(),
+        uprobes_before,
+        "tracefs uprobe_events changed"
+    );
     assert_eq!(fd_count(pid), fds_before, "the target's fd count");
     assert!(
         !std::fs::read_dir(&locks)
-            .map(|r| r.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".usdt.json")))
+            .map(|r| r
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().ends_with(".usdt.json")))
             .unwrap_or(false),
         "no USDT ledger left"
     );

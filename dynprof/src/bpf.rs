@@ -248,7 +248,9 @@ impl Kernel {
             }
             Some(_) => {
                 self.semaphores.fallback_reason = Some(if self.forced_proc_mem {
-                    format!("{SEMAPHORE_ENV}=proc_mem: dynprof raises USDT semaphores through /proc/PID/mem")
+                    format!(
+                        "{SEMAPHORE_ENV}=proc_mem: dynprof raises USDT semaphores through /proc/PID/mem"
+                    )
                 } else {
                     "this kernel's uprobe PMU has no ref_ctr_offset (Linux < 4.20): \
                      dynprof raises USDT semaphores through /proc/PID/mem"
@@ -302,10 +304,7 @@ impl Kernel {
     /// first so that a later dynprof can undo it if this one is killed.
     fn raise_in_memory(&mut self, addr: u64) -> Result<()> {
         if self.ledger.is_none() {
-            self.ledger = Some(Ledger::new(
-                &crate::window::lock::lock_dir(),
-                self.pid,
-            )?);
+            self.ledger = Some(Ledger::new(&crate::window::lock::lock_dir(), self.pid)?);
         }
         let ledger = self.ledger.as_mut().expect("just set");
         ledger.begin_raise(addr)?;

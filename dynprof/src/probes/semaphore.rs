@@ -110,7 +110,9 @@ impl Ledger {
         if let Some(dir) = self.path.parent() {
             fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let tmp = self.path.with_extension(format!("json.{}", std::process::id()));
+        let tmp = self
+            .path
+            .with_extension(format!("json.{}", std::process::id()));
         let text = serde_json::to_vec(&self.file)?;
         fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
         fs::rename(&tmp, &self.path).with_context(|| format!("renaming to {}", self.path.display()))
@@ -209,10 +211,22 @@ mod tests {
         let p = ledger_path(&d, me);
         l.begin_raise(0x1000).unwrap();
         let f: LedgerFile = serde_json::from_slice(&fs::read(&p).unwrap()).unwrap();
-        assert_eq!(f.semaphores["0x1000"], Counts { pending: 1, raised: 0 });
+        assert_eq!(
+            f.semaphores["0x1000"],
+            Counts {
+                pending: 1,
+                raised: 0
+            }
+        );
         l.end_raise(0x1000, true).unwrap();
         let f: LedgerFile = serde_json::from_slice(&fs::read(&p).unwrap()).unwrap();
-        assert_eq!(f.semaphores["0x1000"], Counts { pending: 0, raised: 1 });
+        assert_eq!(
+            f.semaphores["0x1000"],
+            Counts {
+                pending: 0,
+                raised: 1
+            }
+        );
         l.lowered(0x1000).unwrap();
         assert!(!p.exists(), "nothing raised: no ledger");
         // A live writer's ledger is never touched by repair.
@@ -238,7 +252,13 @@ mod tests {
             dynprof_start: 1,
             target_pid: me.0,
             target_start: uprobe::start_time(me.0).unwrap() + 1,
-            semaphores: BTreeMap::from([(key(0x10), Counts { pending: 0, raised: 3 })]),
+            semaphores: BTreeMap::from([(
+                key(0x10),
+                Counts {
+                    pending: 0,
+                    raised: 3,
+                },
+            )]),
         };
         fs::write(&p, serde_json::to_vec(&f).unwrap()).unwrap();
         assert_eq!(repair(&d, me).unwrap(), vec![]);
