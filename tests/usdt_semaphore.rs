@@ -251,28 +251,52 @@ fn usdt_semaphore_fallback_left_raised_by_a_killed_dynprof_is_repaired_by_the_ne
     let calls = wait_log_covering(&log, "step", steps.last().unwrap().1, T);
     check_steps_match_calls(&steps, &calls, "after repair");
 
-    // A clean fallback detach lowers the semaphore and leaves no ledger.
-    let run = Dynprof::spawn(
-        Command::new(dynprof_bin())
-            .args([
-                "attach",
-                "--pid",
-                &p.pid.to_string(),
-                "--json",
-                "--marker",
-                MARKER,
-                "--steps",
-                "3",
-            ])
-            .env("DYNPROF_LOCK_DIR", &locks)
-            .env("DYNPROF_USDT_SEMAPHORE", "proc_mem"),
-        vec![],
+    // A clean fallback detach lowers the semaphore and leaves no ledger;
+    // its window's meta.json says who held the semaphore.
+    let out = dir.join("out");
+    let run = attach_env(
+        p.pid,
+        &locks,
+        &[("DYNPROF_USDT_SEMAPHORE", "proc_mem")],
+        &[
+            "--marker",
+            MARKER,
+            "--start-step",
+            "1",
+            "--active",
+            "2",
+            "--output",
+            out.to_str().unwrap(),
+        ],
     )
     .finish(T);
     run.assert_success();
     assert_eq!(owners(run.attached()), ["proc_mem"]);
     assert_eq!(read_u16(p.pid, addr), 0, "after a clean fallback detach");
     assert!(!ledger.exists(), "no ledger after a clean detach");
+    let windows: Vec<PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("PROF_")
+        })
+        .collect();
+    assert_eq!(windows.len(), 1, "{windows:?}\n{run}");
+    let meta: Value =
+        serde_json::from_slice(&std::fs::read(windows[0].join("meta.json")).unwrap()).unwrap();
+    let sem = &meta["usdt_semaphores"];
+    assert_eq!(sem["markers"][0]["owner"], "proc_mem", "{meta}");
+    assert_eq!(sem["markers"][0]["addr"], addr, "{meta}");
+    assert!(
+        sem["fallback_reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("DYNPROF_USDT_SEMAPHORE=proc_mem")),
+        "{meta}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
