@@ -540,6 +540,13 @@ fn usdt_attach_detach_cycles_leak_no_program_link_uprobe_fd_or_semaphore() {
             "round {round}: semaphore after detach"
         );
         assert!(p.is_running(), "round {round}: the target died");
+        if (round + 1) % 100 == 0 {
+            eprintln!(
+                "usdt leak test: {} cycles clean after {:.1} s",
+                round + 1,
+                t0.elapsed().as_secs_f64()
+            );
+        }
     }
     let took = t0.elapsed();
     eprintln!(
