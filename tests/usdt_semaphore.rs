@@ -424,6 +424,18 @@ fn links_of(prog_ids: &BTreeSet<u64>) -> Vec<Value> {
         .collect()
 }
 
+/// Polls `f` until it returns nothing or 20 s pass; returns the last result.
+fn wait_empty<T>(f: impl Fn() -> Vec<T>) -> Vec<T> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = f();
+        if v.is_empty() || Instant::now() >= deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn fd_count(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()
@@ -555,12 +567,15 @@ fn usdt_attach_detach_cycles_leak_no_program_link_uprobe_fd_or_semaphore() {
     );
 
     // Every child has exited; nothing of theirs may remain.
-    let progs = progs_for(pid);
+    // The kernel frees a program's maps after an RCU grace period and a
+    // work item, so a map may outlive the last dynprof by a moment: wait
+    // for them to go (a leak stays).
+    let progs = wait_empty(|| progs_for(pid));
     assert!(
         progs.is_empty(),
         "dynprof programs for target {pid} still loaded: {progs:?}"
     );
-    let maps = rodata_maps_for(pid);
+    let maps = wait_empty(|| rodata_maps_for(pid));
     assert!(
         maps.is_empty(),
         "dynprof read-only data maps for target {pid} remain: {maps:?}"
