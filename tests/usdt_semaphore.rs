@@ -346,13 +346,27 @@ fn dynprof_progs() -> Vec<LoadedProg> {
         .collect()
 }
 
+/// `bpftool -j ARGS` about one object by id: `None` when it is gone (other
+/// dynprof tests load and unload theirs all the time).
+fn bpftool_by_id(args: &[&str]) -> Option<Value> {
+    let out = Command::new("bpftool").arg("-j").args(args).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&out.stdout).ok()
+}
+
 /// Whether map `id` is a read-only data map whose contents hold `tgid`.
 fn rodata_holds(id: u64, tgid: u32) -> bool {
-    let m = bpftool(&["map", "show", "id", &id.to_string()]);
+    let Some(m) = bpftool_by_id(&["map", "show", "id", &id.to_string()]) else {
+        return false;
+    };
     if !m["name"].as_str().is_some_and(|n| n.contains("rodata")) {
         return false;
     }
-    let dump = bpftool(&["map", "dump", "id", &id.to_string()]);
+    let Some(dump) = bpftool_by_id(&["map", "dump", "id", &id.to_string()]) else {
+        return false;
+    };
     dump.as_array().into_iter().flatten().any(|e| {
         let bytes: Vec<u8> = e["value"]
             .as_array()
