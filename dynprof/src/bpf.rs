@@ -2,12 +2,7 @@
 //!
 //! One `Kernel` per target: the object is loaded with the target's host tgid
 //! baked in (`TARGET_TGID`), so every program drops foreign events first.
-use std::{
-    fs::OpenOptions,
-    io::{Read, Seek, SeekFrom, Write},
-    num::NonZeroU32,
-    path::Path,
-};
+use std::{num::NonZeroU32, os::fd::AsFd as _, path::Path};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
@@ -24,7 +19,15 @@ use aya::{
 };
 use dynprof_common::{KernelState, MAX_MARKERS, MarkerConfig, OffCpuStart, PlanConfig, drop_slot};
 
-use crate::{output::model::Drops, probes::ResolvedProbe, types::HostPid};
+use crate::{
+    output::model::Drops,
+    probes::{
+        ResolvedProbe,
+        semaphore::{self, Ledger, Repaired, SemaphoreOwner},
+    },
+    sys::uprobe::{self as sys_uprobe, PerfAttachment},
+    types::HostPid,
+};
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dynprof"));
 
@@ -34,6 +37,8 @@ pub const API_ENTER_PROG: &str = "dynprof_api_enter";
 pub const API_EXIT_PROG: &str = "dynprof_api_exit";
 pub const CPU_PROG: &str = "dynprof_cpu";
 pub const SCHED_PROG: &str = "dynprof_sched_switch";
+/// Set to `proc_mem` to hold USDT semaphores through /proc/PID/mem.
+pub const SEMAPHORE_ENV: &str = "DYNPROF_USDT_SEMAPHORE";
 
 /// Checks the kernel and our privileges before touching bpf(2), so the
 /// user gets one actionable line instead of an EPERM from deep inside aya.
@@ -83,16 +88,46 @@ fn preflight_at(root: &Path, cap_eff: u64) -> Result<()> {
     Ok(())
 }
 
-/// Per-marker hook state kept for detach: the link and a raised semaphore.
+/// Per-marker hook state kept for detach: the perf event with the program
+/// on it (closing it removes the uprobe and, with `ref_ctr_offset`, lowers
+/// the semaphore), and a semaphore dynprof raised itself (fallback).
 struct MarkerLink {
-    link: UProbeLinkId,
-    semaphore: Option<(HostPid, u64)>,
+    _attachment: PerfAttachment,
+    proc_mem_semaphore: Option<u64>,
+}
+
+/// How the markers' USDT semaphores are held, for the `attached` event and
+/// meta.json.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct SemaphoreReport {
+    /// Whether this kernel's uprobes take `ref_ctr_offset` (4.20+).
+    pub kernel_owned_supported: bool,
+    /// Per marker index with a semaphore: its runtime address and owner.
+    pub markers: Vec<MarkerSemaphore>,
+    /// Why a semaphore fell back to /proc/PID/mem, if one did.
+    pub fallback_reason: Option<String>,
+    /// What an earlier, killed dynprof left raised and this one lowered.
+    pub repaired: Vec<Repaired>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MarkerSemaphore {
+    pub index: u32,
+    pub addr: u64,
+    pub owner: SemaphoreOwner,
 }
 
 pub struct Kernel {
     ebpf: Ebpf,
     pid: HostPid,
     markers: Vec<MarkerLink>,
+    /// Kept only once a semaphore is raised through /proc/PID/mem.
+    ledger: Option<Ledger>,
+    semaphores: SemaphoreReport,
+    /// `DYNPROF_USDT_SEMAPHORE=proc_mem`: use the fallback even where the
+    /// kernel could own the semaphore (tests; a site another tool already
+    /// probes without the offset).
+    forced_proc_mem: bool,
     api_links: Vec<(bool, UProbeLinkId)>,
     cpu_links: Vec<PerfEventLinkId>,
     sched_link: Option<TracePointLinkId>,
@@ -116,6 +151,12 @@ impl Kernel {
             ebpf,
             pid,
             markers: Vec::new(),
+            ledger: None,
+            semaphores: SemaphoreReport {
+                kernel_owned_supported: sys_uprobe::kernel_owns_semaphores(),
+                ..Default::default()
+            },
+            forced_proc_mem: std::env::var_os(SEMAPHORE_ENV).is_some_and(|v| v == "proc_mem"),
             api_links: Vec::new(),
             cpu_links: Vec::new(),
             sched_link: None,
@@ -136,7 +177,32 @@ impl Kernel {
         Ok(prog.try_into()?)
     }
 
+    /// Lowers what a killed dynprof left raised on this target (see
+    /// `probes::semaphore`); call once, with the target's lock held.
+    /// A failed repair is only warned about: it must not stop the profile.
+    pub fn repair_semaphores(&mut self, lock_dir: &Path) {
+        match semaphore::repair(lock_dir, self.pid) {
+            Ok(r) => self.semaphores.repaired = r,
+            Err(e) => log::warn!("USDT semaphore repair for PID {}: {e:#}", self.pid),
+        }
+        for r in &self.semaphores.repaired {
+            log::warn!(
+                "lowered USDT semaphore {:#x} of PID {} by {} (left raised by a killed dynprof); now {}",
+                r.addr,
+                self.pid,
+                r.lowered_by,
+                r.now
+            );
+        }
+    }
+
+    pub fn semaphore_report(&self) -> &SemaphoreReport {
+        &self.semaphores
+    }
+
     /// Configures and attaches one marker; its index is the attach cookie.
+    /// A USDT semaphore is handed to the kernel (`ref_ctr_offset`) where it
+    /// can take it, else raised through /proc/PID/mem and recorded.
     pub fn attach_marker(&mut self, p: &ResolvedProbe) -> Result<()> {
         if p.index >= MAX_MARKERS {
             bail!("too many markers (at most {MAX_MARKERS})");
@@ -144,39 +210,107 @@ impl Kernel {
         let mut markers: Array<_, MarkerConfig> =
             Array::try_from(self.ebpf.map_mut("MARKERS").expect("MARKERS"))?;
         markers.set(p.index, p.config, 0)?;
-        let pid = NonZeroU32::new(self.pid.0).expect("non-zero pid");
-        let link = self
-            .uprobe(MARKER_PROG)?
-            .attach(
-                UProbeAttachPoint {
-                    location: UProbeAttachLocation::AbsoluteOffset(p.file_offset),
-                    cookie: Some(p.index as u64),
-                },
-                &p.attach_path,
-                UProbeScope::OneProcess(pid),
+        let what = || {
+            format!(
+                "attaching uprobe to {} in {} (offset {:#x})",
+                p.symbol, p.object, p.file_offset
             )
-            .with_context(|| {
+        };
+        let mut owner = None;
+        let event = match &p.semaphore {
+            Some(s) if self.semaphores.kernel_owned_supported && !self.forced_proc_mem => {
+                match sys_uprobe::open_uprobe(
+                    &p.attach_path,
+                    p.file_offset,
+                    Some(s.file_offset),
+                    self.pid,
+                ) {
+                    Ok(fd) => {
+                        owner = Some(SemaphoreOwner::Kernel);
+                        fd
+                    }
+                    // The kernel refuses an offset that differs from that of
+                    // an existing uprobe on the same site (another tool's,
+                    // set without one): hold the semaphore ourselves.
+                    Err(e)
+                        if e.downcast_ref::<sys_uprobe::OpenError>()
+                            .is_some_and(|o| o.errno == libc::EINVAL) =>
+                    {
+                        self.semaphores.fallback_reason = Some(format!(
+                            "the kernel refused ref_ctr_offset {:#x} for {} ({e}); another uprobe on the same site without it?",
+                            s.file_offset, p.symbol
+                        ));
+                        sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
+                            .with_context(what)?
+                    }
+                    Err(e) => return Err(e).with_context(what),
+                }
+            }
+            Some(_) => {
+                self.semaphores.fallback_reason = Some(if self.forced_proc_mem {
+                    format!(
+                        "{SEMAPHORE_ENV}=proc_mem: dynprof raises USDT semaphores through /proc/PID/mem"
+                    )
+                } else {
+                    "this kernel's uprobe PMU has no ref_ctr_offset (Linux < 4.20): \
+                     dynprof raises USDT semaphores through /proc/PID/mem"
+                        .into()
+                });
+                sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
+                    .with_context(what)?
+            }
+            None => sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
+                .with_context(what)?,
+        };
+        let prog = self.uprobe(MARKER_PROG)?.fd()?.as_fd();
+        let attachment =
+            sys_uprobe::attach_program(prog, event, p.index as u64).with_context(what)?;
+        if !attachment.cookie_delivered {
+            bail!(
+                "{}: this kernel cannot pass the marker's attach cookie (bpf perf links need Linux 5.15+)",
+                what()
+            );
+        }
+        // The fallback raises the semaphore after the probe exists, so the
+        // first enabled probe site already fires into our program.
+        let mut proc_mem_semaphore = None;
+        if let Some(s) = &p.semaphore
+            && owner.is_none()
+        {
+            self.raise_in_memory(s.runtime_addr).with_context(|| {
                 format!(
-                    "attaching uprobe to {} in {} (offset {:#x})",
-                    p.symbol, p.object, p.file_offset
+                    "raising the USDT semaphore of {} in PID {}",
+                    p.symbol, self.pid
                 )
             })?;
-        // The semaphore goes up after the probe exists, so the first enabled
-        // probe site already fires into our program.
-        let semaphore = match &p.semaphore {
-            Some(s) => {
-                adjust_semaphore(self.pid, s.runtime_addr, 1).with_context(|| {
-                    format!(
-                        "raising the USDT semaphore of {} in PID {}",
-                        p.symbol, self.pid
-                    )
-                })?;
-                Some((self.pid, s.runtime_addr))
-            }
-            None => None,
-        };
-        self.markers.push(MarkerLink { link, semaphore });
+            proc_mem_semaphore = Some(s.runtime_addr);
+            owner = Some(SemaphoreOwner::ProcMem);
+        }
+        if let (Some(s), Some(owner)) = (&p.semaphore, owner) {
+            self.semaphores.markers.push(MarkerSemaphore {
+                index: p.index,
+                addr: s.runtime_addr,
+                owner,
+            });
+        }
+        self.markers.push(MarkerLink {
+            _attachment: attachment,
+            proc_mem_semaphore,
+        });
         Ok(())
+    }
+
+    /// The fallback: +1 through /proc/PID/mem, written down in the ledger
+    /// first so that a later dynprof can undo it if this one is killed.
+    fn raise_in_memory(&mut self, addr: u64) -> Result<()> {
+        if self.ledger.is_none() {
+            self.ledger = Some(Ledger::new(&crate::window::lock::lock_dir(), self.pid)?);
+        }
+        let ledger = self.ledger.as_mut().expect("just set");
+        ledger.begin_raise(addr)?;
+        let r = sys_uprobe::adjust_semaphore_in_memory(self.pid, addr, 1);
+        ledger.end_raise(addr, r.is_ok())?;
+        r.map(|_| ())
     }
 
     /// Attaches entry and return probes of one runtime API (`api` = cookie).
@@ -366,12 +500,20 @@ impl Kernel {
         self.detach_cpu_sampler();
         self.detach_offcpu();
         for m in std::mem::take(&mut self.markers) {
-            if let Ok(p) = self.uprobe(MARKER_PROG) {
-                let _ = p.detach(m.link);
-            }
-            if let Some((pid, addr)) = m.semaphore {
-                // The target may have exited; nothing to restore then.
-                let _ = adjust_semaphore(pid, addr, -1);
+            let MarkerLink {
+                _attachment,
+                proc_mem_semaphore,
+            } = m;
+            // Closing the event removes the uprobe (and lowers a
+            // kernel-owned semaphore) before we lower our own.
+            drop(_attachment);
+            if let Some(addr) = proc_mem_semaphore {
+                // The target may have exited; nothing to restore then, and
+                // nothing for a later repair either.
+                let _ = sys_uprobe::adjust_semaphore_in_memory(self.pid, addr, -1);
+                if let Some(l) = &mut self.ledger {
+                    let _ = l.lowered(addr);
+                }
             }
         }
     }
@@ -381,26 +523,6 @@ impl Drop for Kernel {
     fn drop(&mut self) {
         self.detach_all();
     }
-}
-
-/// Adds `delta` to a USDT semaphore (u16) in the target, as bcc does. The
-/// kernel's ref_ctr_offset would do this too, but aya does not expose it.
-pub fn adjust_semaphore(pid: HostPid, addr: u64, delta: i32) -> Result<()> {
-    let path = format!("/proc/{pid}/mem");
-    let mut f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("opening {path}"))?;
-    let mut buf = [0u8; 2];
-    f.seek(SeekFrom::Start(addr))?;
-    f.read_exact(&mut buf)
-        .with_context(|| format!("reading semaphore at {addr:#x}"))?;
-    let v = (u16::from_le_bytes(buf) as i32 + delta).clamp(0, u16::MAX as i32) as u16;
-    f.seek(SeekFrom::Start(addr))?;
-    f.write_all(&v.to_le_bytes())
-        .with_context(|| format!("writing semaphore at {addr:#x}"))?;
-    Ok(())
 }
 
 #[cfg(test)]

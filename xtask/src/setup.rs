@@ -22,6 +22,10 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("systemtap-sdt-dev", "sys/sdt.h for USDT probes in fixtures"),
     ("python3", "Debian's /usr/bin/python3 with USDT probes"),
     ("python3-torch", "PyTorch for the real-training tests"),
+    (
+        "bpftool",
+        "the attach/detach leak test lists loaded eBPF programs, links and maps",
+    ),
 ];
 
 fn say(what: &str, state: &str) {

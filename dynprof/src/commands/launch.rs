@@ -247,6 +247,8 @@ pub async fn drive(
             .map_err(|e| exited_during(&target, "loading the eBPF programs", e))?,
     };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    // Under the target's lock: undo what a killed dynprof left raised.
+    kernel.repair_semaphores(&lock::lock_dir());
 
     let mut sched = (mode != Mode::None).then(|| {
         let mut s = Scheduler::new(SchedulerOptions {
@@ -294,9 +296,11 @@ pub async fn drive(
             .collect::<Vec<_>>()
             .join(",")
     );
+    let semaphores = kernel.semaphore_report().clone();
     let mut session = Session::new(kernel, target, resolved);
     if d.json {
         let mut line = attached_json(&session.target, &session.probes);
+        line["usdt_semaphores"] = serde_json::to_value(&semaphores).unwrap_or_default();
         // Opt-in for `cargo xtask bench` (attach time, split by phase).
         if std::env::var_os("DYNPROF_ATTACH_TIMINGS").is_some_and(|v| v == "1") {
             line["timings_ms"] = serde_json::json!({"resolve_ms": resolve_ms, "load_ms": load_ms, "attach_ms": attach_ms});
@@ -308,6 +312,9 @@ pub async fn drive(
                 "dynprof: attached {} marker `{}` at {}+{:#x} ({})",
                 p.role, p.label, p.object, p.file_offset, p.symbol
             );
+        }
+        if let Some(why) = &semaphores.fallback_reason {
+            eprintln!("dynprof: USDT semaphore fallback: {why}");
         }
     }
 

@@ -1,6 +1,7 @@
 //! Markers: the grammar, framework presets, and resolution to file offsets.
 pub mod presets;
 pub mod resolve;
+pub mod semaphore;
 pub mod spec;
 
 pub use resolve::{ResolvedProbe, attach_order, resolve_markers};

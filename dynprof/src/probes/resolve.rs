@@ -18,10 +18,14 @@ use crate::{
 /// SysV x86-64 integer argument registers, in order.
 const ARG_REGS: [u32; 6] = [reg::RDI, reg::RSI, reg::RDX, reg::RCX, reg::R8, reg::R9];
 
-/// A USDT semaphore to raise while attached (as bcc does, through /proc/PID/mem).
+/// A USDT semaphore to hold up while attached: the kernel does it from the
+/// file offset (`ref_ctr_offset`); the /proc/PID/mem fallback writes the
+/// runtime address.
 #[derive(Clone, Debug, Serialize)]
 pub struct Semaphore {
     pub runtime_addr: u64,
+    /// Offset in the probed object's file (the same file as the probe).
+    pub file_offset: u64,
 }
 
 /// One attach point, ready for the kernel.
@@ -286,7 +290,10 @@ pub fn resolve_spec_cached(
                 symbol,
                 file_offset,
                 config,
-                semaphore: sem.map(|runtime_addr| Semaphore { runtime_addr }),
+                semaphore: sem.map(|(runtime_addr, file_offset)| Semaphore {
+                    runtime_addr,
+                    file_offset,
+                }),
             });
         }
         if !out.is_empty() {
@@ -300,13 +307,13 @@ pub fn resolve_spec_cached(
     })
 }
 
-/// Runtime address of a USDT semaphore: its file offset located in one of
-/// the object's mappings.
-fn semaphore_addr(img: &ElfImage, maps: &[Mapping], path: &str, vaddr: u64) -> Option<u64> {
+/// Runtime address and file offset of a USDT semaphore: its file offset
+/// located in one of the object's mappings.
+fn semaphore_addr(img: &ElfImage, maps: &[Mapping], path: &str, vaddr: u64) -> Option<(u64, u64)> {
     let off = img.vaddr_to_offset(vaddr)?;
     maps.iter()
         .find(|m| m.path == path && off >= m.offset && off < m.offset + (m.end - m.start))
-        .map(|m| m.start + (off - m.offset))
+        .map(|m| (m.start + (off - m.offset), off))
 }
 
 fn kernel_config(

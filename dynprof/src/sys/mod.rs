@@ -10,9 +10,11 @@
 //! | `hostfs` | create files on the host without following links planted by others |
 //! | `caps` | dynprof's own capabilities: check, and drop after attach |
 //! | `targetdir` | make, check and list directories in a target's world, through `rootfs` |
+//! | `uprobe` | uprobe perf events with kernel-owned USDT semaphores; the /proc/PID/mem fallback |
 pub mod caps;
 pub mod creds;
 pub mod exec;
 pub mod hostfs;
 pub mod rootfs;
 pub mod targetdir;
+pub mod uprobe;

@@ -806,7 +806,7 @@ impl Scheduler {
             complete = false;
             reason = Some(errors.join("; "));
         }
-        let meta = self.meta(
+        let mut meta = self.meta(
             &w,
             &data,
             &ran,
@@ -816,6 +816,9 @@ impl Scheduler {
             hooks_meta,
             ctx.target,
         );
+        // Who held the USDT semaphores (kernel or the /proc/PID/mem fallback).
+        meta["usdt_semaphores"] =
+            serde_json::to_value(ctx.kernel.semaphore_report()).unwrap_or_default();
         // Files are written off the event loop; the notice follows on a tick.
         let job = WriteJob {
             id: w.id,
