@@ -452,9 +452,9 @@ impl ElfImage {
     pub fn find_function(&self, spec: &str) -> Vec<SymbolHit> {
         let file = self.file();
         let needles = mangled_needles(spec);
-        let mut hits: Vec<SymbolHit> = Vec::new();
-        let deadline = Instant::now() + limits::DEMANGLE_TIME;
-        let mut skipped = 0usize;
+        // (mangled, vaddr, demangled when already known)
+        let mut found: Vec<(&str, u64, Option<String>)> = Vec::new();
+        let mut to_demangle: Vec<(&str, u64)> = Vec::new();
         for sym in file.symbols().chain(file.dynamic_symbols()) {
             if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
                 continue;
@@ -469,40 +469,49 @@ impl ElfImage {
             if is_cold_fragment(name) {
                 continue;
             }
-            let matched = if name == spec {
-                Some(demangle(name))
+            if name == spec {
+                found.push((name, sym.address(), None));
             } else if name.starts_with("_Z") && needles.iter().all(|n| name.contains(n.as_str())) {
-                if Instant::now() >= deadline {
-                    skipped += 1;
-                    None
-                } else {
-                    demangle::cpp(name)
-                        .filter(|full| full == spec || strip_params(full) == spec)
-                }
-            } else {
-                None
-            };
-            if let Some(demangled) = matched {
-                if hits.iter().any(|h| h.vaddr == sym.address()) {
-                    continue;
-                }
-                if let Some(file_offset) = self.vaddr_to_offset(sym.address()) {
-                    hits.push(SymbolHit {
-                        mangled: name.to_string(),
-                        demangled,
-                        vaddr: sym.address(),
-                        file_offset,
-                    });
-                }
+                to_demangle.push((name, sym.address()));
+            }
+        }
+        // Shortest first under the time budget: a file cannot hide a real
+        // name behind many long crafted ones.
+        to_demangle.sort_by_key(|(n, a)| (n.len(), *a));
+        let deadline = Instant::now() + limits::DEMANGLE_TIME;
+        let mut skipped = 0usize;
+        for (name, vaddr) in to_demangle {
+            if Instant::now() >= deadline {
+                skipped += 1;
+                continue;
+            }
+            if let Some(full) = demangle::cpp(name)
+                && (full == spec || strip_params(&full) == spec)
+            {
+                found.push((name, vaddr, Some(full)));
             }
         }
         if skipped > 0 {
             log::warn!(
                 "{}: demangling took over {} s; {skipped} candidate names for `{spec}` were not \
-                 demangled (name the function by its mangled name to reach them)",
+                 demangled (the longest ones; name the function by its mangled name to reach them)",
                 self.path.display(),
                 limits::DEMANGLE_TIME.as_secs()
             );
+        }
+        let mut hits: Vec<SymbolHit> = Vec::new();
+        for (name, vaddr, demangled) in found {
+            if hits.iter().any(|h| h.vaddr == vaddr) {
+                continue;
+            }
+            if let Some(file_offset) = self.vaddr_to_offset(vaddr) {
+                hits.push(SymbolHit {
+                    mangled: name.to_string(),
+                    demangled: demangled.unwrap_or_else(|| demangle(name)),
+                    vaddr,
+                    file_offset,
+                });
+            }
         }
         hits
     }
