@@ -113,7 +113,12 @@ fn trainer_with(dir: &Path, preload: &Path) -> Proc {
 }
 
 fn assert_clean_exit(e: &Ended) {
-    assert_eq!(e.status.signal(), None, "dynprof died of a signal: {}", e.stderr);
+    assert_eq!(
+        e.status.signal(),
+        None,
+        "dynprof died of a signal: {}",
+        e.stderr
+    );
     assert!(!e.stderr.contains("panicked"), "{}", e.stderr);
 }
 
@@ -167,12 +172,21 @@ fn fifo_in_place_of_a_mapped_library() {
 fn many_symbols_library(dir: &Path, n: usize) -> PathBuf {
     let mut c = String::new();
     for i in 0..n {
-        c.push_str(&format!("int hostile_fn_{i}(int x) {{ return x + {i}; }}\n"));
+        c.push_str(&format!(
+            "int hostile_fn_{i}(int x) {{ return x + {i}; }}\n"
+        ));
     }
     let src = dir.join("libhostile.c");
     std::fs::write(&src, c).unwrap();
     let lib = dir.join("libhostile.so");
-    gcc(&["-O0", "-shared", "-fPIC", "-o", &lib.to_string_lossy(), &src.to_string_lossy()]);
+    gcc(&[
+        "-O0",
+        "-shared",
+        "-fPIC",
+        "-o",
+        &lib.to_string_lossy(),
+        &src.to_string_lossy(),
+    ]);
     lib
 }
 
@@ -221,7 +235,8 @@ fn library_truncated_in_a_loop_while_attaching() {
             resolved += 1;
         } else {
             assert!(
-                e.stderr.contains("marker `libhostile:hostile_fn_19999,role=aux` did not resolve"),
+                e.stderr
+                    .contains("marker `libhostile:hostile_fn_19999,role=aux` did not resolve"),
                 "attach {i}: {}",
                 e.stderr
             );
@@ -259,7 +274,13 @@ hostile_tick:
     let src = dir.join(format!("{name}.s"));
     std::fs::write(&src, s).unwrap();
     let lib = dir.join(format!("{name}.so"));
-    gcc(&["-shared", "-nostdlib", "-o", &lib.to_string_lossy(), &src.to_string_lossy()]);
+    gcc(&[
+        "-shared",
+        "-nostdlib",
+        "-o",
+        &lib.to_string_lossy(),
+        &src.to_string_lossy(),
+    ]);
     lib
 }
 
@@ -320,15 +341,24 @@ fn symbols_crafted_to_demangle_slowly() {
     let dir = scratch_dir("symbols_crafted_to_demangle_slowly");
     // 100 names that all pass the `train::step` pre-filter and whose
     // demangled text doubles 40+ times; and the real `train::step()`.
-    let mut c = String::from("void real(void) __asm__(\"_ZN5train4stepEv\");\nvoid real(void) {}\n");
+    let mut c =
+        String::from("void real(void) __asm__(\"_ZN5train4stepEv\");\nvoid real(void) {}\n");
     for i in 0..100 {
         let name = dynprof::symbols::demangle::doubling_name("_ZN5train4stepE", 1, 40 + i);
-        c.push_str(&format!("void f{i}(void) __asm__(\"{name}\");\nvoid f{i}(void) {{}}\n"));
+        c.push_str(&format!(
+            "void f{i}(void) __asm__(\"{name}\");\nvoid f{i}(void) {{}}\n"
+        ));
     }
     let src = dir.join("libslow.c");
     std::fs::write(&src, c).unwrap();
     let lib = dir.join("libslow.so");
-    gcc(&["-shared", "-fPIC", "-o", &lib.to_string_lossy(), &src.to_string_lossy()]);
+    gcc(&[
+        "-shared",
+        "-fPIC",
+        "-o",
+        &lib.to_string_lossy(),
+        &src.to_string_lossy(),
+    ]);
     let p = trainer_with(&dir, &lib);
     let e = attach_then_sigint(
         p.host_pid(),
@@ -410,13 +440,18 @@ fn symlink_inside_the_root_to_a_host_file_is_never_read() {
     );
     assert_clean_exit(&e);
     assert!(e.status.success(), "{}", e.stderr);
-    assert!(!e.stderr.contains(&host_id), "the host file was read: {}", e.stderr);
+    assert!(
+        !e.stderr.contains(&host_id),
+        "the host file was read: {}",
+        e.stderr
+    );
     assert!(
         !serde_json::to_string(&e.events).unwrap().contains(&host_id),
         "the host file was read"
     );
     assert!(
-        e.stderr.contains(&format!("{} was deleted", inner_lib.display())),
+        e.stderr
+            .contains(&format!("{} was deleted", inner_lib.display())),
         "{}",
         e.stderr
     );

@@ -27,9 +27,9 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use blazesym::MaybeDefault;
 use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
-use blazesym::MaybeDefault;
 
 use crate::symbols::{ElfImage, demangle};
 use crate::sys::rootfs::{self, TargetRoot};
@@ -188,7 +188,10 @@ impl Symbolizer {
         for &a in addrs {
             if let Some(m) = self.mapping(a) {
                 let off = a - m.start + m.offset;
-                by_file.entry(m.file_key.clone()).or_default().push((a, off));
+                by_file
+                    .entry(m.file_key.clone())
+                    .or_default()
+                    .push((a, off));
             }
         }
         for (key, group) in by_file {
@@ -200,7 +203,10 @@ impl Symbolizer {
                 continue;
             };
             let offsets: Vec<u64> = group.iter().map(|(_, o)| *o).collect();
-            match self.blaze.symbolize(&snap.source, Input::FileOffset(&offsets)) {
+            match self
+                .blaze
+                .symbolize(&snap.source, Input::FileOffset(&offsets))
+            {
                 Ok(results) => {
                     for ((a, _), r) in group.iter().zip(results.iter()) {
                         if let Symbolized::Sym(sym) = r {
@@ -426,6 +432,50 @@ mod tests {
             frames[0].starts_with(&format!("[unknown] {base}+0x")),
             "{frames:?}"
         );
+    }
+
+    /// blazesym maps what it symbolizes; were it the target's file, the
+    /// target truncating it would kill this test process with SIGBUS.
+    #[test]
+    fn a_library_truncated_after_the_first_lookup_is_still_read_from_the_copy() {
+        let dir = std::env::temp_dir().join(format!("dynprof-sym-trunc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A library `sleep` maps but never calls into (a running
+        // executable cannot be opened for writing).
+        let exe = dir.join("libm-copy.so");
+        std::fs::copy("/lib/x86_64-linux-gnu/libm.so.6", &exe).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env("LD_PRELOAD", &exe)
+            .env("LD_BIND_NOW", "1")
+            .spawn()
+            .unwrap();
+        let path = exe.to_string_lossy().into_owned();
+        let mut text = None;
+        for _ in 0..500 {
+            let maps = read_maps(child.id()).unwrap_or_default();
+            if let Some(m) = maps.iter().find(|m| m.module == path) {
+                // Executable mappings only are kept: this is libm's code.
+                text = Some((m.start, m.end));
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let (start, end) = text.expect("the copy is mapped");
+        let (a1, a2) = (start + 0x10, end - 0x10);
+        let reference = Symbolizer::new(child.id()).unwrap().user_stack(&[a2]);
+        let mut s = Symbolizer::new(child.id()).unwrap();
+        s.user_stack(&[a1]);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&exe)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        assert_eq!(s.user_stack(&[a2]), reference);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -128,7 +128,10 @@ mod tests {
         );
         assert_eq!(cpp("main"), None);
         assert_eq!(frame("main"), "main");
-        assert_eq!(frame("_ZN4core3ptr13drop_in_place17h0123456789abcdefE"), "core::ptr::drop_in_place");
+        assert_eq!(
+            frame("_ZN4core3ptr13drop_in_place17h0123456789abcdefE"),
+            "core::ptr::drop_in_place"
+        );
     }
 
     #[test]

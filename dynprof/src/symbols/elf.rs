@@ -99,7 +99,11 @@ impl<'a> ReadRef<'a> for &'a Sparse {
         self.chunk(offset, size).ok_or(())
     }
 
-    fn read_bytes_at_until(self, range: std::ops::Range<u64>, delimiter: u8) -> Result<&'a [u8], ()> {
+    fn read_bytes_at_until(
+        self,
+        range: std::ops::Range<u64>,
+        delimiter: u8,
+    ) -> Result<&'a [u8], ()> {
         let start = range.start;
         let (cstart, bytes) = self
             .chunks
@@ -211,18 +215,27 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
     let shentsize = std::mem::size_of::<Elf::SectionHeader>() as u64;
     if shoff != 0 {
         // Section 0 first: it holds the real counts when they overflow the header.
-        loader.load("section header table", shoff, shentsize, limits::HEADER_TABLE)?;
+        loader.load(
+            "section header table",
+            shoff,
+            shentsize,
+            limits::HEADER_TABLE,
+        )?;
     }
     let phoff: u64 = header.e_phoff(endian).into();
     if phoff != 0 {
-        let phnum = header.phnum(endian, &loader.sparse).map_err(|e| anyhow!("{e}"))? as u64;
+        let phnum = header
+            .phnum(endian, &loader.sparse)
+            .map_err(|e| anyhow!("{e}"))? as u64;
         let size = phnum.saturating_mul(u64::from(header.e_phentsize(endian)));
         loader.load("program header table", phoff, size, limits::HEADER_TABLE)?;
     }
     if shoff == 0 {
         return Ok(StapsdtNotes::Absent);
     }
-    let shnum = header.shnum(endian, &loader.sparse).map_err(|e| anyhow!("{e}"))? as u64;
+    let shnum = header
+        .shnum(endian, &loader.sparse)
+        .map_err(|e| anyhow!("{e}"))? as u64;
     if shnum == 0 {
         return Ok(StapsdtNotes::Absent);
     }
@@ -232,7 +245,9 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
         shnum.saturating_mul(shentsize),
         limits::HEADER_TABLE,
     )?;
-    let strndx = header.shstrndx(endian, &loader.sparse).map_err(|e| anyhow!("{e}"))? as usize;
+    let strndx = header
+        .shstrndx(endian, &loader.sparse)
+        .map_err(|e| anyhow!("{e}"))? as usize;
     let names_range = header
         .section_headers(endian, &loader.sparse)
         .map_err(|e| anyhow!("{e}"))?
@@ -267,9 +282,12 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
                     wanted.push(("string table", soff, ssize, limits::STRING_TABLE));
                 }
             }
-            elf::SHT_SYMTAB_SHNDX => {
-                wanted.push(("extended section index table", off, size, limits::SYMBOL_TABLE))
-            }
+            elf::SHT_SYMTAB_SHNDX => wanted.push((
+                "extended section index table",
+                off,
+                size,
+                limits::SYMBOL_TABLE,
+            )),
             elf::SHT_NOTE if name == b".note.stapsdt" => {
                 if size > limits::STAPSDT_NOTES {
                     stapsdt = StapsdtNotes::OverCap { size };
@@ -437,7 +455,8 @@ impl ElfImage {
         self.file().segments().find_map(|seg| {
             let (start, size) = (seg.address(), seg.size());
             let (file_off, _) = seg.file_range();
-            (vaddr >= start && vaddr - start < size).then(|| (vaddr - start).checked_add(file_off))?
+            (vaddr >= start && vaddr - start < size)
+                .then(|| (vaddr - start).checked_add(file_off))?
         })
     }
 

@@ -67,7 +67,8 @@ pub fn parse_notes(
     let rd32 = |o: usize| -> Option<usize> {
         Some(u32::from_le_bytes(data.get(o..o.checked_add(4)?)?.try_into().ok()?) as usize)
     };
-    while let (Some(namesz), Some(descsz), Some(ntype)) = (rd32(off), rd32(off + 4), rd32(off + 8)) {
+    while let (Some(namesz), Some(descsz), Some(ntype)) = (rd32(off), rd32(off + 4), rd32(off + 8))
+    {
         let name_start = off + 12;
         let Some(desc_start) = align4(namesz).and_then(|n| name_start.checked_add(n)) else {
             break;
@@ -237,12 +238,21 @@ mod tests {
         let one = note("py", "step", 0x3000);
         let many = one.repeat(100_000);
         let built = std::cell::Cell::new(0);
-        let e = parse_notes(&many, None, |_, _| true, 64, |v| {
-            built.set(built.get() + 1);
-            Some(v)
-        })
+        let e = parse_notes(
+            &many,
+            None,
+            |_, _| true,
+            64,
+            |v| {
+                built.set(built.get() + 1);
+                Some(v)
+            },
+        )
         .unwrap_err();
-        assert!(e.to_string().contains("more than 64 USDT probe sites"), "{e}");
+        assert!(
+            e.to_string().contains("more than 64 USDT probe sites"),
+            "{e}"
+        );
         assert_eq!(built.get(), 64);
     }
 

@@ -117,7 +117,9 @@ fn reopen_regular(handle: OwnedFd) -> io::Result<RegularFile> {
     )?;
     let now = file_id(&rustix::fs::fstat(&fd)?);
     if (now.dev, now.ino, now.kind) != (id.dev, id.ino, FileKind::Regular) {
-        return Err(io::Error::other("the file changed while it was being opened"));
+        return Err(io::Error::other(
+            "the file changed while it was being opened",
+        ));
     }
     Ok(RegularFile {
         file: File::from(fd),
@@ -197,14 +199,18 @@ pub fn within<T: Send + 'static>(
 pub fn read_proc_capped(path: &Path, cap: usize) -> io::Result<(Vec<u8>, bool)> {
     let owned = path.to_path_buf();
     let what = format!("reading {}", path.display());
-    within(FILE_DEADLINE, &what, move || -> io::Result<(Vec<u8>, bool)> {
-        let f = File::open(&owned)?;
-        let mut buf = Vec::new();
-        f.take(cap as u64 + 1).read_to_end(&mut buf)?;
-        let cut = buf.len() > cap;
-        buf.truncate(cap);
-        Ok((buf, cut))
-    })?
+    within(
+        FILE_DEADLINE,
+        &what,
+        move || -> io::Result<(Vec<u8>, bool)> {
+            let f = File::open(&owned)?;
+            let mut buf = Vec::new();
+            f.take(cap as u64 + 1).read_to_end(&mut buf)?;
+            let cut = buf.len() > cap;
+            buf.truncate(cap);
+            Ok((buf, cut))
+        },
+    )?
 }
 
 /// A target's root directory, held open.
@@ -327,6 +333,9 @@ mod tests {
         let (_keep, rx) = mpsc::channel::<()>();
         let e = within(Duration::from_millis(50), "waiting", move || rx.recv()).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        assert_eq!(within(Duration::from_secs(5), "adding", || 2 + 2).unwrap(), 4);
+        assert_eq!(
+            within(Duration::from_secs(5), "adding", || 2 + 2).unwrap(),
+            4
+        );
     }
 }
