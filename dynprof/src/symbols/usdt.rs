@@ -49,6 +49,24 @@ pub fn find(img: &ElfImage, provider: &str, name: &str) -> Result<Vec<UsdtProbe>
     .map_err(|e| anyhow::anyhow!("{e} ({provider}:{name})"))
 }
 
+/// Every USDT probe of `img` (for listings and the fuzzer), at most
+/// [`MAX_LISTED`]: more is an error.
+pub fn probes(img: &ElfImage) -> Result<Vec<UsdtProbe>> {
+    let Some((data, base)) = img.stapsdt_notes()? else {
+        return Ok(Vec::new());
+    };
+    parse_notes(
+        data,
+        base,
+        |_, _| true,
+        MAX_LISTED,
+        |vaddr| img.vaddr_to_offset(vaddr),
+    )
+}
+
+/// How many probes [`probes`] lists.
+pub const MAX_LISTED: usize = 4096;
+
 /// Parses the bytes of a `.note.stapsdt` section. `want(provider, name)`
 /// picks the notes to build probes for (nothing is allocated for the
 /// others); more than `limit` picked notes is an error; `to_file_offset`

@@ -183,14 +183,18 @@ pub fn within<T: Send + 'static>(
     std::thread::Builder::new()
         .name("dynprof-file".into())
         .spawn(move || {
-            let _ = tx.send(f());
+            // A panic is carried back and resumed in the caller: a parser
+            // bug must not look like a slow file (or hide from the fuzzer).
+            let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
         })?;
-    rx.recv_timeout(limit).map_err(|_| {
-        io::Error::new(
+    match rx.recv_timeout(limit) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => Err(io::Error::new(
             io::ErrorKind::TimedOut,
             format!("{what} took longer than {} s: given up", limit.as_secs()),
-        )
-    })
+        )),
+    }
 }
 
 /// Reads at most `cap` bytes of a file through `/proc` that the target
