@@ -414,18 +414,26 @@ fn symlink_inside_the_root_to_a_host_file_is_never_read() {
         .build_id()
         .unwrap();
     let inner_lib = fx.libfixture_backward.clone();
+    // A container root: its own mount namespace whose root is `root`
+    // (pivot_root), so that maps names files as the container sees them.
     // No /proc inside: the loader cannot expand $ORIGIN, so say where.
+    let q = |p: &Path| sh_quote(&p.to_string_lossy());
+    let script = format!(
+        "mount --bind {r} {r} && cd {r} && mkdir -p .old && pivot_root . .old && \
+         exec {t} --log /trainer.log --step-ms 20",
+        r = q(&root),
+        t = q(&fx.trainer),
+    );
     let p = Proc::spawn_ready(
-        Command::new("chroot")
-            .args([
-                &root.to_string_lossy(),
-                &*fx.trainer.to_string_lossy(),
-                "--log",
-                "/trainer.log",
-                "--step-ms",
-                "20",
-            ])
+        Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
             .env("LD_LIBRARY_PATH", inner_lib.parent().unwrap()),
+    );
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", p.host_pid())).unwrap();
+    assert!(
+        maps.contains(&format!(" {}\n", inner_lib.display())),
+        "the container names its library {}: {maps}",
+        inner_lib.display()
     );
     // Inside the root, the library's name now points at the host file's
     // absolute path (which, inside the root, leads nowhere).
