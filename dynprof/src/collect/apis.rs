@@ -270,7 +270,7 @@ pub fn resolve(
     let open = |images: &mut HashMap<String, Option<ElfImage>>, m: &Mapping| -> bool {
         images
             .entry(m.path.clone())
-            .or_insert_with(|| match ElfImage::open(&host_path_for(target, m)) {
+            .or_insert_with(|| match crate::target::mount::open_elf(target, m) {
                 Ok(i) => Some(i),
                 Err(e) => {
                     log::debug!("api: cannot read {}: {e:#}", m.path);

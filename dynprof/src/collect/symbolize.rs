@@ -1,16 +1,38 @@
 //! Address → frame name for one target process, through blazesym.
 //!
-//! User addresses go through blazesym's process source with `map_files`,
-//! i.e. `/proc/PID/map_files/<range>`, which opens the very file the target
-//! mapped whatever mount namespace it lives in, so containers work without
-//! path translation. Kernel addresses go through `/proc/kallsyms`.
+//! Kernel addresses go through `/proc/kallsyms`. User addresses are
+//! symbolized from the target's mapped files, which the target controls:
+//!
+//! - blazesym `mmap`s each file it symbolizes. A target that truncates its
+//!   mapped library while dynprof reads it would kill dynprof with SIGBUS
+//!   (seen in 2 of 20 attaches). So blazesym never sees the target's file:
+//!   dynprof reads the parts symbolization needs (headers, symbol and string
+//!   tables; `symbols::elf`, with its caps and deadline) through
+//!   `/proc/PID/map_files/<range>` (the very inode mapped, in any mount
+//!   namespace), copies them into a sealed memfd of its own at their
+//!   offsets ([`rootfs::sealed_sparse_copy`]) and hands blazesym that copy,
+//!   with file offsets computed from the maps.
+//!   Rejected alternatives: a read lease (`F_SETLEASE F_RDLCK`) cannot be
+//!   taken while the target holds the file open for writing, and its break
+//!   gives dynprof only `lease-break-time` to stop using the mapping, while
+//!   the target's own `truncate` blocks meanwhile; a full copy costs the
+//!   whole file (libtorch_cpu: 120–450 MB) where the tables are a few MB.
+//! - Names are demangled by `symbols::demangle` (length and recursion caps),
+//!   not by blazesym, whose demangler has no output cap.
+//!
+//! A copy also outlives the process, so a window written after the target
+//! exited still names the frames of files it had already seen.
 use std::collections::HashMap;
-use std::path::Path;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use blazesym::symbolize::source::{Kernel, Process, Source};
+use blazesym::MaybeDefault;
+use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
-use blazesym::{MaybeDefault, Pid};
+
+use crate::symbols::{ElfImage, demangle};
+use crate::sys::rootfs::{self, TargetRoot};
 
 /// One executable mapping of the target, kept so that an address blazesym
 /// cannot name can still be reported as `[unknown] module+0xoffset`, and so
@@ -20,21 +42,31 @@ struct Mapping {
     start: u64,
     end: u64,
     offset: u64,
+    /// `major:minor inode` from the maps line: which file this is.
+    file_key: String,
     module: String,
+}
+
+/// A mapped file's symbol tables in memory dynprof owns (see the module doc).
+struct Snapshot {
+    /// Holds the memfd that `source`'s path names.
+    _file: File,
+    source: Source<'static>,
 }
 
 pub struct Symbolizer {
     pid: u32,
     blaze: Blaze,
-    process_src: Source<'static>,
     kernel_src: Source<'static>,
+    /// Per mapped file (`file_key`); `None` when it could not be read.
+    snapshots: HashMap<String, Option<Snapshot>>,
     /// Frames per (adjusted) address; a training job's hot loop touches few
     /// distinct IPs, so after warm-up nearly every lookup is a hit.
     user_cache: HashMap<u64, Vec<String>>,
     kernel_cache: HashMap<u64, Vec<String>>,
     maps: Vec<Mapping>,
-    /// Set once /proc/PID is gone: stop asking blazesym (each attempt is a
-    /// failed open) and answer from the maps snapshot.
+    /// Set once /proc/PID is gone: stop reading files (each attempt is a
+    /// failed open) and answer from the snapshots and the maps.
     exited: bool,
 }
 
@@ -47,12 +79,8 @@ impl Symbolizer {
         let blaze = Blaze::builder()
             .enable_code_info(false)
             .enable_inlined_fns(true)
-            .enable_demangling(true)
+            .enable_demangling(false)
             .build();
-        let mut process = Process::new(Pid::from(host_pid));
-        // DWARF of a big framework (libtorch) costs seconds and hundreds of
-        // MiB to parse; ELF symbols already name the functions we need.
-        process.debug_syms = false;
         let kernel = Kernel {
             // A vmlinux with DWARF is rarely present and slow to load;
             // kallsyms names every kernel function a stack can contain.
@@ -63,8 +91,8 @@ impl Symbolizer {
         Ok(Self {
             pid: host_pid,
             blaze,
-            process_src: Source::Process(process),
             kernel_src: Source::Kernel(kernel),
+            snapshots: HashMap::new(),
             user_cache: HashMap::new(),
             kernel_cache: HashMap::new(),
             maps,
@@ -147,24 +175,6 @@ impl Symbolizer {
         if !self.exited && !Path::new(&format!("/proc/{}", self.pid)).exists() {
             self.exited = true;
         }
-        let results = if self.exited {
-            None
-        } else {
-            match self
-                .blaze
-                .symbolize(&self.process_src, Input::AbsAddr(addrs))
-            {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    log::debug!(
-                        "symbolizing {} addresses of pid {}: {e:#}",
-                        addrs.len(),
-                        self.pid
-                    );
-                    None
-                }
-            }
-        };
         // A miss may come from a library loaded after the snapshot (dlopen
         // of a CUDA or CANN plugin, say): refresh once per batch.
         if !self.exited
@@ -173,13 +183,102 @@ impl Symbolizer {
         {
             self.maps = m;
         }
-        for (i, a) in addrs.iter().enumerate() {
-            let frames = match results.as_ref().and_then(|r| r.get(i)) {
-                Some(Symbolized::Sym(sym)) => sym_frames(sym),
-                _ => vec![self.unknown(*a)],
-            };
-            self.user_cache.insert(*a, frames);
+        // File offsets, grouped by mapped file.
+        let mut by_file: HashMap<String, Vec<(u64, u64)>> = HashMap::new();
+        for &a in addrs {
+            if let Some(m) = self.mapping(a) {
+                let off = a - m.start + m.offset;
+                by_file
+                    .entry(m.file_key.clone())
+                    .or_default()
+                    .push((a, off));
+            }
         }
+        for (key, group) in by_file {
+            if !self.snapshots.contains_key(&key) {
+                let snap = self.snapshot(&key);
+                self.snapshots.insert(key.clone(), snap);
+            }
+            let Some(Some(snap)) = self.snapshots.get(&key) else {
+                continue;
+            };
+            let offsets: Vec<u64> = group.iter().map(|(_, o)| *o).collect();
+            match self
+                .blaze
+                .symbolize(&snap.source, Input::FileOffset(&offsets))
+            {
+                Ok(results) => {
+                    for ((a, _), r) in group.iter().zip(results.iter()) {
+                        if let Symbolized::Sym(sym) = r {
+                            self.user_cache.insert(*a, sym_frames(sym));
+                        }
+                    }
+                }
+                Err(e) => log::debug!("symbolizing {} addresses of {key}: {e:#}", offsets.len()),
+            }
+        }
+        for a in addrs {
+            if !self.user_cache.contains_key(a) {
+                let u = self.unknown(*a);
+                self.user_cache.insert(*a, vec![u]);
+            }
+        }
+    }
+
+    /// Reads a mapped file's tables into a sealed copy (see the module doc).
+    fn snapshot(&self, key: &str) -> Option<Snapshot> {
+        if self.exited {
+            return None;
+        }
+        let m = self.maps.iter().find(|m| m.file_key == key)?;
+        if !m.module.starts_with('/') || key.ends_with(" 0") {
+            // Anonymous code (JIT), [vdso]: no file to read.
+            return None;
+        }
+        let by_map = PathBuf::from(format!(
+            "/proc/{}/map_files/{:x}-{:x}",
+            self.pid, m.start, m.end
+        ));
+        let img = ElfImage::open(&by_map).or_else(|e| {
+            // map_files needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE: the
+            // name inside the target's root, if it is still the same file.
+            let (pid, name) = (self.pid, m.module.clone());
+            let inode: Option<u64> = key.split_once(' ').and_then(|(_, i)| i.parse().ok());
+            ElfImage::read_bounded(Path::new(&m.module), move || {
+                let root = TargetRoot::open(&PathBuf::from(format!("/proc/{pid}/root")))?;
+                let f = root.open_regular(&name)?;
+                if inode.is_some_and(|ino| ino != f.ino) {
+                    anyhow::bail!("{name} was replaced since it was mapped");
+                }
+                Ok(f)
+            })
+            .map_err(|e2| e.context(format!("{e2:#}")))
+        });
+        let img = match img {
+            Ok(i) => i,
+            Err(e) => {
+                log::debug!("symbolize: {}: {e:#}", m.module);
+                return None;
+            }
+        };
+        let sparse = img.sparse();
+        let copy = rootfs::sealed_sparse_copy("dynprof-sym", sparse.file_len(), sparse.chunks());
+        let (file, path) = match copy {
+            Ok(c) => c,
+            Err(e) => {
+                log::debug!("symbolize: copying {}: {e:#}", m.module);
+                return None;
+            }
+        };
+        let mut elf = Elf::new(path);
+        // DWARF of a big framework (libtorch) costs seconds and hundreds of
+        // MiB to parse; ELF symbols already name the functions we need
+        // (and the copy holds no DWARF).
+        elf.debug_syms = false;
+        Some(Snapshot {
+            _file: file,
+            source: Source::Elf(elf),
+        })
     }
 
     fn mapping(&self, addr: u64) -> Option<&Mapping> {
@@ -224,8 +323,8 @@ fn uncached(stacks: &[&[u64]], cache: &HashMap<u64, Vec<String>>) -> Vec<u64> {
 /// The function, then the functions inlined into it at this address,
 /// outermost first: root-first, like the stack they are part of.
 fn sym_frames(sym: &Sym<'_>) -> Vec<String> {
-    let mut v = vec![sym.name.to_string()];
-    v.extend(sym.inlined.iter().map(|f| f.name.to_string()));
+    let mut v = vec![demangle::frame(&sym.name)];
+    v.extend(sym.inlined.iter().map(|f| demangle::frame(&f.name)));
     v
 }
 
@@ -241,8 +340,10 @@ fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
         if !perms.contains('x') {
             continue;
         }
-        let _dev = it.next();
-        let _inode = it.next();
+        let (Some(dev), Some(inode)) = (it.next(), it.next()) else {
+            continue;
+        };
+        let file_key = format!("{dev} {inode}");
         let module = it.collect::<Vec<_>>().join(" ");
         let Some((s, e)) = range.split_once('-') else {
             continue;
@@ -258,6 +359,7 @@ fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
             start,
             end,
             offset,
+            file_key,
             module,
         });
     }
@@ -330,6 +432,50 @@ mod tests {
             frames[0].starts_with(&format!("[unknown] {base}+0x")),
             "{frames:?}"
         );
+    }
+
+    /// blazesym maps what it symbolizes; were it the target's file, the
+    /// target truncating it would kill this test process with SIGBUS.
+    #[test]
+    fn a_library_truncated_after_the_first_lookup_is_still_read_from_the_copy() {
+        let dir = std::env::temp_dir().join(format!("dynprof-sym-trunc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A library `sleep` maps but never calls into (a running
+        // executable cannot be opened for writing).
+        let exe = dir.join("libm-copy.so");
+        std::fs::copy("/lib/x86_64-linux-gnu/libm.so.6", &exe).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env("LD_PRELOAD", &exe)
+            .env("LD_BIND_NOW", "1")
+            .spawn()
+            .unwrap();
+        let path = exe.to_string_lossy().into_owned();
+        let mut text = None;
+        for _ in 0..500 {
+            let maps = read_maps(child.id()).unwrap_or_default();
+            if let Some(m) = maps.iter().find(|m| m.module == path) {
+                // Executable mappings only are kept: this is libm's code.
+                text = Some((m.start, m.end));
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let (start, end) = text.expect("the copy is mapped");
+        let (a1, a2) = (start + 0x10, end - 0x10);
+        let reference = Symbolizer::new(child.id()).unwrap().user_stack(&[a2]);
+        let mut s = Symbolizer::new(child.id()).unwrap();
+        s.user_stack(&[a1]);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&exe)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        assert_eq!(s.user_stack(&[a2]), reference);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -210,12 +210,13 @@ pub fn resolve_spec_cached(
     }
     let mut tried = Vec::new();
     for m in objects {
-        let host = host_path_for(target, m);
+        let mapped = crate::target::mount::locate_and_warn(target, m);
+        let host = mapped.path.clone();
         let img = match images
             .get(&host)
             .cloned()
             .map(Ok)
-            .unwrap_or_else(|| ElfImage::open(&host).map(Rc::new))
+            .unwrap_or_else(|| mapped.open_elf().map(Rc::new))
         {
             Ok(i) => {
                 images.insert(host.clone(), i.clone());
@@ -244,10 +245,9 @@ pub fn resolve_spec_cached(
                     .map(|h| (h.demangled, h.file_offset + offset, None, None))
                     .collect::<Vec<_>>()
             }
-            Location::Usdt { provider, name } => match usdt::probes(&img) {
+            Location::Usdt { provider, name } => match usdt::find(&img, provider, name) {
                 Ok(ps) => ps
                     .into_iter()
-                    .filter(|p| &p.provider == provider && &p.name == name)
                     .map(|p| {
                         let sem = (p.semaphore_vaddr != 0)
                             .then(|| semaphore_addr(&img, maps, &m.path, p.semaphore_vaddr))

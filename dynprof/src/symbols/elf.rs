@@ -1,11 +1,51 @@
 //! Symbol lookup in one ELF object, by mangled or demangled name.
+//!
+//! The object is a file the target controls (its own libraries, through
+//! `/proc/PID/map_files` or its root), so it is read, never mapped: a
+//! target that truncates a mapped file under a reader's `mmap` kills the
+//! reader with SIGBUS. Only the parts dynprof uses are read, each with
+//! `pread` at its own offset into a [`Sparse`] image, and each against a
+//! cap ([`limits`]): a section that claims 2^60 bytes, or more than the file
+//! holds, is an error before anything is allocated.
 use std::{
-    fs,
+    fs::File,
+    os::unix::fs::FileExt as _,
     path::{Path, PathBuf},
+    time::Instant,
 };
 
-use anyhow::{Context as _, Result, bail};
-use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
+use anyhow::{Context as _, Result, anyhow, bail};
+use object::{
+    Endianness, Object, ObjectSegment, ObjectSymbol, SymbolKind, elf,
+    read::{
+        ReadRef,
+        elf::{FileHeader, SectionHeader as _},
+    },
+};
+
+use super::demangle;
+use crate::sys::rootfs::{self, RegularFile};
+
+/// Caps on what one ELF file may make dynprof read or do.
+pub mod limits {
+    use std::time::Duration;
+    /// Program or section header table.
+    pub const HEADER_TABLE: u64 = 4 << 20;
+    /// `.shstrtab`.
+    pub const SECTION_NAMES: u64 = 1 << 20;
+    /// One symbol table (24 bytes a symbol: 5.6 M symbols).
+    pub const SYMBOL_TABLE: u64 = 128 << 20;
+    /// One string table (libtorch_cpu's `.dynstr` is 2.7 MiB).
+    pub const STRING_TABLE: u64 = 256 << 20;
+    /// `.note.stapsdt` (a note is ~100 bytes; libc has ~80 of them).
+    pub const STAPSDT_NOTES: u64 = 4 << 20;
+    /// Any other note section (build id, ABI tag).
+    pub const OTHER_NOTES: u64 = 64 << 10;
+    /// Everything read from one file.
+    pub const TOTAL: u64 = 512 << 20;
+    /// Demangling while looking names up in one file.
+    pub const DEMANGLE_TIME: Duration = Duration::from_secs(2);
+}
 
 /// A function symbol found in an object, with the file offset uprobes need.
 #[derive(Clone, Debug)]
@@ -16,40 +56,397 @@ pub struct SymbolHit {
     pub file_offset: u64,
 }
 
-/// An ELF file mapped read-only (through the target's mount namespace).
-///
-/// Mapped rather than read: libtorch_cpu is 120–450 MB and only its symbol
-/// tables and program headers are touched, so reading it whole dominated
-/// attach time.
-pub struct ElfImage {
-    pub path: PathBuf,
-    data: memmap2::Mmap,
+/// The pieces of a file that were read, at their file offsets. Anything
+/// else reads as an error, so a parser that strays outside them fails
+/// instead of reading what was never checked.
+#[derive(Debug, Default)]
+pub struct Sparse {
+    len: u64,
+    chunks: Vec<(u64, Vec<u8>)>,
+    total: u64,
 }
 
-impl ElfImage {
-    pub fn open(path: &Path) -> Result<Self> {
-        let file =
-            fs::File::open(path).with_context(|| format!("opening ELF {}", path.display()))?;
-        // SAFETY: a mapped library is not truncated while the target runs it;
-        // dynprof only reads the mapping.
-        let data = unsafe { memmap2::Mmap::map(&file) }
-            .with_context(|| format!("mapping ELF {}", path.display()))?;
-        object::File::parse(&*data)
-            .with_context(|| format!("{} is not a valid ELF object", path.display()))?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            data,
+impl Sparse {
+    fn chunk(&self, offset: u64, size: u64) -> Option<&[u8]> {
+        let end = offset.checked_add(size)?;
+        self.chunks.iter().find_map(|(start, bytes)| {
+            let cend = start + bytes.len() as u64;
+            (offset >= *start && end <= cend)
+                .then(|| &bytes[(offset - start) as usize..(end - start) as usize])
         })
     }
 
-    pub fn file(&self) -> object::File<'_> {
-        // Parsed once in `open`, so this cannot fail.
-        object::File::parse(&*self.data).expect("validated in ElfImage::open")
+    /// The pieces read, (file offset, bytes): what a snapshot must hold.
+    pub fn chunks(&self) -> impl Iterator<Item = (u64, &[u8])> {
+        self.chunks.iter().map(|(o, b)| (*o, b.as_slice()))
+    }
+
+    /// The size of the whole file.
+    pub fn file_len(&self) -> u64 {
+        self.len
+    }
+}
+
+impl<'a> ReadRef<'a> for &'a Sparse {
+    fn len(self) -> Result<u64, ()> {
+        Ok(self.len)
+    }
+
+    fn read_bytes_at(self, offset: u64, size: u64) -> Result<&'a [u8], ()> {
+        if size == 0 {
+            return Ok(&[]);
+        }
+        self.chunk(offset, size).ok_or(())
+    }
+
+    fn read_bytes_at_until(
+        self,
+        range: std::ops::Range<u64>,
+        delimiter: u8,
+    ) -> Result<&'a [u8], ()> {
+        let start = range.start;
+        let (cstart, bytes) = self
+            .chunks
+            .iter()
+            .find(|(s, b)| start >= *s && start < s + b.len() as u64)
+            .ok_or(())?;
+        let from = (start - cstart) as usize;
+        let to = (range.end.min(cstart + bytes.len() as u64) - cstart) as usize;
+        let tail = bytes.get(from..to).ok_or(())?;
+        let n = tail.iter().position(|b| *b == delimiter).ok_or(())?;
+        Ok(&tail[..n])
+    }
+}
+
+/// Where the bytes of an ELF file come from while it is being read.
+trait Source {
+    fn read_at(&self, offset: u64, size: usize) -> std::io::Result<Vec<u8>>;
+}
+
+impl Source for File {
+    fn read_at(&self, offset: u64, size: usize) -> std::io::Result<Vec<u8>> {
+        let mut buf = vec![0u8; size];
+        // A short read (the file shrank since fstat) is UnexpectedEof.
+        self.read_exact_at(&mut buf, offset)?;
+        Ok(buf)
+    }
+}
+
+impl Source for &[u8] {
+    fn read_at(&self, offset: u64, size: usize) -> std::io::Result<Vec<u8>> {
+        let start = usize::try_from(offset).map_err(std::io::Error::other)?;
+        self.get(start..start.saturating_add(size))
+            .map(<[u8]>::to_vec)
+            .ok_or_else(|| std::io::ErrorKind::UnexpectedEof.into())
+    }
+}
+
+struct Loader<'s> {
+    src: &'s dyn Source,
+    sparse: Sparse,
+}
+
+impl Loader<'_> {
+    /// Reads `size` bytes at `offset` after checking them against the
+    /// file's real size and the caps.
+    fn load(&mut self, what: &str, offset: u64, size: u64, cap: u64) -> Result<()> {
+        if size == 0 || self.sparse.chunk(offset, size).is_some() {
+            return Ok(());
+        }
+        if size > cap {
+            bail!(
+                "its {what} claims {} bytes, over dynprof's cap of {} MiB",
+                size,
+                cap >> 20
+            );
+        }
+        let end = offset
+            .checked_add(size)
+            .filter(|e| *e <= self.sparse.len)
+            .ok_or_else(|| {
+                anyhow!(
+                    "its {what} lies past the end of the file ({size} bytes at offset {offset}, \
+                     file size {}): truncated or corrupt",
+                    self.sparse.len
+                )
+            })?;
+        if self.sparse.total + size > limits::TOTAL {
+            bail!(
+                "reading its {what} would take dynprof past {} MiB for one file",
+                limits::TOTAL >> 20
+            );
+        }
+        let bytes = self
+            .src
+            .read_at(offset, size as usize)
+            .with_context(|| format!("reading its {what} (bytes {offset}..{end})"))?;
+        self.sparse.total += size;
+        self.sparse.chunks.push((offset, bytes));
+        Ok(())
+    }
+}
+
+/// What [`ElfImage`] keeps about `.note.stapsdt`.
+#[derive(Clone, Debug, Default)]
+enum StapsdtNotes {
+    #[default]
+    Absent,
+    Read {
+        offset: u64,
+        size: u64,
+        /// `.stapsdt.base`'s address, when the section exists.
+        base: Option<u64>,
+    },
+    /// Present, but larger than [`limits::STAPSDT_NOTES`].
+    OverCap { size: u64 },
+}
+
+/// Reads the parts of an ELF file dynprof uses: headers, section names,
+/// symbol and string tables, notes.
+fn load_parts<Elf: FileHeader<Endian = Endianness>>(
+    loader: &mut Loader<'_>,
+) -> Result<StapsdtNotes> {
+    let hsize = std::mem::size_of::<Elf>() as u64;
+    loader.load("ELF header", 0, hsize, hsize)?;
+    // A copy, so that the loader can grow while the header is in use.
+    let header: Elf = *Elf::parse(&loader.sparse).map_err(|e| anyhow!("{e}"))?;
+    let endian = header.endian().map_err(|e| anyhow!("{e}"))?;
+    let shoff: u64 = header.e_shoff(endian).into();
+    let shentsize = std::mem::size_of::<Elf::SectionHeader>() as u64;
+    if shoff != 0 {
+        // Section 0 first: it holds the real counts when they overflow the header.
+        loader.load(
+            "section header table",
+            shoff,
+            shentsize,
+            limits::HEADER_TABLE,
+        )?;
+    }
+    let phoff: u64 = header.e_phoff(endian).into();
+    if phoff != 0 {
+        let phnum = header
+            .phnum(endian, &loader.sparse)
+            .map_err(|e| anyhow!("{e}"))? as u64;
+        let size = phnum.saturating_mul(u64::from(header.e_phentsize(endian)));
+        loader.load("program header table", phoff, size, limits::HEADER_TABLE)?;
+    }
+    if shoff == 0 {
+        return Ok(StapsdtNotes::Absent);
+    }
+    let shnum = header
+        .shnum(endian, &loader.sparse)
+        .map_err(|e| anyhow!("{e}"))? as u64;
+    if shnum == 0 {
+        return Ok(StapsdtNotes::Absent);
+    }
+    loader.load(
+        "section header table",
+        shoff,
+        shnum.saturating_mul(shentsize),
+        limits::HEADER_TABLE,
+    )?;
+    let strndx = header
+        .shstrndx(endian, &loader.sparse)
+        .map_err(|e| anyhow!("{e}"))? as usize;
+    let names_range = header
+        .section_headers(endian, &loader.sparse)
+        .map_err(|e| anyhow!("{e}"))?
+        .get(strndx)
+        .and_then(|h| h.file_range(endian));
+    if let Some((off, size)) = names_range {
+        loader.load("section name table", off, size, limits::SECTION_NAMES)?;
+    }
+    let headers = header
+        .section_headers(endian, &loader.sparse)
+        .map_err(|e| anyhow!("{e}"))?;
+    let file_range = |i: usize| headers.get(i).and_then(|h| h.file_range(endian));
+    // Decide everything from the headers first, then read.
+    let mut wanted: Vec<(&'static str, u64, u64, u64)> = Vec::new();
+    let mut stapsdt = StapsdtNotes::Absent;
+    let mut stapsdt_base = None;
+    let sections = header
+        .sections(endian, &loader.sparse)
+        .map_err(|e| anyhow!("{e}"))?;
+    for h in headers {
+        let name = sections.section_name(endian, h).unwrap_or(&[]);
+        let Some((off, size)) = h.file_range(endian) else {
+            if name == b".stapsdt.base" {
+                stapsdt_base = Some(h.sh_addr(endian).into());
+            }
+            continue;
+        };
+        match h.sh_type(endian) {
+            elf::SHT_SYMTAB | elf::SHT_DYNSYM => {
+                wanted.push(("symbol table", off, size, limits::SYMBOL_TABLE));
+                if let Some((soff, ssize)) = file_range(h.sh_link(endian) as usize) {
+                    wanted.push(("string table", soff, ssize, limits::STRING_TABLE));
+                }
+            }
+            elf::SHT_SYMTAB_SHNDX => wanted.push((
+                "extended section index table",
+                off,
+                size,
+                limits::SYMBOL_TABLE,
+            )),
+            elf::SHT_NOTE if name == b".note.stapsdt" => {
+                if size > limits::STAPSDT_NOTES {
+                    stapsdt = StapsdtNotes::OverCap { size };
+                } else {
+                    wanted.push((".note.stapsdt section", off, size, limits::STAPSDT_NOTES));
+                    stapsdt = StapsdtNotes::Read {
+                        offset: off,
+                        size,
+                        base: None,
+                    };
+                }
+            }
+            // Build id, ABI tag; bigger ones are not read (and not needed).
+            elf::SHT_NOTE if size <= limits::OTHER_NOTES => {
+                wanted.push(("note section", off, size, limits::OTHER_NOTES))
+            }
+            _ => {}
+        }
+        if name == b".stapsdt.base" {
+            stapsdt_base = Some(h.sh_addr(endian).into());
+        }
+    }
+    for (what, off, size, cap) in wanted {
+        loader.load(what, off, size, cap)?;
+    }
+    if let StapsdtNotes::Read { base, .. } = &mut stapsdt {
+        *base = stapsdt_base;
+    }
+    Ok(stapsdt)
+}
+
+/// An ELF file's headers, symbol tables and notes, read into memory.
+pub struct ElfImage {
+    pub path: PathBuf,
+    sparse: Sparse,
+    build_id: Option<String>,
+    stapsdt: StapsdtNotes,
+}
+
+impl std::fmt::Debug for ElfImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElfImage")
+            .field("path", &self.path)
+            .field("bytes_read", &self.sparse.total)
+            .finish()
+    }
+}
+
+impl ElfImage {
+    /// Opens and reads an ELF file named by a host path dynprof built
+    /// itself (`/proc/PID/map_files/…`, a test binary). A FIFO or device is
+    /// refused unopened, and the whole read is bounded by
+    /// [`rootfs::FILE_DEADLINE`]. Files named by the target go through
+    /// [`crate::target::mount`], which opens them inside its root.
+    pub fn open(path: &Path) -> Result<Self> {
+        let owned = path.to_path_buf();
+        Self::read_bounded(path, move || {
+            rootfs::open_regular(&owned).with_context(|| format!("opening ELF {}", owned.display()))
+        })
+    }
+
+    /// Like [`open`](Self::open), with the file opened by `open` (on the
+    /// reading thread, so that a stuck open is bounded too).
+    pub fn read_bounded(
+        path: &Path,
+        open: impl FnOnce() -> Result<RegularFile> + Send + 'static,
+    ) -> Result<Self> {
+        let owned = path.to_path_buf();
+        let what = format!("reading ELF {}", path.display());
+        rootfs::within(rootfs::FILE_DEADLINE, &what, move || {
+            let f = open()?;
+            Self::from_file(&owned, f)
+        })?
+    }
+
+    /// Reads an already opened regular file.
+    pub fn from_file(path: &Path, f: RegularFile) -> Result<Self> {
+        Self::read(path, &f.file, f.size)
+    }
+
+    /// Parses an ELF file held in memory, with the same checks and caps as
+    /// a file (for fuzzing and tests).
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Self> {
+        Self::read(path, &bytes, bytes.len() as u64)
+    }
+
+    fn read(path: &Path, src: &dyn Source, len: u64) -> Result<Self> {
+        let mut loader = Loader {
+            src,
+            sparse: Sparse {
+                len,
+                ..Sparse::default()
+            },
+        };
+        let ident = {
+            loader.load("ELF identification", 0, 16.min(len), 16)?;
+            loader.sparse.chunk(0, 16.min(len)).unwrap_or(&[]).to_vec()
+        };
+        let result = match (ident.get(..4), ident.get(4)) {
+            (Some(b"\x7fELF"), Some(&elf::ELFCLASS64)) => {
+                load_parts::<elf::FileHeader64<Endianness>>(&mut loader)
+            }
+            (Some(b"\x7fELF"), Some(&elf::ELFCLASS32)) => {
+                load_parts::<elf::FileHeader32<Endianness>>(&mut loader)
+            }
+            _ => Err(anyhow!("no ELF magic")),
+        };
+        let stapsdt =
+            result.with_context(|| format!("{} is not a valid ELF object", path.display()))?;
+        let mut img = Self {
+            path: path.to_path_buf(),
+            sparse: loader.sparse,
+            build_id: None,
+            stapsdt,
+        };
+        // Everything `file()` and the lookups touch must be there now.
+        let build_id = {
+            let file = object::File::parse(&img.sparse)
+                .map_err(|e| anyhow!("{e}"))
+                .with_context(|| format!("{} is not a valid ELF object", path.display()))?;
+            file.build_id()
+                .ok()
+                .flatten()
+                .map(|id| id.iter().map(|b| format!("{b:02x}")).collect())
+        };
+        img.build_id = build_id;
+        Ok(img)
+    }
+
+    pub fn file(&self) -> object::File<'_, &Sparse> {
+        // Parsed once in `read`, from the same bytes, so this cannot fail.
+        object::File::parse(&self.sparse).expect("validated in ElfImage::read")
+    }
+
+    /// The parts of the file that were read, to rebuild a copy of it that
+    /// dynprof owns (see `collect::symbolize`).
+    pub fn sparse(&self) -> &Sparse {
+        &self.sparse
     }
 
     pub fn build_id(&self) -> Option<String> {
-        let id = self.file().build_id().ok()??;
-        Some(id.iter().map(|b| format!("{b:02x}")).collect())
+        self.build_id.clone()
+    }
+
+    /// `.note.stapsdt`'s bytes and `.stapsdt.base`'s address; `None` when
+    /// the object has no such section.
+    pub fn stapsdt_notes(&self) -> Result<Option<(&[u8], Option<u64>)>> {
+        match &self.stapsdt {
+            StapsdtNotes::Absent => Ok(None),
+            StapsdtNotes::Read { offset, size, base } => Ok(Some((
+                self.sparse.chunk(*offset, *size).unwrap_or(&[]),
+                *base,
+            ))),
+            StapsdtNotes::OverCap { size } => bail!(
+                "its .note.stapsdt section is {} MiB, over dynprof's cap of {} MiB: not read",
+                size >> 20,
+                limits::STAPSDT_NOTES >> 20
+            ),
+        }
     }
 
     /// Translates a virtual address to a file offset through the PT_LOAD
@@ -58,17 +455,25 @@ impl ElfImage {
         self.file().segments().find_map(|seg| {
             let (start, size) = (seg.address(), seg.size());
             let (file_off, _) = seg.file_range();
-            (vaddr >= start && vaddr < start + size).then(|| vaddr - start + file_off)
+            (vaddr >= start && vaddr - start < size)
+                .then(|| (vaddr - start).checked_add(file_off))?
         })
     }
 
     /// Finds defined function symbols named `spec`: the mangled name, the
     /// full demangled signature, or the demangled name without parameters.
     /// Duplicates (.symtab and .dynsym both list most symbols) are merged.
+    ///
+    /// Demangling is what a hostile file can make slow (names whose
+    /// demangled form doubles at each level): each name is demangled under
+    /// [`demangle`]'s caps, and all of them under [`limits::DEMANGLE_TIME`];
+    /// names left once that runs out are compared mangled only, with a warning.
     pub fn find_function(&self, spec: &str) -> Vec<SymbolHit> {
         let file = self.file();
         let needles = mangled_needles(spec);
-        let mut hits: Vec<SymbolHit> = Vec::new();
+        // (mangled, vaddr, demangled when already known)
+        let mut found: Vec<(&str, u64, Option<String>)> = Vec::new();
+        let mut to_demangle: Vec<(&str, u64)> = Vec::new();
         for sym in file.symbols().chain(file.dynamic_symbols()) {
             if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
                 continue;
@@ -83,53 +488,59 @@ impl ElfImage {
             if is_cold_fragment(name) {
                 continue;
             }
-            let matched = if name == spec {
-                Some(demangle(name))
+            if name == spec {
+                found.push((name, sym.address(), None));
             } else if name.starts_with("_Z") && needles.iter().all(|n| name.contains(n.as_str())) {
-                let full = demangle(name);
-                (full == spec || strip_params(&full) == spec).then_some(full)
-            } else {
-                None
-            };
-            if let Some(demangled) = matched {
-                if hits.iter().any(|h| h.vaddr == sym.address()) {
-                    continue;
-                }
-                if let Some(file_offset) = self.vaddr_to_offset(sym.address()) {
-                    hits.push(SymbolHit {
-                        mangled: name.to_string(),
-                        demangled,
-                        vaddr: sym.address(),
-                        file_offset,
-                    });
-                }
+                to_demangle.push((name, sym.address()));
+            }
+        }
+        // Shortest first under the time budget: a file cannot hide a real
+        // name behind many long crafted ones.
+        to_demangle.sort_by_key(|(n, a)| (n.len(), *a));
+        let deadline = Instant::now() + limits::DEMANGLE_TIME;
+        let mut skipped = 0usize;
+        for (name, vaddr) in to_demangle {
+            if Instant::now() >= deadline {
+                skipped += 1;
+                continue;
+            }
+            if let Some(full) = demangle::cpp(name)
+                && (full == spec || strip_params(&full) == spec)
+            {
+                found.push((name, vaddr, Some(full)));
+            }
+        }
+        if skipped > 0 {
+            log::warn!(
+                "{}: demangling took over {} s; {skipped} candidate names for `{spec}` were not \
+                 demangled (the longest ones; name the function by its mangled name to reach them)",
+                self.path.display(),
+                limits::DEMANGLE_TIME.as_secs()
+            );
+        }
+        let mut hits: Vec<SymbolHit> = Vec::new();
+        for (name, vaddr, demangled) in found {
+            if hits.iter().any(|h| h.vaddr == vaddr) {
+                continue;
+            }
+            if let Some(file_offset) = self.vaddr_to_offset(vaddr) {
+                hits.push(SymbolHit {
+                    mangled: name.to_string(),
+                    demangled: demangled.unwrap_or_else(|| demangle(name)),
+                    vaddr,
+                    file_offset,
+                });
             }
         }
         hits
     }
-
-    pub fn data(&self) -> &[u8] {
-        &self.data
-    }
 }
 
 /// Demangles a C++ (Itanium) name, writing libstdc++'s string type as
-/// `std::string` the way people write it; returns other names unchanged.
+/// `std::string` the way people write it; returns other names, and names
+/// over [`demangle`]'s caps, unchanged.
 pub fn demangle(name: &str) -> String {
-    if let Ok(sym) = cpp_demangle::Symbol::new(name)
-        && let Ok(s) = sym.demangle(&cpp_demangle::DemangleOptions::default())
-    {
-        return s
-            .replace(
-                "std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >",
-                "std::string",
-            )
-            .replace(
-                "std::basic_string<char, std::char_traits<char>, std::allocator<char> >",
-                "std::string",
-            );
-    }
-    name.to_string()
+    demangle::cpp(name).unwrap_or_else(|| name.to_string())
 }
 
 /// `foo.cold`, `foo.cold.12`: a function's cold-path fragment.
@@ -205,5 +616,71 @@ mod tests {
         let hits = img.find_function("main");
         assert_eq!(hits.len(), 1, "{hits:?}");
         assert!(hits[0].file_offset > 0);
+        // Only headers and tables were read, not the code.
+        let size = std::fs::metadata(&exe).unwrap().len();
+        assert!(img.sparse.total < size, "{} of {size}", img.sparse.total);
+    }
+
+    fn this_binary() -> Vec<u8> {
+        std::fs::read(std::env::current_exe().unwrap()).unwrap()
+    }
+
+    fn shdr_field(bytes: &mut [u8], name: &str) -> usize {
+        // Offset of the section header of `name` in a little-endian ELF64.
+        let img = ElfImage::from_bytes(Path::new("t"), bytes).unwrap();
+        let file = img.file();
+        let object::File::Elf64(elf) = &file else {
+            panic!("ELF64 expected")
+        };
+        let shoff = elf.elf_header().e_shoff.get(Endianness::Little) as usize;
+        let index = elf
+            .elf_section_table()
+            .section_by_name(Endianness::Little, name.as_bytes())
+            .unwrap()
+            .0
+            .0;
+        shoff + index * 64
+    }
+
+    #[test]
+    fn a_section_claiming_2_pow_60_bytes_is_an_error_not_an_allocation() {
+        let mut bytes = this_binary();
+        let sh = shdr_field(&mut bytes, ".dynsym");
+        // sh_size is at offset 32 of an ELF64 section header.
+        bytes[sh + 32..sh + 40].copy_from_slice(&(1u64 << 60).to_le_bytes());
+        let e = ElfImage::from_bytes(Path::new("huge.so"), &bytes).unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(msg.contains("huge.so is not a valid ELF object"), "{msg}");
+        assert!(msg.contains("over dynprof's cap"), "{msg}");
+    }
+
+    #[test]
+    fn a_truncated_file_is_an_error() {
+        let bytes = this_binary();
+        for keep in [0, 3, 16, 63, 64, 1000, bytes.len() / 2, bytes.len() - 1] {
+            let r = ElfImage::from_bytes(Path::new("cut.so"), &bytes[..keep]);
+            // Section headers sit at the end: every cut loses them.
+            let e = r.unwrap_err();
+            assert!(format!("{e:#}").contains("cut.so"), "{keep}: {e:#}");
+        }
+    }
+
+    #[test]
+    fn a_file_that_shrinks_while_read_is_an_error_not_a_crash() {
+        let dir = std::env::temp_dir().join(format!("dynprof-elf-shrink-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lib.so");
+        std::fs::write(&path, this_binary()).unwrap();
+        let f = rootfs::open_regular(&path).unwrap();
+        // After fstat, before the reads: what a hostile target does.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let e = ElfImage::from_file(&path, f).unwrap_err();
+        assert!(format!("{e:#}").contains("reading its"), "{e:#}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

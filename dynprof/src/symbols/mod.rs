@@ -1,4 +1,5 @@
 //! ELF symbols, C++ demangling, USDT notes and build ids.
+pub mod demangle;
 pub mod elf;
 pub mod usdt;
 

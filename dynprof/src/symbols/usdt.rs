@@ -4,8 +4,7 @@
 //! file offset and reads arguments by the operand spec in the note, as
 //! libbpf and bcc do.
 use anyhow::{Result, bail};
-use dynprof_common::reg;
-use object::{Object, ObjectSection};
+use dynprof_common::{MAX_MARKERS, reg};
 
 use super::ElfImage;
 
@@ -33,56 +32,109 @@ pub struct UsdtProbe {
     pub raw_args: String,
 }
 
-pub fn probes(img: &ElfImage) -> Result<Vec<UsdtProbe>> {
-    let file = img.file();
-    let Some(notes) = file.section_by_name(".note.stapsdt") else {
+/// USDT probes of `img` named `provider:name`, at most [`MAX_MARKERS`]
+/// (the kernel side's limit): a file with more matching notes is refused
+/// before any probe is built, however many notes it holds.
+pub fn find(img: &ElfImage, provider: &str, name: &str) -> Result<Vec<UsdtProbe>> {
+    let Some((data, base)) = img.stapsdt_notes()? else {
         return Ok(Vec::new());
     };
-    let data = notes.data()?;
-    let base_addr = file.section_by_name(".stapsdt.base").map(|s| s.address());
+    parse_notes(
+        data,
+        base,
+        |p, n| p == provider.as_bytes() && n == name.as_bytes(),
+        MAX_MARKERS as usize,
+        |vaddr| img.vaddr_to_offset(vaddr),
+    )
+    .map_err(|e| anyhow::anyhow!("{e} ({provider}:{name})"))
+}
+
+/// Every USDT probe of `img` (for listings and the fuzzer), at most
+/// [`MAX_LISTED`]: more is an error.
+pub fn probes(img: &ElfImage) -> Result<Vec<UsdtProbe>> {
+    let Some((data, base)) = img.stapsdt_notes()? else {
+        return Ok(Vec::new());
+    };
+    parse_notes(
+        data,
+        base,
+        |_, _| true,
+        MAX_LISTED,
+        |vaddr| img.vaddr_to_offset(vaddr),
+    )
+}
+
+/// How many probes [`probes`] lists.
+pub const MAX_LISTED: usize = 4096;
+
+/// Parses the bytes of a `.note.stapsdt` section. `want(provider, name)`
+/// picks the notes to build probes for (nothing is allocated for the
+/// others); more than `limit` picked notes is an error; `to_file_offset`
+/// places a probe address in the file (notes it cannot place are skipped).
+/// `base` is `.stapsdt.base`'s address, when the object has that section.
+pub fn parse_notes(
+    data: &[u8],
+    base: Option<u64>,
+    mut want: impl FnMut(&[u8], &[u8]) -> bool,
+    limit: usize,
+    to_file_offset: impl Fn(u64) -> Option<u64>,
+) -> Result<Vec<UsdtProbe>> {
     let mut out = Vec::new();
     let mut off = 0usize;
-    let align4 = |n: usize| (n + 3) & !3;
-    while off + 12 <= data.len() {
-        let rd32 = |o: usize| u32::from_le_bytes(data[o..o + 4].try_into().unwrap()) as usize;
-        let (namesz, descsz, ntype) = (rd32(off), rd32(off + 4), rd32(off + 8));
+    let align4 = |n: usize| n.checked_add(3).map(|n| n & !3);
+    let rd32 = |o: usize| -> Option<usize> {
+        Some(u32::from_le_bytes(data.get(o..o.checked_add(4)?)?.try_into().ok()?) as usize)
+    };
+    while let (Some(namesz), Some(descsz), Some(ntype)) = (rd32(off), rd32(off + 4), rd32(off + 8))
+    {
         let name_start = off + 12;
-        let desc_start = name_start + align4(namesz);
-        let next = desc_start + align4(descsz);
-        if next > data.len() {
+        let Some(desc_start) = align4(namesz).and_then(|n| name_start.checked_add(n)) else {
+            break;
+        };
+        let Some(next) = align4(descsz).and_then(|n| desc_start.checked_add(n)) else {
+            break;
+        };
+        if next > data.len() || next <= off {
             break;
         }
+        off = next;
         let owner = &data[name_start..name_start + namesz];
-        if ntype == 3 && owner.starts_with(b"stapsdt") && descsz >= 24 {
-            let desc = &data[desc_start..desc_start + descsz];
-            let rd64 = |o: usize| u64::from_le_bytes(desc[o..o + 8].try_into().unwrap());
-            let (mut pc, note_base, mut sema) = (rd64(0), rd64(8), rd64(16));
-            if let Some(actual) = base_addr {
-                // Prelink or a moved section: shift by the same delta as libbpf.
-                pc = pc.wrapping_add(actual).wrapping_sub(note_base);
-                if sema != 0 {
-                    sema = sema.wrapping_add(actual).wrapping_sub(note_base);
-                }
-            }
-            let mut strs = desc[24..]
-                .split(|b| *b == 0)
-                .map(|s| String::from_utf8_lossy(s).into_owned());
-            let provider = strs.next().unwrap_or_default();
-            let name = strs.next().unwrap_or_default();
-            let raw_args = strs.next().unwrap_or_default();
-            if let Some(file_offset) = img.vaddr_to_offset(pc) {
-                out.push(UsdtProbe {
-                    args: parse_args(&raw_args).unwrap_or_default(),
-                    provider,
-                    name,
-                    vaddr: pc,
-                    file_offset,
-                    semaphore_vaddr: sema,
-                    raw_args,
-                });
+        if ntype != 3 || !owner.starts_with(b"stapsdt") || descsz < 24 {
+            continue;
+        }
+        let desc = &data[desc_start..desc_start + descsz];
+        let mut strs = desc[24..].split(|b| *b == 0);
+        let provider = strs.next().unwrap_or_default();
+        let name = strs.next().unwrap_or_default();
+        if !want(provider, name) {
+            continue;
+        }
+        if out.len() == limit {
+            bail!(
+                "more than {limit} USDT probe sites match; dynprof attaches at most {limit} markers"
+            );
+        }
+        let rd64 = |o: usize| u64::from_le_bytes(desc[o..o + 8].try_into().unwrap_or_default());
+        let (mut pc, note_base, mut sema) = (rd64(0), rd64(8), rd64(16));
+        if let Some(actual) = base {
+            // Prelink or a moved section: shift by the same delta as libbpf.
+            pc = pc.wrapping_add(actual).wrapping_sub(note_base);
+            if sema != 0 {
+                sema = sema.wrapping_add(actual).wrapping_sub(note_base);
             }
         }
-        off = next;
+        let raw_args = String::from_utf8_lossy(strs.next().unwrap_or_default()).into_owned();
+        if let Some(file_offset) = to_file_offset(pc) {
+            out.push(UsdtProbe {
+                args: parse_args(&raw_args).unwrap_or_default(),
+                provider: String::from_utf8_lossy(provider).into_owned(),
+                name: String::from_utf8_lossy(name).into_owned(),
+                vaddr: pc,
+                file_offset,
+                semaphore_vaddr: sema,
+                raw_args,
+            });
+        }
     }
     Ok(out)
 }
@@ -165,6 +217,75 @@ mod tests {
                 }
             )
         );
+    }
+
+    /// One `.note.stapsdt` note as GCC's sys/sdt.h lays it out.
+    fn note(provider: &str, name: &str, pc: u64) -> Vec<u8> {
+        let mut desc = Vec::new();
+        desc.extend_from_slice(&pc.to_le_bytes());
+        desc.extend_from_slice(&0u64.to_le_bytes());
+        desc.extend_from_slice(&0u64.to_le_bytes());
+        for s in [provider, name, "8@%rdi"] {
+            desc.extend_from_slice(s.as_bytes());
+            desc.push(0);
+        }
+        while desc.len() % 4 != 0 {
+            desc.push(0);
+        }
+        let mut n = Vec::new();
+        n.extend_from_slice(&8u32.to_le_bytes());
+        n.extend_from_slice(&(desc.len() as u32).to_le_bytes());
+        n.extend_from_slice(&3u32.to_le_bytes());
+        n.extend_from_slice(b"stapsdt\0");
+        n.extend_from_slice(&desc);
+        n
+    }
+
+    #[test]
+    fn picks_named_notes_and_stops_past_the_limit() {
+        let mut data = Vec::new();
+        for i in 0..1000u64 {
+            data.extend(note("other", "probe", 0x1000 + i));
+        }
+        data.extend(note("py", "step", 0x2000));
+        let ps = parse_notes(&data, None, |p, n| p == b"py" && n == b"step", 64, Some).unwrap();
+        assert_eq!(ps.len(), 1);
+        assert_eq!((ps[0].provider.as_str(), ps[0].file_offset), ("py", 0x2000));
+        assert_eq!(ps[0].args, vec![(8, ArgLoc::Reg(reg::RDI))]);
+        // 100,000 matching notes: refused at the 65th, with 64 probes built at most.
+        let one = note("py", "step", 0x3000);
+        let many = one.repeat(100_000);
+        let built = std::cell::Cell::new(0);
+        let e = parse_notes(
+            &many,
+            None,
+            |_, _| true,
+            64,
+            |v| {
+                built.set(built.get() + 1);
+                Some(v)
+            },
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("more than 64 USDT probe sites"),
+            "{e}"
+        );
+        assert_eq!(built.get(), 64);
+    }
+
+    #[test]
+    fn malformed_notes_end_the_scan() {
+        let mut data = note("py", "step", 0x2000);
+        // A second note whose sizes point far past the end.
+        data.extend_from_slice(&u32::MAX.to_le_bytes());
+        data.extend_from_slice(&u32::MAX.to_le_bytes());
+        data.extend_from_slice(&3u32.to_le_bytes());
+        let ps = parse_notes(&data, None, |_, _| true, 64, Some).unwrap();
+        assert_eq!(ps.len(), 1);
+        for cut in 0..data.len() {
+            let _ = parse_notes(&data[..cut], None, |_, _| true, 64, Some).unwrap();
+        }
     }
 
     #[test]

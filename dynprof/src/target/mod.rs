@@ -279,9 +279,28 @@ pub fn exited_during(target: &Target, stage: &str, e: anyhow::Error) -> anyhow::
     )
 }
 
+/// At most this much of a target's environment is read: the target sets
+/// its length (a legitimate one is bounded by ARG_MAX, ~2 MiB by default).
+pub const MAX_ENVIRON: usize = 4 << 20;
+
+/// The target's environment, read under a cap and a deadline (a read of
+/// another process's memory can be stalled by it, e.g. with userfaultfd).
 pub fn read_environ(pid: HostPid) -> Result<Vec<(String, String)>> {
-    let raw = fs::read(format!("/proc/{pid}/environ"))
-        .with_context(|| format!("reading /proc/{pid}/environ"))?;
+    let (mut raw, cut) = crate::sys::rootfs::read_proc_capped(
+        Path::new(&format!("/proc/{pid}/environ")),
+        MAX_ENVIRON,
+    )
+    .with_context(|| format!("reading /proc/{pid}/environ"))?;
+    if cut {
+        log::warn!(
+            "PID {pid}'s environment is over {} MiB; only its first {} MiB is read",
+            MAX_ENVIRON >> 20,
+            MAX_ENVIRON >> 20
+        );
+        // The last entry may be cut in the middle.
+        let keep = raw.iter().rposition(|c| *c == 0).unwrap_or(0);
+        raw.truncate(keep);
+    }
     Ok(raw
         .split(|c| *c == 0)
         .filter_map(|kv| {
