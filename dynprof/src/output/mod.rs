@@ -89,6 +89,31 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     result.with_context(|| format!("writing {}", path.display()))
 }
 
+/// Like [`write_atomic`], for content written as a stream: `fill` writes
+/// into a buffered `path.tmp`, which is synced and renamed only if it
+/// succeeded (a window's trace is never held in memory whole).
+pub fn write_atomic_with(
+    path: &Path,
+    fill: impl FnOnce(&mut dyn Write) -> Result<()>,
+) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let result = (|| -> Result<()> {
+        let f = fs::File::create(&tmp)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        fill(&mut w)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("writing {}", path.display()))
+}
+
 #[cfg(test)]
 pub(crate) mod tests_support {
     use std::path::PathBuf;

@@ -9,8 +9,10 @@
 //! | `exec` | start a process with a target's credentials in its namespaces and cgroup |
 //! | `hostfs` | create files on the host without following links planted by others |
 //! | `caps` | dynprof's own capabilities: check, and drop after attach |
+//! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 pub mod caps;
 pub mod creds;
 pub mod exec;
 pub mod hostfs;
+pub mod memory;
 pub mod rootfs;
