@@ -238,7 +238,11 @@ fn sigterm_mid_window_writes_it_within_the_budget() {
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
     let st = d.wait_exit(T_WRITE);
     let watched = watch.peak();
-    assert!(st.code().is_some(), "killed by a signal: {st}\n{}", d.transcript());
+    assert!(
+        st.code().is_some(),
+        "killed by a signal: {st}\n{}",
+        d.transcript()
+    );
     assert!(
         watched > 0 && watched < BUDGET_BYTES,
         "dynprof's VmHWM reached {watched} bytes, over the {BUDGET} budget"

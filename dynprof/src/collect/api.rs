@@ -11,9 +11,8 @@ use anyhow::Result;
 use dynprof_common::ApiEvent;
 
 use super::{
-    Collector,
+    Collector, WindowInfo,
     apis::{self, ApiSet, ApiSpec, ApiTable},
-    WindowInfo,
     builtin::DropBase,
     spill::{EventBuf, EventPool},
     stacks::ThreadNames,

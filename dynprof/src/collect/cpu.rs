@@ -10,8 +10,7 @@ use anyhow::Result;
 use dynprof_common::SampleEvent;
 
 use super::{
-    Collector,
-    WindowInfo,
+    Collector, WindowInfo,
     builtin::DropBase,
     spill::{EventBuf, EventPool},
     stacks::{self, SharedStacks, ThreadNames},

@@ -148,9 +148,7 @@ impl Collector for OffCpuCollector {
                 return Err(e);
             }
         };
-        super::builtin::note_budget(data, self.events.pool(), |o| {
-            o.offcpu = taken.over_budget
-        });
+        super::builtin::note_budget(data, self.events.pool(), |o| o.offcpu = taken.over_budget);
         let mut evs = taken.events;
         for p in std::mem::take(&mut self.in_flight) {
             if !evs

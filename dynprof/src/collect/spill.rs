@@ -443,13 +443,28 @@ mod tests {
         assert_eq!(b("268435456").unwrap(), 256 << 20);
         assert_eq!(MemoryBudget::default().bytes(), 256 << 20);
         for bad in [
-            "", "inf", "nan", "-1", "-256MiB", "1e300", "256XB", "1.2.3M", "0", "1MiB", "2TiB",
+            "",
+            "inf",
+            "nan",
+            "-1",
+            "-256MiB",
+            "1e300",
+            "256XB",
+            "1.2.3M",
+            "0",
+            "1MiB",
+            "2TiB",
             "99999999999999999999999999G",
         ] {
             let e = b(bad).unwrap_err().to_string();
             assert!(e.contains("--memory-budget"), "{bad:?}: {e}");
         }
-        assert!(b("1MiB").unwrap_err().to_string().contains("between 64 MiB and 1 TiB"));
+        assert!(
+            b("1MiB")
+                .unwrap_err()
+                .to_string()
+                .contains("between 64 MiB and 1 TiB")
+        );
         // 256 MiB keeps ~885k events per window.
         assert_eq!(
             MemoryBudget::default().events_cap(),
@@ -465,7 +480,13 @@ mod tests {
         assert_eq!(v.len(), OffCpuEvent::SIZE);
         let back = OffCpuEvent::decode(&v);
         assert_eq!(
-            (back.hdr.ts_ns, back.hdr.tid, back.dur_ns, back.user_stack, back.kernel_stack),
+            (
+                back.hdr.ts_ns,
+                back.hdr.tid,
+                back.dur_ns,
+                back.user_stack,
+                back.kernel_stack
+            ),
             (123_456_789_012, 77, 370_370_367_036, -14, 77)
         );
         let s = SampleEvent {

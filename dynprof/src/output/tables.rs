@@ -366,10 +366,7 @@ pub fn summary(data: &WindowData, collectors: &Collectors) -> Summary {
     let host_busy_ns: u64 = rows.iter().map(|r| r.host_busy_ns).sum();
     let mut top_apis = api_stats(&data.api_calls);
     top_apis.truncate(TOP_N);
-    let (top_self, top_incl) = top_frames(
-        data.samples.iter().map(|s| (&s.stack[..], 1u64)),
-        TOP_N,
-    );
+    let (top_self, top_incl) = top_frames(data.samples.iter().map(|s| (&s.stack[..], 1u64)), TOP_N);
     Summary {
         process_name: data.process_name.clone(),
         host_pid: data.host_pid,
