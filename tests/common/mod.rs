@@ -82,6 +82,8 @@ pub struct Fixtures {
     pub acl_trainer: PathBuf,
     pub dlopen_trainer: PathBuf,
     pub libfixture_marker: PathBuf,
+    /// Two threads ping-ponging over pipes: a dense off-CPU target.
+    pub pingpong: PathBuf,
     /// Python scripts (run them with [`PYTHON3`]; see [`Fixtures::python`]).
     pub usdt_train_py: PathBuf,
     pub torch_train_py: PathBuf,
@@ -152,6 +154,7 @@ fn build_fixtures() -> Result<Fixtures> {
         acl_trainer: dir.join("acl_trainer"),
         dlopen_trainer: dir.join("dlopen_trainer"),
         libfixture_marker: dir.join("libfixture_marker.so"),
+        pingpong: dir.join("pingpong"),
         usdt_train_py: src_dir.join("usdt_train.py"),
         torch_train_py: src_dir.join("torch_train.py"),
         dir,

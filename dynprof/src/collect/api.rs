@@ -11,9 +11,10 @@ use anyhow::Result;
 use dynprof_common::ApiEvent;
 
 use super::{
-    Collector,
+    Collector, WindowInfo,
     apis::{self, ApiSet, ApiSpec, ApiTable},
-    builtin::{DropBase, take_window},
+    builtin::DropBase,
+    spill::{EventBuf, EventPool},
     stacks::ThreadNames,
 };
 use crate::{
@@ -27,7 +28,7 @@ pub struct ApiCollector {
     sets: Vec<ApiSet>,
     user: Vec<ApiSpec>,
     table: ApiTable,
-    events: Vec<ApiEvent>,
+    events: EventBuf<ApiEvent>,
     names: ThreadNames,
     attached: usize,
     warned_empty: bool,
@@ -35,12 +36,12 @@ pub struct ApiCollector {
 }
 
 impl ApiCollector {
-    pub fn new(sets: Vec<ApiSet>, user: Vec<ApiSpec>) -> Self {
+    pub fn new(sets: Vec<ApiSet>, user: Vec<ApiSpec>, pool: EventPool) -> Self {
         Self {
             sets,
             user,
             table: ApiTable::default(),
-            events: Vec::new(),
+            events: EventBuf::new(pool),
             names: ThreadNames::default(),
             attached: 0,
             warned_empty: false,
@@ -104,6 +105,10 @@ impl Collector for ApiCollector {
         self.drops.disarm();
     }
 
+    fn window_opened(&mut self, w: &WindowInfo) {
+        self.events.set_spill_dir(&w.dir);
+    }
+
     fn on_event(&mut self, ev: &Decoded) {
         if let Decoded::Api(a) = ev {
             self.names.saw(a.hdr.tid);
@@ -121,7 +126,9 @@ impl Collector for ApiCollector {
         let d = self.drops.take(kernel);
         data.drops.api = d.api;
         data.drops.api_nesting = d.api_nesting;
-        let evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
+        let taken = self.events.take_window(start_ts_ns, end_ts_ns)?;
+        super::builtin::note_budget(data, self.events.pool(), |o| o.api = taken.over_budget);
+        let evs = taken.events;
         let mut calls: Vec<ApiCall> = evs
             .iter()
             .map(|e| {

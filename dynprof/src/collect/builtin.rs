@@ -11,11 +11,15 @@ use super::{
     apis::{self, ApiSet, ApiSpec},
     cpu::{self, CpuCollector},
     offcpu::OffCpuCollector,
+    spill::{EventPool, MemoryBudget},
     stacks::StackStore,
 };
 use crate::{
     bpf::Kernel,
-    output::{Collectors, model::Drops},
+    output::{
+        Collectors,
+        model::{Drops, OverBudget, WindowData},
+    },
 };
 
 /// Names `--collect` accepts, in output order.
@@ -36,6 +40,13 @@ pub struct CollectArgs {
     /// time as device wait, like the synchronize calls.
     #[arg(long = "api", value_name = "OBJECT:SYMBOL")]
     pub apis: Vec<String>,
+
+    /// Memory dynprof may use for one window's data, e.g. 256MiB, 1GiB
+    /// (64MiB to 1TiB). Events are spilled to an unnamed file while the
+    /// window runs; a window denser than the budget keeps the events that
+    /// fit and counts the rest (meta.json `memory.dropped_over_budget`).
+    #[arg(long, value_name = "SIZE", default_value = "256MiB", value_parser = parse_budget)]
+    pub memory_budget: MemoryBudget,
 }
 
 impl Default for CollectArgs {
@@ -43,6 +54,7 @@ impl Default for CollectArgs {
         Self {
             cpu_hz: cpu::DEFAULT_HZ,
             apis: Vec::new(),
+            memory_budget: MemoryBudget::default(),
         }
     }
 }
@@ -53,6 +65,7 @@ impl CollectArgs {
             bail!("--cpu-hz must be between 1 and 10000 (got {})", self.cpu_hz);
         }
         Ok(CollectorOptions {
+            memory_budget: self.memory_budget,
             cpu_hz: self.cpu_hz,
             apis: self
                 .apis
@@ -72,11 +85,14 @@ pub struct CollectorOptions {
     pub apis: Vec<ApiSpec>,
     /// Built-in API sets to probe (default: CANN, CUDA runtime, CUDA driver).
     pub api_sets: Vec<ApiSet>,
+    /// Memory for one window's data (`--memory-budget`).
+    pub memory_budget: MemoryBudget,
 }
 
 impl Default for CollectorOptions {
     fn default() -> Self {
         Self {
+            memory_budget: MemoryBudget::default(),
             cpu_hz: cpu::DEFAULT_HZ,
             apis: Vec::new(),
             api_sets: apis::BUILTIN_SETS.to_vec(),
@@ -109,23 +125,44 @@ pub fn collectors_from_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Re
 
 /// One boxed collector per member of `which`, in the order api, cpu,
 /// offcpu. `cpu` and `offcpu` share the stack store (the kernel's stack map
-/// is global), so build them together.
+/// is global), so build them together; all share one [`EventPool`], the
+/// window's event cap under `--memory-budget`.
 pub fn build_collectors(which: &Collectors, opts: &CollectorOptions) -> Vec<Box<dyn Collector>> {
     let store = StackStore::shared();
+    let pool = EventPool::new(opts.memory_budget);
     let mut out: Vec<Box<dyn Collector>> = Vec::new();
     if which.api {
         out.push(Box::new(ApiCollector::new(
             opts.api_sets.clone(),
             opts.apis.clone(),
+            pool.clone(),
         )));
     }
     if which.cpu {
-        out.push(Box::new(CpuCollector::new(opts.cpu_hz, store.clone())));
+        out.push(Box::new(CpuCollector::new(
+            opts.cpu_hz,
+            store.clone(),
+            pool.clone(),
+        )));
     }
     if which.offcpu {
-        out.push(Box::new(OffCpuCollector::new(store)));
+        out.push(Box::new(OffCpuCollector::new(store, pool)));
     }
     out
+}
+
+/// Records the budget a collector ran under, and (through `set`) its own
+/// slot of events dropped past the cap.
+pub fn note_budget(data: &mut WindowData, pool: &EventPool, set: impl FnOnce(&mut OverBudget)) {
+    let b = pool.budget();
+    data.budget.budget_bytes = b.bytes();
+    data.budget.events_cap = b.events_cap();
+    set(&mut data.budget.dropped_over_budget);
+}
+
+/// `--memory-budget` at parse time: a bad size is refused before attaching.
+fn parse_budget(s: &str) -> Result<MemoryBudget> {
+    s.parse()
 }
 
 /// Kernel losses since a collector was armed (or last drained). Armed at
@@ -174,24 +211,6 @@ impl DropBase {
     }
 }
 
-/// Moves the events of `[start, end)` out of `buf` (by `ts`), drops older
-/// ones (warmup, or calls that began before the window), and keeps newer
-/// ones for the next window.
-pub fn take_window<T>(buf: &mut Vec<T>, start: u64, end: u64, ts: impl Fn(&T) -> u64) -> Vec<T> {
-    let mut inside = Vec::new();
-    let mut later = Vec::new();
-    for e in buf.drain(..) {
-        let t = ts(&e);
-        if t >= end {
-            later.push(e);
-        } else if t >= start {
-            inside.push(e);
-        }
-    }
-    *buf = later;
-    inside
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,24 +239,24 @@ mod tests {
     }
 
     #[test]
-    fn window_split() {
-        let mut buf = vec![5u64, 10, 15, 20, 25];
-        assert_eq!(take_window(&mut buf, 10, 20, |x| *x), vec![10, 15]);
-        assert_eq!(buf, vec![20, 25]);
-    }
-
-    #[test]
     fn options_validate() {
         let a = CollectArgs {
             cpu_hz: 0,
-            apis: vec![],
+            ..Default::default()
         };
         assert!(a.options().is_err());
         let a = CollectArgs {
             cpu_hz: 99,
             apis: vec!["exe:f,wait".into()],
+            ..Default::default()
         };
         let o = a.options().unwrap();
         assert!(o.apis[0].device_wait);
+        assert_eq!(o.memory_budget.bytes(), 256 << 20);
+        for bad in ["inf", "nan", "-1", "1e300", "12XB", "1MiB"] {
+            let e = parse_budget(bad).unwrap_err().to_string();
+            assert!(e.contains("--memory-budget"), "{bad}: {e}");
+        }
+        assert_eq!(parse_budget("1GiB").unwrap().bytes(), 1 << 30);
     }
 }

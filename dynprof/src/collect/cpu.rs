@@ -10,8 +10,9 @@ use anyhow::Result;
 use dynprof_common::SampleEvent;
 
 use super::{
-    Collector,
-    builtin::{DropBase, take_window},
+    Collector, WindowInfo,
+    builtin::DropBase,
+    spill::{EventBuf, EventPool},
     stacks::{self, SharedStacks, ThreadNames},
 };
 use crate::{
@@ -26,18 +27,18 @@ pub const DEFAULT_HZ: u64 = 99;
 pub struct CpuCollector {
     hz: u64,
     store: SharedStacks,
-    events: Vec<SampleEvent>,
+    events: EventBuf<SampleEvent>,
     armed: bool,
     names: ThreadNames,
     drops: DropBase,
 }
 
 impl CpuCollector {
-    pub fn new(hz: u64, store: SharedStacks) -> Self {
+    pub fn new(hz: u64, store: SharedStacks, pool: EventPool) -> Self {
         Self {
             hz,
             store,
-            events: Vec::new(),
+            events: EventBuf::new(pool),
             armed: false,
             names: ThreadNames::default(),
             drops: DropBase::default(),
@@ -78,6 +79,10 @@ impl Collector for CpuCollector {
         self.update_hold();
     }
 
+    fn window_opened(&mut self, w: &WindowInfo) {
+        self.events.set_spill_dir(&w.dir);
+    }
+
     fn on_event(&mut self, ev: &Decoded) {
         if let Decoded::Sample(s) = ev {
             self.names.saw(s.hdr.tid);
@@ -95,11 +100,22 @@ impl Collector for CpuCollector {
         let d = self.drops.take(kernel);
         data.drops.cpu = d.cpu;
         data.drops.cpu_stack = d.cpu_stack;
-        let evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
+        let taken = match self.events.take_window(start_ts_ns, end_ts_ns) {
+            Ok(t) => t,
+            Err(e) => {
+                self.update_hold();
+                return Err(e);
+            }
+        };
+        super::builtin::note_budget(data, self.events.pool(), |o| o.cpu = taken.over_budget);
+        let evs = taken.events;
+        self.names
+            .fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
+        data.samples.reserve_exact(evs.len());
         {
             let mut store = self.store.borrow_mut();
             store.prefetch(kernel, evs.iter().map(|e| (e.user_stack, e.kernel_stack)));
-            for e in &evs {
+            for e in evs {
                 let stack = store.stack(kernel, e.user_stack, e.kernel_stack);
                 data.samples.push(CpuSample {
                     tid: e.hdr.tid,
@@ -108,9 +124,7 @@ impl Collector for CpuCollector {
                 });
             }
         }
-        data.samples.sort_by_key(|s| (s.ts_ns, s.tid));
-        self.names
-            .fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
+        data.samples.sort_unstable_by_key(|s| (s.ts_ns, s.tid));
         self.update_hold();
         Ok(())
     }

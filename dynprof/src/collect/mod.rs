@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod hooks;
 pub mod msprof;
 pub mod offcpu;
+pub mod spill;
 pub mod stacks;
 pub mod symbolize;
 pub mod torch_npu_dp;
@@ -59,6 +60,13 @@ pub trait Collector {
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()>;
     /// Detaches probes after the window closed.
     fn disarm(&mut self, kernel: &mut Kernel);
+    /// The window `w` just opened (its directory exists): spill files go
+    /// there from now on.
+    fn window_opened(&mut self, _w: &WindowInfo) {}
+    /// The window's gate closed at `end_ts_ns`: take what only the kernel
+    /// holds (e.g. intervals still in flight) now, because the probes may be
+    /// detached before [`Collector::drain_into`].
+    fn seal(&mut self, _start_ts_ns: u64, _end_ts_ns: u64, _kernel: &mut Kernel) {}
     /// Every event while armed (the kernel only emits inside the gate).
     fn on_event(&mut self, ev: &Decoded);
     /// Moves what was gathered between `start_ts_ns` and `end_ts_ns` (the

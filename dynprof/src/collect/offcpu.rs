@@ -8,12 +8,17 @@
 //! kept and clipped at the window's end; threads still off-CPU then (a
 //! worker blocked across the boundary) are read from the kernel's
 //! in-flight map, so their time inside the window is not lost.
+//!
+//! Events wait in a bounded [`EventBuf`] (spilled to an unnamed file past a
+//! small chunk, capped by the window's memory budget), so a dense window
+//! does not grow dynprof's memory.
 use anyhow::Result;
 use dynprof_common::OffCpuEvent;
 
 use super::{
-    Collector,
-    builtin::{DropBase, take_window},
+    Collector, WindowInfo,
+    builtin::DropBase,
+    spill::{EventBuf, EventPool},
     stacks::{self, SharedStacks, ThreadNames},
 };
 use crate::{
@@ -25,17 +30,24 @@ use crate::{
 
 pub struct OffCpuCollector {
     store: SharedStacks,
-    events: Vec<OffCpuEvent>,
+    events: EventBuf<OffCpuEvent>,
+    /// Intervals still in flight when the window was sealed (one per
+    /// blocked thread at most), with their duration clipped to the end.
+    in_flight: Vec<OffCpuEvent>,
+    /// `seal` ran for the window being drained.
+    sealed: bool,
     armed: bool,
     names: ThreadNames,
     drops: DropBase,
 }
 
 impl OffCpuCollector {
-    pub fn new(store: SharedStacks) -> Self {
+    pub fn new(store: SharedStacks, pool: EventPool) -> Self {
         Self {
             store,
-            events: Vec::new(),
+            events: EventBuf::new(pool),
+            in_flight: Vec::new(),
+            sealed: false,
             armed: false,
             names: ThreadNames::default(),
             drops: DropBase::default(),
@@ -75,6 +87,10 @@ impl Collector for OffCpuCollector {
         self.update_hold();
     }
 
+    fn window_opened(&mut self, w: &WindowInfo) {
+        self.events.set_spill_dir(&w.dir);
+    }
+
     fn on_event(&mut self, ev: &Decoded) {
         if let Decoded::OffCpu(o) = ev {
             self.names.saw(o.hdr.tid);
@@ -82,17 +98,9 @@ impl Collector for OffCpuCollector {
         }
     }
 
-    fn drain_into(
-        &mut self,
-        start_ts_ns: u64,
-        end_ts_ns: u64,
-        data: &mut WindowData,
-        kernel: &mut Kernel,
-    ) -> Result<()> {
-        let d = self.drops.take(kernel);
-        data.drops.offcpu = d.offcpu;
-        data.drops.offcpu_stack = d.offcpu_stack;
-        let mut evs = take_window(&mut self.events, start_ts_ns, end_ts_ns, |e| e.hdr.ts_ns);
+    fn seal(&mut self, start_ts_ns: u64, end_ts_ns: u64, kernel: &mut Kernel) {
+        self.in_flight.clear();
+        self.sealed = true;
         // Still off-CPU: the switch-in has not happened (or not been read).
         if self.armed {
             match kernel.offcpu_pending() {
@@ -101,13 +109,7 @@ impl Collector for OffCpuCollector {
                         if rec.ts_ns < start_ts_ns || rec.ts_ns >= end_ts_ns {
                             continue;
                         }
-                        if evs
-                            .iter()
-                            .any(|e| e.hdr.tid == tid && e.hdr.ts_ns == rec.ts_ns)
-                        {
-                            continue;
-                        }
-                        evs.push(OffCpuEvent {
+                        self.in_flight.push(OffCpuEvent {
                             hdr: dynprof_common::EventHeader {
                                 kind: dynprof_common::kind::OFFCPU,
                                 tid,
@@ -122,10 +124,47 @@ impl Collector for OffCpuCollector {
                 Err(e) => log::debug!("offcpu: reading in-flight intervals: {e:#}"),
             }
         }
+    }
+
+    fn drain_into(
+        &mut self,
+        start_ts_ns: u64,
+        end_ts_ns: u64,
+        data: &mut WindowData,
+        kernel: &mut Kernel,
+    ) -> Result<()> {
+        if !self.sealed {
+            self.seal(start_ts_ns, end_ts_ns, kernel);
+        }
+        self.sealed = false;
+        let d = self.drops.take(kernel);
+        data.drops.offcpu = d.offcpu;
+        data.drops.offcpu_stack = d.offcpu_stack;
+        let taken = self.events.take_window(start_ts_ns, end_ts_ns);
+        let taken = match taken {
+            Ok(t) => t,
+            Err(e) => {
+                self.update_hold();
+                return Err(e);
+            }
+        };
+        super::builtin::note_budget(data, self.events.pool(), |o| o.offcpu = taken.over_budget);
+        let mut evs = taken.events;
+        for p in std::mem::take(&mut self.in_flight) {
+            if !evs
+                .iter()
+                .any(|e| e.hdr.tid == p.hdr.tid && e.hdr.ts_ns == p.hdr.ts_ns)
+            {
+                evs.push(p);
+            }
+        }
+        self.names
+            .fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
+        data.offcpu.reserve_exact(evs.len());
         {
             let mut store = self.store.borrow_mut();
             store.prefetch(kernel, evs.iter().map(|e| (e.user_stack, e.kernel_stack)));
-            for e in &evs {
+            for e in evs {
                 let dur_ns = e.dur_ns.min(end_ts_ns - e.hdr.ts_ns);
                 let stack = store.stack(kernel, e.user_stack, e.kernel_stack);
                 data.offcpu.push(OffCpuSpan {
@@ -136,9 +175,7 @@ impl Collector for OffCpuCollector {
                 });
             }
         }
-        data.offcpu.sort_by_key(|s| (s.ts_ns, s.tid));
-        self.names
-            .fill(&mut data.thread_names, evs.iter().map(|e| e.hdr.tid));
+        data.offcpu.sort_unstable_by_key(|s| (s.ts_ns, s.tid));
         self.update_hold();
         Ok(())
     }

@@ -24,8 +24,11 @@ pub type SharedStacks = Rc<RefCell<StackStore>>;
 pub struct StackStore {
     pid: Option<u32>,
     sym: Option<Symbolizer>,
-    user: HashMap<i32, Stack>,
-    kernel: HashMap<i32, Stack>,
+    user: HashMap<i32, Vec<String>>,
+    kernel: HashMap<i32, Vec<String>>,
+    /// (user id, kernel id) → the joined stack, shared by every event with
+    /// those ids. Bounded by the distinct stacks in the kernel's map.
+    joined: HashMap<(i32, i32), Stack>,
     holders: u8,
     /// Ids whose lookup failed although the kernel returned them (removed
     /// under us); reported as lost frames.
@@ -52,6 +55,7 @@ impl StackStore {
             }
             self.user.clear();
             self.kernel.clear();
+            self.joined.clear();
             self.raw.clear();
         }
         if self.pid != Some(pid) {
@@ -100,15 +104,20 @@ impl StackStore {
     /// The stack of one event: user frames root first, then the kernel
     /// frames (suffixed `_[k]`) root first, as flame graphs draw them.
     pub fn stack(&mut self, kernel: &Kernel, user_id: i32, kernel_id: i32) -> Stack {
+        if let Some(s) = self.joined.get(&(user_id, kernel_id)) {
+            return s.clone();
+        }
         let mut out = self.part(kernel, user_id, false);
         out.extend(self.part(kernel, kernel_id, true));
         if out.is_empty() {
             out.push("[unknown]".to_string());
         }
-        out
+        let s: Stack = out.into();
+        self.joined.insert((user_id, kernel_id), s.clone());
+        s
     }
 
-    fn part(&mut self, kernel: &Kernel, id: i32, is_kernel: bool) -> Stack {
+    fn part(&mut self, kernel: &Kernel, id: i32, is_kernel: bool) -> Vec<String> {
         if id == STACK_EMPTY {
             return Vec::new();
         }

@@ -8,6 +8,10 @@
 //! Times are µs (floats, so ns precision survives) relative to the first
 //! step's start; the absolute base is `metadata.ts_base_ns`.
 //!
+//! The trace is streamed into its file event by event ([`write_trace_json`]
+//! into any `Write`): a dense window has millions of events, and the
+//! document as a `serde_json::Value` would cost gigabytes.
+//!
 //! [`write_trace`] always writes `trace.json`, and additionally
 //! `trace.json.gz` when the JSON is larger than [`GZIP_THRESHOLD`] (8 MiB):
 //! big traces are slow to copy off a cluster node, and Perfetto opens the
@@ -17,10 +21,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
+use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::model::WindowData;
-use super::write_atomic;
+use super::write_atomic_with;
 
 pub const TRACE_FILE: &str = "trace.json";
 pub const TRACE_GZ_FILE: &str = "trace.json.gz";
@@ -31,14 +36,22 @@ pub const STEPS_TID: u32 = 0;
 /// Comparisons of float µs timestamps allow this much (1 ns) of rounding.
 const EPS_US: f64 = 1e-3;
 
-/// A complete slice before conversion to JSON, in absolute ns.
+/// Where a slice comes from: an index into the window's API calls or
+/// off-CPU spans. Slices are sorted for nesting before they are written, so
+/// they are kept small (no name, no args: those are read from the source
+/// when the slice is written).
+#[derive(Clone, Copy)]
+enum Src {
+    Api(usize),
+    OffCpu(usize),
+}
+
+/// A complete slice before it is written, in absolute ns.
 struct Slice {
     tid: u32,
     start: u64,
     dur: u64,
-    name: String,
-    cat: &'static str,
-    args: Value,
+    src: Src,
 }
 
 /// Within one thread, trims slices that would partially overlap an
@@ -47,7 +60,7 @@ struct Slice {
 /// on the same thread); trace viewers mis-draw such slices. Returns how many
 /// were trimmed, which goes into the metadata so it is never silent.
 fn make_nested(slices: &mut [Slice]) -> u64 {
-    slices.sort_by(|a, b| {
+    slices.sort_unstable_by(|a, b| {
         (a.tid, a.start, std::cmp::Reverse(a.dur)).cmp(&(b.tid, b.start, std::cmp::Reverse(b.dur)))
     });
     let mut trimmed = 0;
@@ -71,8 +84,82 @@ fn make_nested(slices: &mut [Slice]) -> u64 {
     trimmed
 }
 
-/// Builds the trace as a JSON value.
-pub fn build_trace(data: &WindowData) -> Value {
+/// A stack written as `root;…;leaf` without building the string.
+struct Joined<'a>(&'a [String]);
+
+impl Serialize for Joined<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        struct D<'a>(&'a [String]);
+        impl std::fmt::Display for D<'_> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                for (i, fr) in self.0.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(";")?;
+                    }
+                    f.write_str(fr)?;
+                }
+                Ok(())
+            }
+        }
+        s.collect_str(&D(self.0))
+    }
+}
+
+/// One trace event as written (`dur` for `X`, `s` for `i`).
+#[derive(Serialize)]
+struct Event<'a, A: Serialize> {
+    ph: &'static str,
+    name: &'a str,
+    cat: &'static str,
+    pid: u32,
+    tid: u32,
+    ts: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dur: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    s: Option<&'static str>,
+    args: A,
+}
+
+#[derive(Serialize)]
+struct ApiArgs {
+    ret: i64,
+    step: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct OffCpuArgs<'a> {
+    stack: Joined<'a>,
+    dur_ns: u64,
+}
+
+#[derive(Serialize)]
+struct CpuArgs<'a> {
+    stack: Joined<'a>,
+}
+
+/// Writes `traceEvents` elements one at a time, with the commas between.
+struct EventSink<W: Write> {
+    w: W,
+    first: bool,
+}
+
+impl<W: Write> EventSink<W> {
+    fn put<T: Serialize>(&mut self, ev: &T) -> Result<()> {
+        if !self.first {
+            self.w.write_all(b",")?;
+        }
+        self.first = false;
+        serde_json::to_writer(&mut self.w, ev)?;
+        Ok(())
+    }
+}
+
+/// Streams the trace of `data` as JSON into `w`, one event at a time: the
+/// document is never held in memory (a dense window has millions of
+/// events). Only the API and off-CPU slices are collected first, as small
+/// fixed-size records, because making them nest needs them sorted.
+pub fn write_trace_json<W: Write>(w: W, data: &WindowData) -> Result<()> {
     let base = data
         .steps
         .iter()
@@ -89,14 +176,15 @@ pub fn build_trace(data: &WindowData) -> Value {
     // filter should have removed) shows up as negative rather than wrapping.
     let us = |ns: u64| (ns as i128 - base as i128) as f64 / 1000.0;
     let pid = data.host_pid;
-    let mut events: Vec<Value> = Vec::new();
+    let mut out = EventSink { w, first: true };
+    out.w.write_all(b"{\"traceEvents\":[")?;
 
     let process_name = if data.process_name.is_empty() {
         format!("pid {pid}")
     } else {
         data.process_name.clone()
     };
-    events.push(json!({"ph":"M","name":"process_name","pid":pid,"tid":STEPS_TID,"args":{"name":process_name}}));
+    out.put(&json!({"ph":"M","name":"process_name","pid":pid,"tid":STEPS_TID,"args":{"name":process_name}}))?;
     let names: HashMap<u32, &str> = data
         .thread_names
         .iter()
@@ -107,18 +195,17 @@ pub fn build_trace(data: &WindowData) -> Value {
     tids.extend(data.samples.iter().map(|s| s.tid));
     tids.extend(data.offcpu.iter().map(|o| o.tid));
     tids.remove(&STEPS_TID);
-    events.push(
-        json!({"ph":"M","name":"thread_name","pid":pid,"tid":STEPS_TID,"args":{"name":"steps"}}),
-    );
+    out.put(
+        &json!({"ph":"M","name":"thread_name","pid":pid,"tid":STEPS_TID,"args":{"name":"steps"}}),
+    )?;
     // Keep the steps track on top in Perfetto.
-    events.push(json!({"ph":"M","name":"thread_sort_index","pid":pid,"tid":STEPS_TID,"args":{"sort_index":-1}}));
+    out.put(&json!({"ph":"M","name":"thread_sort_index","pid":pid,"tid":STEPS_TID,"args":{"sort_index":-1}}))?;
     for tid in &tids {
         let name = match names.get(tid) {
             Some(n) => format!("{n} ({tid})"),
             None => format!("tid {tid}"),
         };
-        events
-            .push(json!({"ph":"M","name":"thread_name","pid":pid,"tid":tid,"args":{"name":name}}));
+        out.put(&json!({"ph":"M","name":"thread_name","pid":pid,"tid":tid,"args":{"name":name}}))?;
     }
 
     for s in &data.steps {
@@ -128,11 +215,17 @@ pub fn build_trace(data: &WindowData) -> Value {
         for (k, v) in &s.aux {
             args.insert(format!("aux_{k}"), json!(v));
         }
-        events.push(json!({
-            "ph":"X","name":format!("step {}", s.step.0),"cat":"step","pid":pid,"tid":STEPS_TID,
-            "ts":us(s.start_ts_ns),"dur":s.end_ts_ns.saturating_sub(s.start_ts_ns) as f64 / 1000.0,
-            "args":Value::Object(args),
-        }));
+        out.put(&Event {
+            ph: "X",
+            name: &format!("step {}", s.step.0),
+            cat: "step",
+            pid,
+            tid: STEPS_TID,
+            ts: us(s.start_ts_ns),
+            dur: Some(s.end_ts_ns.saturating_sub(s.start_ts_ns) as f64 / 1000.0),
+            s: None,
+            args: Value::Object(args),
+        })?;
     }
 
     // API calls carry the step they start in, whatever their thread.
@@ -148,71 +241,147 @@ pub fn build_trace(data: &WindowData) -> Value {
         (ts < end).then_some(step)
     };
 
-    let mut slices: Vec<Slice> = Vec::new();
-    for c in &data.api_calls {
+    let mut slices: Vec<Slice> = Vec::with_capacity(data.api_calls.len() + data.offcpu.len());
+    for (i, c) in data.api_calls.iter().enumerate() {
         slices.push(Slice {
             tid: c.tid,
             start: c.start_ts_ns,
             dur: c.dur_ns,
-            name: c.api.clone(),
-            cat: if c.device_wait { "device_wait" } else { "api" },
-            args: json!({"ret": c.ret, "step": step_at(c.start_ts_ns)}),
+            src: Src::Api(i),
         });
     }
-    for o in &data.offcpu {
+    for (i, o) in data.offcpu.iter().enumerate() {
         slices.push(Slice {
             tid: o.tid,
             start: o.ts_ns,
             dur: o.dur_ns,
-            name: "off-CPU".into(),
-            cat: "offcpu",
-            args: json!({"stack": o.stack.join(";"), "dur_ns": o.dur_ns}),
+            src: Src::OffCpu(i),
         });
     }
     let trimmed = make_nested(&mut slices);
-    for s in slices {
-        events.push(json!({
-            "ph":"X","name":s.name,"cat":s.cat,"pid":pid,"tid":s.tid,
-            "ts":us(s.start),"dur":s.dur as f64 / 1000.0,"args":s.args,
-        }));
+    for s in &slices {
+        match s.src {
+            Src::Api(i) => {
+                let c = &data.api_calls[i];
+                out.put(&Event {
+                    ph: "X",
+                    name: &c.api,
+                    cat: if c.device_wait { "device_wait" } else { "api" },
+                    pid,
+                    tid: s.tid,
+                    ts: us(s.start),
+                    dur: Some(s.dur as f64 / 1000.0),
+                    s: None,
+                    args: ApiArgs {
+                        ret: c.ret,
+                        step: step_at(c.start_ts_ns),
+                    },
+                })?;
+            }
+            Src::OffCpu(i) => {
+                let o = &data.offcpu[i];
+                out.put(&Event {
+                    ph: "X",
+                    name: "off-CPU",
+                    cat: "offcpu",
+                    pid,
+                    tid: s.tid,
+                    ts: us(s.start),
+                    dur: Some(s.dur as f64 / 1000.0),
+                    s: None,
+                    args: OffCpuArgs {
+                        stack: Joined(&o.stack),
+                        dur_ns: o.dur_ns,
+                    },
+                })?;
+            }
+        }
     }
+    drop(slices);
     for s in &data.samples {
         let leaf = s.stack.last().map(String::as_str).unwrap_or("[unknown]");
-        events.push(json!({
-            "ph":"i","s":"t","name":leaf,"cat":"cpu","pid":pid,"tid":s.tid,
-            "ts":us(s.ts_ns),"args":{"stack":s.stack.join(";")},
-        }));
+        out.put(&Event {
+            ph: "i",
+            name: leaf,
+            cat: "cpu",
+            pid,
+            tid: s.tid,
+            ts: us(s.ts_ns),
+            dur: None,
+            s: Some("t"),
+            args: CpuArgs {
+                stack: Joined(&s.stack),
+            },
+        })?;
     }
 
-    json!({
-        "traceEvents": events,
-        "displayTimeUnit": "ns",
-        "metadata": {
+    let mut w = out.w;
+    w.write_all(b"],\"displayTimeUnit\":\"ns\",\"metadata\":")?;
+    serde_json::to_writer(
+        &mut w,
+        &json!({
             "ts_base_ns": base,
             "host_pid": pid,
             "process_name": data.process_name,
             "steps": data.steps.len(),
             "trimmed_slices": trimmed,
             "drops": data.drops,
+            "dropped_over_budget": data.budget.dropped_over_budget,
             "producer": concat!("dynprof ", env!("CARGO_PKG_VERSION")),
-        },
-    })
+        }),
+    )?;
+    w.write_all(b"}")?;
+    w.flush()?;
+    Ok(())
 }
 
-/// Writes `trace.json` (and `trace.json.gz` above [`GZIP_THRESHOLD`]).
+/// The trace as a JSON value (tests and small windows only: a dense
+/// window's document does not belong in memory; [`write_trace`] streams).
+pub fn build_trace(data: &WindowData) -> Value {
+    let mut v = Vec::new();
+    write_trace_json(&mut v, data).expect("writing to a Vec cannot fail");
+    serde_json::from_slice(&v).expect("the trace writer writes valid JSON")
+}
+
+/// Counts the bytes that go through it.
+struct Counting<W> {
+    inner: W,
+    n: u64,
+}
+
+impl<W: Write> Write for Counting<W> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        let k = self.inner.write(b)?;
+        self.n += k as u64;
+        Ok(k)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes `trace.json` (and `trace.json.gz` above [`GZIP_THRESHOLD`]), both
+/// streamed: the JSON straight into its file, the gzip from that file.
 pub fn write_trace(dir: &Path, data: &WindowData) -> Result<Vec<PathBuf>> {
     let path = dir.join(TRACE_FILE);
-    let bytes = serde_json::to_vec(&build_trace(data))
-        .with_context(|| format!("formatting {}", path.display()))?;
-    write_atomic(&path, &bytes)?;
-    let mut out = vec![path];
-    if bytes.len() > GZIP_THRESHOLD {
+    let mut size = 0u64;
+    write_atomic_with(&path, |w| {
+        let mut c = Counting { inner: w, n: 0 };
+        write_trace_json(&mut c, data).with_context(|| format!("formatting {}", path.display()))?;
+        size = c.n;
+        Ok(())
+    })?;
+    let mut out = vec![path.clone()];
+    if size > GZIP_THRESHOLD as u64 {
         let gz = dir.join(TRACE_GZ_FILE);
-        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-        enc.write_all(&bytes)
-            .and_then(|_| enc.finish())
-            .with_context(|| format!("compressing {}", gz.display()))
-            .and_then(|z| write_atomic(&gz, &z))?;
+        write_atomic_with(&gz, |w| {
+            let mut src = std::fs::File::open(&path)
+                .with_context(|| format!("reading back {}", path.display()))?;
+            let mut enc = flate2::write::GzEncoder::new(w, flate2::Compression::default());
+            std::io::copy(&mut src, &mut enc)
+                .and_then(|_| enc.finish().map(|_| ()))
+                .with_context(|| format!("compressing {}", gz.display()))
+        })?;
         out.push(gz);
     }
     Ok(out)
@@ -393,27 +562,28 @@ mod tests {
             samples: vec![CpuSample {
                 tid: 100,
                 ts_ns: 1_200_000,
-                stack: vec!["main".into(), "hot_cpu_work".into()],
+                stack: vec!["main".into(), "hot_cpu_work".into()].into(),
             }],
             offcpu: vec![
                 OffCpuSpan {
                     tid: 100,
                     ts_ns: 1_500_100,
                     dur_ns: 399_800,
-                    stack: vec!["main".into(), "aclrtSynchronizeStream".into()],
+                    stack: vec!["main".into(), "aclrtSynchronizeStream".into()].into(),
                 },
                 // Ends 50 ns after the sync call returned: must be trimmed.
                 OffCpuSpan {
                     tid: 100,
                     ts_ns: 1_899_950,
                     dur_ns: 100,
-                    stack: vec![],
+                    stack: Stack::from([]),
                 },
             ],
             thread_names: vec![(100, "python".into())],
             process_name: "trainer".into(),
             host_pid: 4242,
             drops: Drops::default(),
+            budget: WindowBudget::default(),
         }
     }
 
@@ -515,7 +685,7 @@ mod tests {
             .map(|i| CpuSample {
                 tid: 100,
                 ts_ns: 1_000_000 + i * 100,
-                stack: stack.clone(),
+                stack: stack.clone().into(),
             })
             .collect();
         let dir = crate::output::tests_support::tempdir("trace-gz");

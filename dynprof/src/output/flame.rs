@@ -1,12 +1,13 @@
 //! Folded stacks (`root;...;leaf count`, the input format of every
 //! flamegraph tool) and their SVGs rendered by inferno.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use inferno::flamegraph::{self, Options, Palette, color::BasicPalette};
 
-use super::model::{CpuSample, OffCpuSpan};
+use super::model::{CpuSample, OffCpuSpan, Stack};
 use super::write_atomic;
 
 pub const CPU_FOLDED: &str = "cpu.folded";
@@ -39,24 +40,32 @@ pub fn fold_key(stack: &[String]) -> String {
     key
 }
 
-/// Stack → number of samples.
-pub fn fold_cpu(samples: &[CpuSample]) -> BTreeMap<String, u64> {
+/// Sums `weight` per folded stack. Events share their stack (one `Arc` per
+/// distinct stack), so they are summed per shared stack first and each
+/// distinct stack is folded into its key once, not once per event.
+fn fold<'a>(events: impl Iterator<Item = (&'a Stack, u64)>) -> BTreeMap<String, u64> {
+    let mut by_ptr: HashMap<*const [String], (&'a Stack, u64)> = HashMap::new();
+    for (stack, w) in events {
+        by_ptr.entry(Arc::as_ptr(stack)).or_insert((stack, 0)).1 += w;
+    }
     let mut m = BTreeMap::new();
-    for s in samples {
-        *m.entry(fold_key(&s.stack)).or_insert(0) += 1;
+    for (stack, w) in by_ptr.into_values() {
+        *m.entry(fold_key(stack)).or_insert(0) += w;
     }
     m
+}
+
+/// Stack → number of samples.
+pub fn fold_cpu(samples: &[CpuSample]) -> BTreeMap<String, u64> {
+    fold(samples.iter().map(|s| (&s.stack, 1)))
 }
 
 /// Stack → microseconds off-CPU. Summed in ns before converting so many
 /// short waits on one stack are not each rounded away; stacks that total
 /// under 1 µs are dropped (a 0 count is meaningless to flamegraph tools).
 pub fn fold_offcpu(spans: &[OffCpuSpan]) -> BTreeMap<String, u64> {
-    let mut ns: BTreeMap<String, u64> = BTreeMap::new();
-    for s in spans {
-        *ns.entry(fold_key(&s.stack)).or_insert(0) += s.dur_ns;
-    }
-    ns.into_iter()
+    fold(spans.iter().map(|s| (&s.stack, s.dur_ns)))
+        .into_iter()
         .map(|(k, v)| (k, v / 1000))
         .filter(|(_, v)| *v > 0)
         .collect()
@@ -179,7 +188,7 @@ pub fn write_offcpu(dir: &Path, spans: &[OffCpuSpan]) -> Result<Vec<PathBuf>> {
 mod tests {
     use super::*;
 
-    fn st(v: &[&str]) -> Vec<String> {
+    fn st(v: &[&str]) -> Stack {
         v.iter().map(|s| s.to_string()).collect()
     }
 
@@ -205,7 +214,7 @@ mod tests {
             CpuSample {
                 tid: 1,
                 ts_ns: 4,
-                stack: vec![],
+                stack: Stack::from([]),
             },
         ];
         let files = write_cpu(&dir, &samples).unwrap();
@@ -216,7 +225,7 @@ mod tests {
             "[unknown] 1\nmain;hot_cpu_work 2\nmain;operator: 1\n"
         );
         let parsed = parse_folded(&folded).unwrap();
-        assert_eq!(parsed[1], (st(&["main", "hot_cpu_work"]), 2));
+        assert_eq!(parsed[1], (st(&["main", "hot_cpu_work"]).to_vec(), 2));
         let svg = std::fs::read_to_string(dir.join(CPU_SVG)).unwrap();
         assert!(svg.contains("hot_cpu_work"));
         assert!(svg.contains("<svg"));

@@ -79,6 +79,30 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
+/// Like [`write_atomic`], for content written as a stream: `fill` writes
+/// into a buffered temporary file, which is synced and renamed only if it
+/// succeeded (a window's trace is never held in memory whole).
+pub fn write_atomic_with(
+    path: &Path,
+    fill: impl FnOnce(&mut dyn std::io::Write) -> Result<()>,
+) -> Result<()> {
+    // `fill`'s own error is kept whole (its context chain), not flattened
+    // into an io::Error.
+    let mut failed = None;
+    let r = crate::sys::hostfs::write_atomic_path_with(path, |w| {
+        fill(w).map_err(|e| {
+            let io = std::io::Error::other(format!("{e:#}"));
+            failed = Some(e);
+            io
+        })
+    });
+    match (r, failed) {
+        (Ok(()), _) => Ok(()),
+        (Err(_), Some(e)) => Err(e.context(format!("writing {}", path.display()))),
+        (Err(e), None) => Err(e).with_context(|| format!("writing {}", path.display())),
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests_support {
     use std::path::PathBuf;

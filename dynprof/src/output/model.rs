@@ -29,8 +29,10 @@ pub struct ApiCall {
 }
 
 /// A symbolized stack, root first, leaf last; kernel frames are suffixed
-/// `_[k]` as in the flamegraph convention.
-pub type Stack = Vec<String>;
+/// `_[k]` as in the flamegraph convention. Shared: a dense window has
+/// millions of events but few distinct stacks, and each event holds one
+/// pointer to its stack rather than a copy of its frames.
+pub type Stack = std::sync::Arc<[String]>;
 
 /// One CPU sample.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -61,6 +63,32 @@ pub struct Drops {
     pub api_nesting: u64,
 }
 
+/// Events a window's collectors saw but did not keep, because the window
+/// already held as many as `--memory-budget` allows.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OverBudget {
+    pub api: u64,
+    pub cpu: u64,
+    pub offcpu: u64,
+}
+
+impl OverBudget {
+    pub fn total(&self) -> u64 {
+        self.api + self.cpu + self.offcpu
+    }
+}
+
+/// The memory budget a window's collectors ran under.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WindowBudget {
+    /// `--memory-budget` in bytes (0: no collector ran).
+    pub budget_bytes: u64,
+    /// Events the window could keep, over all its collectors.
+    pub events_cap: u64,
+    /// Events dropped past that cap, by collector.
+    pub dropped_over_budget: OverBudget,
+}
+
 /// Everything a window's collectors produced, filtered to its recorded steps.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct WindowData {
@@ -73,4 +101,6 @@ pub struct WindowData {
     pub process_name: String,
     pub host_pid: u32,
     pub drops: Drops,
+    #[serde(default)]
+    pub budget: WindowBudget,
 }

@@ -329,6 +329,19 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
     if !dropped.is_empty() {
         warnings.push(format!("events were lost: {}", dropped.join(", ")));
     }
+    if let Some(o) = summary
+        .as_ref()
+        .map(|s| &s.dropped_over_budget)
+        .filter(|o| o.total() > 0)
+    {
+        warnings.push(format!(
+            "window too dense for --memory-budget: {} events not kept (api {}, cpu {}, offcpu {})",
+            o.total(),
+            o.api,
+            o.cpu,
+            o.offcpu
+        ));
+    }
 
     let top_frame = top_frames_self.first().map(|f| f.frame.clone());
     let verdict = verdict(
@@ -875,14 +888,15 @@ mod tests {
                     "main".into(),
                     "aclrtSynchronizeStream".into(),
                     "schedule_[k]".into(),
-                ],
+                ]
+                .into(),
             });
             for j in 0..4u64 {
                 let leaf = if j < 3 { hot } else { "other" };
                 d.samples.push(CpuSample {
                     tid: 777,
                     ts_ns: s + 300_000 + j * 10_000,
-                    stack: vec!["main".into(), "train_step".into(), leaf.into()],
+                    stack: vec!["main".into(), "train_step".into(), leaf.into()].into(),
                 });
             }
         }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::model::{ApiCall, Drops, StepSpan, WindowData};
+use super::model::{ApiCall, Drops, OverBudget, StepSpan, WindowData};
 use super::{Collectors, write_atomic};
 
 pub const API_SUMMARY_FILE: &str = "api_summary.csv";
@@ -72,7 +72,7 @@ pub struct ApiStat {
 }
 
 /// Per-API statistics, by total time descending (ties by name).
-pub fn api_stats(calls: &[ApiCall]) -> Vec<ApiStat> {
+pub fn api_stats<'a>(calls: impl IntoIterator<Item = &'a ApiCall>) -> Vec<ApiStat> {
     let mut by_api: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
     for c in calls {
         by_api.entry(c.api.as_str()).or_default().push(c.dur_ns);
@@ -354,6 +354,9 @@ pub struct Summary {
     pub offcpu_spans: u64,
     pub offcpu_ns: u64,
     pub drops: Drops,
+    /// Events the window saw but did not keep (`--memory-budget`).
+    #[serde(default)]
+    pub dropped_over_budget: OverBudget,
 }
 
 pub fn summary(data: &WindowData, collectors: &Collectors) -> Summary {
@@ -361,18 +364,9 @@ pub fn summary(data: &WindowData, collectors: &Collectors) -> Summary {
     let step_time = DurationStats::from_values(rows.iter().map(|r| r.duration_ns).collect());
     let device_wait_ns: u64 = rows.iter().map(|r| r.device_wait_ns).sum();
     let host_busy_ns: u64 = rows.iter().map(|r| r.host_busy_ns).sum();
-    let waits: Vec<ApiCall> = data
-        .api_calls
-        .iter()
-        .filter(|c| c.device_wait)
-        .cloned()
-        .collect();
     let mut top_apis = api_stats(&data.api_calls);
     top_apis.truncate(TOP_N);
-    let (top_self, top_incl) = top_frames(
-        data.samples.iter().map(|s| (s.stack.as_slice(), 1u64)),
-        TOP_N,
-    );
+    let (top_self, top_incl) = top_frames(data.samples.iter().map(|s| (&s.stack[..], 1u64)), TOP_N);
     Summary {
         process_name: data.process_name.clone(),
         host_pid: data.host_pid,
@@ -388,7 +382,7 @@ pub fn summary(data: &WindowData, collectors: &Collectors) -> Summary {
         step_time,
         device_wait_ns,
         host_busy_ns,
-        device_wait_apis: api_stats(&waits),
+        device_wait_apis: api_stats(data.api_calls.iter().filter(|c| c.device_wait)),
         api_calls: rows.iter().map(|r| r.api_calls).sum(),
         top_apis,
         top_cpu_frames_self: top_self,
@@ -397,6 +391,7 @@ pub fn summary(data: &WindowData, collectors: &Collectors) -> Summary {
         offcpu_spans: data.offcpu.len() as u64,
         offcpu_ns: data.offcpu.iter().map(|o| o.dur_ns).sum(),
         drops: data.drops.clone(),
+        dropped_over_budget: data.budget.dropped_over_budget.clone(),
     }
 }
 

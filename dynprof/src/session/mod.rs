@@ -217,6 +217,13 @@ impl Session {
                 }
             }
         }
+        // The session is over: its losses are counted now, and every probe
+        // is detached before the observers finish. Writing a dense window
+        // can take a while, and the target should not pay for a step
+        // marker or a sched_switch program nobody reads any more (nor fill
+        // the ring with steps counted as lost). The maps stay readable.
+        let drops = self.kernel.drops().unwrap_or_default();
+        self.kernel.detach_all();
         let mut ctx = Ctx {
             kernel: &mut self.kernel,
             target: &self.target,
@@ -226,7 +233,7 @@ impl Session {
         for o in observers.iter_mut() {
             o.finish(&end, &mut ctx)?;
         }
-        let drops = self.kernel.drops().unwrap_or_default();
+        // Anything an observer attached again while finishing.
         self.kernel.detach_all();
         let _ = ring.as_raw_fd();
         Ok(SessionSummary {

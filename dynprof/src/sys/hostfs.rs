@@ -17,7 +17,7 @@
 use std::{
     borrow::Cow,
     fs::File,
-    io::{self, Write as _},
+    io::{self, Write},
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::{Component, Path, PathBuf},
 };
@@ -211,12 +211,26 @@ impl HostDir {
     /// Writes `name` completely or not at all: a new file under a random
     /// name (O_EXCL|O_NOFOLLOW), fsynced, then renamed over `name`.
     pub fn write_atomic(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        self.write_atomic_with(name, |w| w.write_all(bytes))
+    }
+
+    /// [`HostDir::write_atomic`] for content produced as a stream: `fill`
+    /// writes into a buffered temporary file, which replaces `name` only if
+    /// `fill`, the flush and the fsync all succeeded.
+    pub fn write_atomic_with(
+        &self,
+        name: &str,
+        fill: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+    ) -> io::Result<()> {
         let name = single(name)?;
-        let (tmp, mut f) = self.create_temp_file(name)?;
-        let r = f
-            .write_all(bytes)
-            .and_then(|_| f.sync_all())
-            .and_then(|_| Ok(rfs::renameat(&self.fd, tmp.as_str(), &self.fd, name)?));
+        let (tmp, f) = self.create_temp_file(name)?;
+        let r = (|| {
+            let mut w = io::BufWriter::with_capacity(1 << 20, f);
+            fill(&mut w)?;
+            let f = w.into_inner().map_err(|e| e.into_error())?;
+            f.sync_all()?;
+            Ok(rfs::renameat(&self.fd, tmp.as_str(), &self.fd, name)?)
+        })();
         if r.is_err() {
             let _ = rfs::unlinkat(&self.fd, tmp.as_str(), AtFlags::empty());
         }
@@ -571,6 +585,15 @@ fn split(path: &Path) -> io::Result<(&Path, &str)> {
 pub fn write_atomic_path(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let (parent, name) = split(path)?;
     open_dir_nofollow(parent)?.write_atomic(name, bytes)
+}
+
+/// [`HostDir::write_atomic_with`] for a path.
+pub fn write_atomic_path_with(
+    path: &Path,
+    fill: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+) -> io::Result<()> {
+    let (parent, name) = split(path)?;
+    open_dir_nofollow(parent)?.write_atomic_with(name, fill)
 }
 
 /// [`HostDir::create_file`] for a path (parent created if missing, 0750).

@@ -11,10 +11,12 @@
 //! | `caps` | dynprof's own capabilities: check, and drop after attach |
 //! | `targetdir` | make, check and list directories in a target's world, through `rootfs` |
 //! | `uprobe` | uprobe perf events with kernel-owned USDT semaphores; the /proc/PID/mem fallback |
+//! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 pub mod caps;
 pub mod creds;
 pub mod exec;
 pub mod hostfs;
+pub mod memory;
 pub mod rootfs;
 pub mod targetdir;
 pub mod uprobe;

@@ -760,6 +760,29 @@ impl Scheduler {
             thread_names: thread_names(ctx.target),
             ..WindowData::default()
         };
+        // What comes next for the plan?
+        let mut plan_done = true;
+        if let Some(p) = &self.plan {
+            plan_done = p.final_cycle || w.cycle + 1 >= p.cycles();
+        }
+        // The kernel gate is already closed. What only the kernel holds is
+        // taken now, then the probes are detached (unless the next cycle is
+        // too close to re-attach), before the events are symbolized and the
+        // files written: a probe on sched_switch costs every task on the
+        // host, and the window is over.
+        for &i in &w.collectors {
+            self.collectors[i].seal(start_ts, end_ts, ctx.kernel);
+        }
+        let k_now = ctx.clock.current().0;
+        if plan_done {
+            self.plan = None;
+            self.disarm_all(ctx.kernel);
+        } else if let Some(p) = &self.plan
+            && p.cycle_start(w.cycle + 1) > k_now + arm_ahead(self.rate) + 1
+        {
+            self.disarm_all(ctx.kernel);
+        }
+
         let mut ran = Collectors::NONE;
         for &i in &w.collectors {
             let c = &mut self.collectors[i];
@@ -778,20 +801,19 @@ impl Scheduler {
         // was read late; the window counts only the step markers' losses.
         let drops_now = ctx.kernel.drops().unwrap_or_default();
         data.drops.step = drops_delta(&drops_now, &w.drops_at_open).step;
-
-        // What comes next for the plan?
-        let mut plan_done = true;
-        if let Some(p) = &self.plan {
-            plan_done = p.final_cycle || w.cycle + 1 >= p.cycles();
-        }
-        let k_now = ctx.clock.current().0;
-        if plan_done {
-            self.plan = None;
-            self.disarm_all(ctx.kernel);
-        } else if let Some(p) = &self.plan
-            && p.cycle_start(w.cycle + 1) > k_now + arm_ahead(self.rate) + 1
-        {
-            self.disarm_all(ctx.kernel);
+        let over = &data.budget.dropped_over_budget;
+        if over.total() > 0 {
+            let m = format!(
+                "window {}: too dense for --memory-budget {} MiB: kept {} events, dropped {} past the cap (api {}, cpu {}, offcpu {}); see meta.json `memory`",
+                w.id,
+                data.budget.budget_bytes >> 20,
+                data.budget.events_cap,
+                over.total(),
+                over.api,
+                over.cpu,
+                over.offcpu
+            );
+            log::warn!("{m}");
         }
 
         if w.steps.is_empty() && complete {
@@ -914,6 +936,14 @@ impl Scheduler {
             })).collect::<Vec<_>>(),
             "collectors": {"api": ran.api, "cpu": ran.cpu, "offcpu": ran.offcpu},
             "drops": data.drops,
+            "memory": {
+                "budget_bytes": data.budget.budget_bytes,
+                "events_cap": data.budget.events_cap,
+                "dropped_over_budget": data.budget.dropped_over_budget,
+                // As of the closing boundary; the writer updates it once the
+                // files are written (the window's own peak is then known).
+                "peak_rss_bytes": crate::sys::memory::peak_rss_bytes().ok(),
+            },
             "hooks": hooks,
             "errors": errors,
             "started_at": w.started_at,
@@ -1049,6 +1079,10 @@ impl Observer for Scheduler {
     fn finish(&mut self, end: &EndReason, ctx: &mut Ctx) -> Result<()> {
         self.remember_target(ctx.target);
         if self.window.is_some() {
+            // No cycle follows: the window's probes go as soon as it closes.
+            if let Some(p) = &mut self.plan {
+                p.final_cycle = true;
+            }
             let reason = match end {
                 EndReason::Done if self.quit => "detached (quit)".to_string(),
                 EndReason::Done => "detached".to_string(),

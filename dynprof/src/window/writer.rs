@@ -199,6 +199,13 @@ fn publish(job: WriteJob) -> Result<WindowRecord> {
         meta["complete"] = json!(complete);
         meta["incomplete_reason"] = json!(reason);
     }
+    // dynprof's peak RSS including this window's writing.
+    if let (Some(m), Ok(rss)) = (
+        meta.get_mut("memory").and_then(Value::as_object_mut),
+        crate::sys::memory::peak_rss_bytes(),
+    ) {
+        m.insert("peak_rss_bytes".into(), json!(rss));
+    }
     let dir: PathBuf = prof
         .finish(&meta, files_missing)
         .context("finishing the window directory")?;
