@@ -79,12 +79,7 @@ impl Target {
             .trim()
             .to_string();
         let cmdline = fs::read(proc_dir.join("cmdline"))
-            .map(|b| {
-                b.split(|c| *c == 0)
-                    .filter(|s| !s.is_empty())
-                    .map(|s| String::from_utf8_lossy(s).into_owned())
-                    .collect()
-            })
+            .map(|b| parse_cmdline(&b))
             .unwrap_or_default();
         let ranks = read_environ(pid)
             .map(|env| RankEnv::from_env(&env))
@@ -129,12 +124,7 @@ impl Target {
     pub fn is_alive(&self) -> bool {
         // A zombie still has /proc/PID; it has no mappings left to profile.
         match fs::read_to_string(format!("/proc/{}/stat", self.host_pid)) {
-            Ok(stat) => !stat
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z'),
+            Ok(stat) => parse_stat_state(&stat) != Some('Z'),
             Err(_) => false,
         }
     }
@@ -153,14 +143,33 @@ impl Target {
 pub fn read_environ(pid: HostPid) -> Result<Vec<(String, String)>> {
     let raw = fs::read(format!("/proc/{pid}/environ"))
         .with_context(|| format!("reading /proc/{pid}/environ"))?;
-    Ok(raw
-        .split(|c| *c == 0)
+    Ok(parse_environ(&raw))
+}
+
+/// `KEY=VALUE` pairs of a /proc/PID/environ image (NUL-separated; entries
+/// without `=` are skipped, invalid UTF-8 is replaced).
+pub fn parse_environ(raw: &[u8]) -> Vec<(String, String)> {
+    raw.split(|c| *c == 0)
         .filter_map(|kv| {
             let kv = String::from_utf8_lossy(kv);
             let (k, v) = kv.split_once('=')?;
             Some((k.to_string(), v.to_string()))
         })
-        .collect())
+        .collect()
+}
+
+/// The arguments of a /proc/PID/cmdline image (NUL-separated, empty ones dropped).
+pub fn parse_cmdline(raw: &[u8]) -> Vec<String> {
+    raw.split(|c| *c == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
+}
+
+/// The state letter of a /proc/PID/stat line (`R`, `S`, `Z`, ...): the first
+/// field after the last `)`, since comm may itself contain `)` and spaces.
+pub fn parse_stat_state(stat: &str) -> Option<char> {
+    stat.rsplit(')').next()?.trim_start().chars().next()
 }
 
 pub fn env_value<'a>(env: &'a [(String, String)], key: &str) -> Option<&'a str> {
