@@ -251,7 +251,10 @@ pub fn cargo_fuzz() -> Result<()> {
         say(what, "ok (already installed)");
         return Ok(());
     }
-    say(what, "missing, installing (cargo install cargo-fuzz --locked)");
+    say(
+        what,
+        "missing, installing (cargo install cargo-fuzz --locked)",
+    );
     let mut cmd = util::cargo();
     cmd.args(["install", "cargo-fuzz", "--locked"])
         .env_remove("CARGO_TARGET_DIR")

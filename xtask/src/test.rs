@@ -99,10 +99,7 @@ pub fn run(extra: &[String], with_fuzz: bool) -> Result<()> {
     // The fuzz targets run even after a failed test, so one run reports both.
     let fuzzed = if with_fuzz {
         println!();
-        println!(
-            "[test] ---- fuzz targets, {} s each ----",
-            fuzz::CI_SECONDS
-        );
+        println!("[test] ---- fuzz targets, {} s each ----", fuzz::CI_SECONDS);
         let r = fuzz::run_targets(&[], fuzz::CI_SECONDS);
         match &r {
             Ok(()) => println!("[test] every fuzz target ran clean"),

@@ -272,3 +272,35 @@ pub fn parse_ppid(status: &str) -> Option<HostPid> {
 pub fn exists_in(root: &Path, target_path: &str) -> bool {
     root.join(target_path.trim_start_matches('/')).exists()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_state_follows_the_last_parenthesis() {
+        // comm is the target's to choose: `)`, spaces and state letters included.
+        assert_eq!(parse_stat_state("42 (a) Z (b) S 1 42"), Some('S'));
+        assert_eq!(parse_stat_state("42 (python3) Z 1 42"), Some('Z'));
+        assert_eq!(parse_stat_state("42 (python3)"), None);
+        assert_eq!(parse_stat_state(""), None);
+    }
+
+    #[test]
+    fn environ_and_cmdline_images() {
+        let env = parse_environ(b"A=1\0NOEQ\0B=x=y\0\0C=\xff\0");
+        assert_eq!(
+            env,
+            vec![
+                ("A".to_string(), "1".to_string()),
+                ("B".to_string(), "x=y".to_string()),
+                ("C".to_string(), "\u{fffd}".to_string()),
+            ]
+        );
+        assert_eq!(
+            parse_cmdline(b"python3\0\0-m\0torch.distributed.run\0"),
+            vec!["python3", "-m", "torch.distributed.run"]
+        );
+        assert!(parse_cmdline(b"").is_empty());
+    }
+}
