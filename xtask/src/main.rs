@@ -3,14 +3,17 @@
 //! - `setup`: idempotent machine setup (nightly + rust-src, bpf-linker built
 //!   against the nightly's LLVM, Debian packages the tests need, tracefs,
 //!   and a cached PyTorch 2.x venv outside the checkout).
-//! - `test`:  setup, build, then every test in the workspace.
+//! - `test`:  setup, build, then every test in the workspace, then every
+//!   fuzz target for a bounded time.
 //! - `demo`:  setup, build, start the sample trainer, attach to it for 5 s.
 //! - `bench`: overhead, trigger precision, attach time, throughput and
 //!   footprint, side by side with the alternatives (`bench --quick` < 5 min).
+//! - `fuzz`:  the libFuzzer targets for parsers of target-controlled input.
 
 mod bench;
 mod demo;
 mod fixtures;
+mod fuzz;
 mod setup;
 mod test;
 mod util;
@@ -33,11 +36,16 @@ struct Cli {
 enum Cmd {
     /// Install/verify everything the build and the tests need (idempotent).
     Setup,
-    /// Run setup, build the workspace, then run every test (unit + privileged integration).
+    /// Run setup, build the workspace, then run every test (unit + privileged
+    /// integration), then each fuzz target for 20 s.
     ///
     /// Arguments after `--` go to `cargo test`; a second `--` passes the rest
     /// to the test harness, e.g. `cargo xtask test -- -p dynprof --test fixtures_smoke -- --nocapture`.
+    /// Such a selected run skips the fuzz targets.
     Test {
+        /// Do not run the fuzz targets.
+        #[arg(long)]
+        no_fuzz: bool,
         /// Extra arguments for `cargo test`.
         #[arg(last = true)]
         args: Vec<String>,
@@ -51,15 +59,22 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Run the libFuzzer targets (fuzz/, docs/fuzzing.md) for a bounded time:
+    /// `cargo xtask fuzz [--seconds N] [--list] [TARGET]...` (default 20 s each, all targets).
+    Fuzz {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
     let result: Result<()> = match cli.cmd {
         Cmd::Setup => setup::run_with_torch2(),
-        Cmd::Test { args } => test::run(&args),
+        Cmd::Test { no_fuzz, args } => test::run(&args, !no_fuzz && args.is_empty()),
         Cmd::Demo => demo::run(),
         Cmd::Bench { args } => bench::run(&args),
+        Cmd::Fuzz { args } => fuzz::run(&args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -38,6 +38,7 @@ pub fn run() -> Result<()> {
     bpf_linker()?;
     debian_packages()?;
     tracefs();
+    cargo_fuzz()?;
     println!("[setup] done");
     Ok(())
 }
@@ -46,7 +47,7 @@ fn rustup() -> Command {
     Command::new("rustup")
 }
 
-fn nightly() -> Result<()> {
+pub fn nightly() -> Result<()> {
     let what = "nightly toolchain";
     let list = try_output(rustup().args(["toolchain", "list"]))?.context(
         "`rustup` not found on PATH: install rustup (https://rustup.rs) and put ~/.cargo/bin on PATH",
@@ -242,6 +243,37 @@ fn bpf_linker() -> Result<()> {
         );
     }
     say(what, &format!("ok (installed, LLVM {major})"));
+    Ok(())
+}
+
+/// cargo-fuzz, which builds and runs the libFuzzer targets in `fuzz/`
+/// (`cargo xtask fuzz`, and `cargo xtask test` runs them; docs/fuzzing.md).
+pub fn cargo_fuzz() -> Result<()> {
+    let what = "cargo-fuzz";
+    let runs = |out: Option<std::process::Output>| out.is_some_and(|o| o.status.success());
+    if runs(try_output(Command::new("cargo-fuzz").arg("--version"))?) {
+        say(what, "ok (already installed)");
+        return Ok(());
+    }
+    say(
+        what,
+        "missing, installing (cargo install cargo-fuzz --locked)",
+    );
+    let mut cmd = util::cargo();
+    cmd.args(["install", "cargo-fuzz", "--locked"])
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("RUSTUP_TOOLCHAIN");
+    util::run(&mut cmd).context(
+        "installing cargo-fuzz failed; it needs crates.io access. Retry by hand with: \
+         cargo install cargo-fuzz --locked",
+    )?;
+    if !runs(try_output(Command::new("cargo-fuzz").arg("--version"))?) {
+        bail!(
+            "cargo-fuzz was installed but `cargo-fuzz --version` does not run; is {} on PATH?",
+            cargo_home().join("bin").display()
+        );
+    }
+    say(what, "ok (installed)");
     Ok(())
 }
 

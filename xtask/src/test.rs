@@ -1,4 +1,5 @@
-//! `cargo xtask test`: setup, build everything, run every test.
+//! `cargo xtask test`: setup, build everything, run every test, then run
+//! every fuzz target for [`fuzz::CI_SECONDS`] (docs/fuzzing.md).
 
 use std::{
     io::{BufRead as _, BufReader, IsTerminal as _, Write as _},
@@ -9,13 +10,13 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{setup, util};
+use crate::{fuzz, setup, util};
 
 /// The eBPF crate only builds for the BPF target (dynprof/build.rs builds it),
 /// so the host-side `--workspace` commands exclude it.
 const HOST_EXCLUDE: &[&str] = &["--exclude", "dynprof-ebpf"];
 
-pub fn run(extra: &[String]) -> Result<()> {
+pub fn run(extra: &[String], with_fuzz: bool) -> Result<()> {
     setup::run_with_torch2()?;
 
     let mut build = util::cargo();
@@ -95,8 +96,26 @@ pub fn run(extra: &[String]) -> Result<()> {
         }
         None => println!("[test] cargo printed no `test result:` line"),
     }
+    drop(seen);
+    // The fuzz targets run even after a failed test, so one run reports both.
+    let fuzzed = if with_fuzz {
+        println!();
+        println!("[test] ---- fuzz targets, {} s each ----", fuzz::CI_SECONDS);
+        let r = fuzz::run_targets(&[], fuzz::CI_SECONDS);
+        match &r {
+            Ok(()) => println!("[test] every fuzz target ran clean"),
+            Err(e) => println!("[test] {e:#}"),
+        }
+        Some(r)
+    } else {
+        println!("[test] fuzz targets not run (--no-fuzz, or a selected test run)");
+        None
+    };
     if !status.success() {
         bail!("cargo test failed ({status})");
+    }
+    if let Some(Err(e)) = fuzzed {
+        return Err(e.context("the fuzz targets found a failure"));
     }
     println!("[test] all tests passed");
     Ok(())

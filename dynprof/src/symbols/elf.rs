@@ -455,8 +455,10 @@ impl ElfImage {
         self.file().segments().find_map(|seg| {
             let (start, size) = (seg.address(), seg.size());
             let (file_off, _) = seg.file_range();
-            (vaddr >= start && vaddr - start < size)
-                .then(|| (vaddr - start).checked_add(file_off))?
+            // Checked: the file's program headers may claim any address and
+            // size, e.g. a segment that ends past 2^64.
+            let delta = vaddr.checked_sub(start).filter(|d| *d < size)?;
+            file_off.checked_add(delta)
         })
     }
 
@@ -607,6 +609,50 @@ mod tests {
             mangled_needles("torch::autograd::Engine::execute"),
             vec!["5torch", "8autograd", "6Engine", "7execute"]
         );
+    }
+
+    /// An ELF64 x86-64 executable with only these PT_LOAD program headers,
+    /// each `(vaddr, file offset, memsz)`, written to a fresh file.
+    fn elf_with_segments(name: &str, loads: &[(u64, u64, u64)]) -> std::path::PathBuf {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"\x7fELF\x02\x01\x01\0\0\0\0\0\0\0\0\0");
+        b.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+        b.extend_from_slice(&62u16.to_le_bytes()); // EM_X86_64
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes()); // e_entry
+        b.extend_from_slice(&64u64.to_le_bytes()); // e_phoff
+        b.extend_from_slice(&0u64.to_le_bytes()); // e_shoff
+        b.extend_from_slice(&0u32.to_le_bytes());
+        for v in [64u16, 56, loads.len() as u16, 64, 0, 0] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for &(vaddr, off, memsz) in loads {
+            b.extend_from_slice(&1u32.to_le_bytes()); // PT_LOAD
+            b.extend_from_slice(&5u32.to_le_bytes()); // R X
+            for v in [off, vaddr, vaddr, 0, memsz, 0x1000] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let path = std::env::temp_dir().join(format!("dynprof-{name}-{}", std::process::id()));
+        std::fs::write(&path, &b).unwrap();
+        path
+    }
+
+    #[test]
+    fn segment_ending_past_2_64_does_not_overflow() {
+        // Found by the `elf` fuzz target: `start + size` overflowed (a panic
+        // in debug builds, a wrong offset in release).
+        let path = elf_with_segments(
+            "overflow",
+            &[(u64::MAX - 0xfff, 0, 0x2000), (0x40_0000, 0x1000, 0x1000)],
+        );
+        let img = ElfImage::open(&path);
+        std::fs::remove_file(&path).unwrap();
+        let img = img.unwrap();
+        assert_eq!(img.vaddr_to_offset(u64::MAX), Some(0xfff));
+        assert_eq!(img.vaddr_to_offset(0x40_0010), Some(0x1010));
+        assert_eq!(img.vaddr_to_offset(0x3f_ffff), None);
+        assert_eq!(img.vaddr_to_offset(0x40_1000), None);
     }
 
     #[test]

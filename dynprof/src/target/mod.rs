@@ -80,12 +80,7 @@ impl Target {
             .trim()
             .to_string();
         let cmdline = fs::read(proc_dir.join("cmdline"))
-            .map(|b| {
-                b.split(|c| *c == 0)
-                    .filter(|s| !s.is_empty())
-                    .map(|s| String::from_utf8_lossy(s).into_owned())
-                    .collect()
-            })
+            .map(|b| parse_cmdline(&b))
             .unwrap_or_default();
         let ranks = read_environ(pid)
             .map(|env| RankEnv::from_env(&env))
@@ -130,12 +125,7 @@ impl Target {
     pub fn is_alive(&self) -> bool {
         // A zombie still has /proc/PID; it has no mappings left to profile.
         match fs::read_to_string(format!("/proc/{}/stat", self.host_pid)) {
-            Ok(stat) => !stat
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z'),
+            Ok(stat) => parse_stat(&stat).map(|s| s.state) != Some('Z'),
             Err(_) => false,
         }
     }
@@ -301,14 +291,27 @@ pub fn read_environ(pid: HostPid) -> Result<Vec<(String, String)>> {
         let keep = raw.iter().rposition(|c| *c == 0).unwrap_or(0);
         raw.truncate(keep);
     }
-    Ok(raw
-        .split(|c| *c == 0)
+    Ok(parse_environ(&raw))
+}
+
+/// `KEY=VALUE` pairs of a /proc/PID/environ image (NUL-separated; entries
+/// without `=` are skipped, invalid UTF-8 is replaced).
+pub fn parse_environ(raw: &[u8]) -> Vec<(String, String)> {
+    raw.split(|c| *c == 0)
         .filter_map(|kv| {
             let kv = String::from_utf8_lossy(kv);
             let (k, v) = kv.split_once('=')?;
             Some((k.to_string(), v.to_string()))
         })
-        .collect())
+        .collect()
+}
+
+/// The arguments of a /proc/PID/cmdline image (NUL-separated, empty ones dropped).
+pub fn parse_cmdline(raw: &[u8]) -> Vec<String> {
+    raw.split(|c| *c == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
 }
 
 pub fn env_value<'a>(env: &'a [(String, String)], key: &str) -> Option<&'a str> {
@@ -453,5 +456,23 @@ mod tests {
         assert!(why(st('S', false), io(libc::ESRCH)).contains("exited while"));
         let init = not_attachable(HostPid(1), &st('S', false), io(libc::EACCES)).unwrap();
         assert!(init.contains("init process"), "{init}");
+    }
+
+    #[test]
+    fn environ_and_cmdline_images() {
+        let env = parse_environ(b"A=1\0NOEQ\0B=x=y\0\0C=\xff\0");
+        assert_eq!(
+            env,
+            vec![
+                ("A".to_string(), "1".to_string()),
+                ("B".to_string(), "x=y".to_string()),
+                ("C".to_string(), "\u{fffd}".to_string()),
+            ]
+        );
+        assert_eq!(
+            parse_cmdline(b"python3\0\0-m\0torch.distributed.run\0"),
+            vec!["python3", "-m", "torch.distributed.run"]
+        );
+        assert!(parse_cmdline(b"").is_empty());
     }
 }

@@ -7,7 +7,8 @@ use std::{collections::HashMap, fs};
 use serde::Serialize;
 
 use super::{
-    RankEnv, all_pids, container, parse_maps, parse_nspid, parse_ppid, pidns, read_environ,
+    RankEnv, all_pids, container, parse_cmdline, parse_maps, parse_nspid, parse_ppid, pidns,
+    read_environ,
 };
 use crate::{
     probes::presets,
@@ -149,12 +150,7 @@ pub fn inspect(pid: HostPid) -> Option<ProcInfo> {
         .trim()
         .to_string();
     let cmdline: Vec<String> = fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            b.split(|c| *c == 0)
-                .filter(|s| !s.is_empty())
-                .map(|s| String::from_utf8_lossy(s).into_owned())
-                .collect()
-        })
+        .map(|b| parse_cmdline(&b))
         .unwrap_or_default();
     let maps = fs::read_to_string(format!("/proc/{pid}/maps"))
         .map(|t| parse_maps(&t))
