@@ -164,3 +164,78 @@ fn torch_npu_dp_writes_start_step_and_reports_the_poll_offset() {
     eprintln!("torch_npu poll offset: {} steps", r["offset_steps"]);
     h.shutdown(&target).unwrap();
 }
+
+/// The job's user owns its dynamic_profile directory. What it plants there
+/// (a link at dynprof's old temporary name, a link at the config file, a
+/// log that is a link) must not make root write or read outside the job's
+/// root, and the rewritten file belongs to the directory's owner.
+#[test]
+fn torch_npu_dp_never_writes_through_the_jobs_links() {
+    use std::os::unix::fs::{MetadataExt as _, symlink};
+    let scratch = scratch_dir("hooks_torch_npu_dp_links");
+    let cfg_dir = scratch.join("dpcfg");
+    std::fs::create_dir_all(cfg_dir.join("log")).unwrap();
+    let victim = scratch.join("root_only");
+    std::fs::write(&victim, "root's data\n").unwrap();
+    std::fs::write(
+        cfg_dir.join("profiler_config.json"),
+        r#"{"activities": ["CPU"], "prof_dir": "./", "start_step": 0, "active": 1}"#,
+    )
+    .unwrap();
+    // dynprof's old fixed temporary name, and a log that is a link.
+    symlink(&victim, cfg_dir.join(".profiler_config.json.dynprof")).unwrap();
+    symlink(&victim, cfg_dir.join("log/dp_planted.log")).unwrap();
+    for d in [&cfg_dir, &cfg_dir.join("log")] {
+        std::os::unix::fs::lchown(d, Some(65534), Some(65534)).unwrap();
+    }
+    let p = Proc::spawn_ready(
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(PYTHON3)
+            .args(["-c", "import os, time; print('ready %d' % os.getpid(), flush=True); time.sleep(600)"]),
+    );
+    let target = Target::open(HostPid(p.host_pid())).unwrap();
+    let args = VendorArgs {
+        dp_config_dir: Some(cfg_dir.display().to_string()),
+        ..Default::default()
+    };
+    let mut hooks = build_hooks(&args, &target).unwrap();
+    let h = &mut hooks[0];
+    h.prepare(&target).unwrap();
+    let w = WindowInfo {
+        id: WindowId(1),
+        first_step: StepIndex(5),
+        first_recorded: StepIndex(5),
+        open_ts_ns: 0,
+        start_ts_ns: 0,
+        end_ts_ns: 0,
+        dir: scratch.join(".PROF_links_1_tmp"),
+    };
+    h.on_window_start(&w, &target).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(&victim).unwrap(),
+        "root's data\n",
+        "a planted link was written through"
+    );
+    let file = cfg_dir.join("profiler_config.json");
+    let meta = std::fs::symlink_metadata(&file).unwrap();
+    assert!(meta.file_type().is_file());
+    assert_eq!((meta.uid(), meta.gid()), (65534, 65534));
+    assert_eq!(meta.mode() & 0o777, 0o644);
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(written["start_step"], -1);
+    assert_eq!(written["activities"], serde_json::json!(["CPU"]));
+    // The planted log is a link: not read as torch_npu's log.
+    let meta = h.on_window_end(&w, &target).unwrap();
+    assert_eq!(meta["requests"][0]["captured"], false, "{meta:#}");
+    // No temporary file is left behind.
+    let left: Vec<String> = std::fs::read_dir(&cfg_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".dynprof."))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    h.shutdown(&target).unwrap();
+}

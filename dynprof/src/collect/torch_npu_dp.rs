@@ -23,14 +23,20 @@
 //! poll interval costs compared with a boundary-exact window.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::{Path, PathBuf},
+    path::PathBuf,
 };
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
 
 use super::{WindowHook, WindowInfo, msprof::monotonic_ns};
-use crate::target::Target;
+use crate::{
+    sys::{
+        rootfs::{FileKind, TargetRoot},
+        targetdir::{self, Owner},
+    },
+    target::Target,
+};
 
 #[derive(Clone, Debug)]
 pub struct DpConfig {
@@ -82,55 +88,49 @@ pub fn parse_dp_log(text: &str) -> Vec<(Option<i64>, Option<i64>)> {
     out
 }
 
+/// At most this much of `profiler_config.json` is read as the template
+/// (torch_npu's own is ~1 KiB; the file is the job's to fill).
+const MAX_TEMPLATE: usize = 1 << 20;
+/// At most this much new dp log text is read per check.
+const MAX_LOG_READ: usize = 4 << 20;
+/// At most this much of one step_trace_time.csv is read.
+const MAX_CSV: usize = 16 << 20;
+
 struct Request {
     window: u32,
     observed_step: u64,
     start_step: i64,
     written_ns: u64,
     /// dp_*.log sizes at write time: only later lines answer this request.
-    log_sizes: BTreeMap<PathBuf, u64>,
+    log_sizes: BTreeMap<String, u64>,
     pt_before: BTreeSet<String>,
 }
 
+/// Every file here lives in a directory the job's user owns, so each one is
+/// reached through the target's root descriptor (`sys::targetdir`): a link
+/// the job planted resolves inside its own root, a FIFO is refused
+/// unopened, and every read is capped.
 pub struct TorchNpuDp {
     cfg: DpConfig,
+    root: Option<TargetRoot>,
+    /// `config_dir` and `prof_dir` as the target names them (absolute).
+    config_dir: String,
+    prof_dir: String,
+    /// The same on the host, for the report only (never opened).
     host_dir: PathBuf,
     host_prof_dir: PathBuf,
+    /// Who owns `config_dir`: the rewritten file goes to them.
+    owner: Owner,
     template: Value,
     pending: Vec<Request>,
 }
 
-fn dp_logs(dir: &Path) -> BTreeMap<PathBuf, u64> {
-    std::fs::read_dir(dir.join("log"))
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .filter(|e| {
-                    let n = e.file_name().to_string_lossy().into_owned();
-                    n.starts_with("dp_") && n.ends_with(".log")
-                })
-                .map(|e| (e.path(), e.metadata().map(|m| m.len()).unwrap_or(0)))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn pt_dirs(dir: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.ends_with("_ascend_pt"))
-                .collect()
-        })
-        .unwrap_or_default()
+fn is_dp_log(name: &str) -> bool {
+    name.starts_with("dp_") && name.ends_with(".log")
 }
 
 /// Steps in an analysed capture's step_trace_time.csv (`Step` column).
-fn csv_steps(pt: &Path) -> Vec<i64> {
-    let Ok(text) = std::fs::read_to_string(pt.join("ASCEND_PROFILER_OUTPUT/step_trace_time.csv"))
-    else {
-        return Vec::new();
-    };
+fn csv_steps(text: &str) -> Vec<i64> {
     let mut lines = text.lines();
     let Some(col) = lines
         .next()
@@ -147,37 +147,73 @@ impl TorchNpuDp {
     pub fn new(cfg: DpConfig) -> Self {
         Self {
             cfg,
+            root: None,
+            config_dir: String::new(),
+            prof_dir: String::new(),
             host_dir: PathBuf::new(),
             host_prof_dir: PathBuf::new(),
+            owner: Owner { uid: 0, gid: 0 },
             template: default_template(),
             pending: Vec::new(),
         }
     }
 
+    fn log_dir(&self) -> String {
+        format!("{}/log", self.config_dir.trim_end_matches('/'))
+    }
+
+    /// The dp logs and their sizes (empty when the directory is missing).
+    fn dp_logs(&self) -> BTreeMap<String, u64> {
+        let Some(root) = &self.root else {
+            return BTreeMap::new();
+        };
+        targetdir::list_files(root, &self.log_dir(), is_dp_log)
+            .map(|v| v.into_iter().collect())
+            .unwrap_or_default()
+    }
+
+    fn pt_dirs(&self) -> BTreeSet<String> {
+        let Some(root) = &self.root else {
+            return BTreeSet::new();
+        };
+        targetdir::list_subdirs(root, &self.prof_dir, "")
+            .map(|v| v.into_iter().filter(|n| n.ends_with("_ascend_pt")).collect())
+            .unwrap_or_default()
+    }
+
     /// Checks a request against torch_npu's log and output dir.
     fn check(&self, r: &Request) -> Value {
         let mut new_text = String::new();
-        for (p, len) in dp_logs(&self.host_dir) {
-            let from = r.log_sizes.get(&p).copied().unwrap_or(0);
-            if let Ok(b) = std::fs::read(&p) {
-                let from = if (b.len() as u64) < from {
-                    0
-                } else {
-                    from as usize
-                }; // rotated
-                new_text.push_str(&String::from_utf8_lossy(&b[from.min(b.len())..]));
+        let mut read_errors = Vec::new();
+        if let Some(root) = &self.root {
+            for (name, len) in self.dp_logs() {
+                let from = r.log_sizes.get(&name).copied().unwrap_or(0);
+                // A log shorter than before was rotated: read it whole.
+                let from = if len < from { 0 } else { from };
+                let path = format!("{}/{name}", self.log_dir());
+                match targetdir::read_capped(root, &path, from, MAX_LOG_READ) {
+                    Ok((b, _)) => new_text.push_str(&String::from_utf8_lossy(&b)),
+                    Err(e) => read_errors.push(format!("{path}: {e}")),
+                }
             }
-            let _ = len;
         }
         let runs = parse_dp_log(&new_text);
-        let new_pt: Vec<String> = pt_dirs(&self.host_prof_dir)
-            .difference(&r.pt_before)
-            .cloned()
-            .collect();
-        let csv: Vec<i64> = new_pt
-            .iter()
-            .flat_map(|n| csv_steps(&self.host_prof_dir.join(n)))
-            .collect();
+        let new_pt: Vec<String> = self.pt_dirs().difference(&r.pt_before).cloned().collect();
+        let csv: Vec<i64> = match &self.root {
+            Some(root) => new_pt
+                .iter()
+                .flat_map(|n| {
+                    let p = format!(
+                        "{}/{n}/ASCEND_PROFILER_OUTPUT/step_trace_time.csv",
+                        self.prof_dir.trim_end_matches('/')
+                    );
+                    targetdir::read_capped(root, &p, 0, MAX_CSV)
+                        .map(|(b, _)| csv_steps(&String::from_utf8_lossy(&b)))
+                        .unwrap_or_default()
+                })
+                .collect(),
+            None => Vec::new(),
+        };
         let k = self.cfg.step_offset;
         let first = runs.first().copied();
         let (started, stopped) = first.unwrap_or((None, None));
@@ -198,7 +234,20 @@ impl TorchNpuDp {
             "capture_dirs": new_pt.iter().map(|n| self.host_prof_dir.join(n)).collect::<Vec<_>>(),
             "steps_in_step_trace_time_csv": csv,
             "captured": started.is_some(),
+            "log_read_errors": read_errors,
         })
+    }
+}
+
+/// `prof_dir` as the target names it: relative ones are relative to the
+/// job's working directory (`cwd`, as the target sees it, if known).
+fn absolute_in_target(prof_dir: &str, cwd: Option<&str>) -> String {
+    if prof_dir.starts_with('/') {
+        return prof_dir.to_string();
+    }
+    match cwd {
+        Some(c) => format!("{}/{prof_dir}", c.trim_end_matches('/')),
+        None => format!("/{prof_dir}"),
     }
 }
 
@@ -208,16 +257,46 @@ impl WindowHook for TorchNpuDp {
     }
 
     fn prepare(&mut self, target: &Target) -> Result<()> {
-        self.host_dir = target.host_path(&self.cfg.config_dir);
-        let file = self.host_dir.join("profiler_config.json");
-        match std::fs::read_to_string(&file)
-            .ok()
-            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-        {
-            Some(v) if v.is_object() => self.template = v,
-            _ => eprintln!(
-                "dynprof: torch-npu-dp: {} is missing or not JSON (has the job called dp.init({})?); using torch_npu's default template",
-                file.display(),
+        let root = TargetRoot::open(&target.root())
+            .with_context(|| format!("opening {}", target.root().display()))?;
+        self.config_dir = absolute_in_target(&self.cfg.config_dir, None);
+        self.host_dir = target.host_path(&self.config_dir);
+        let dir_id = root.stat(&self.config_dir).with_context(|| {
+            format!(
+                "torch-npu-dp: {} in the job's root (--dp-config-dir, as the job names it)",
+                self.config_dir
+            )
+        })?;
+        if dir_id.kind != FileKind::Directory {
+            bail!(
+                "torch-npu-dp: {} in the job's root is {}, not a directory",
+                self.config_dir,
+                dir_id.kind.describe()
+            );
+        }
+        let dfd = root.open_dir(&self.config_dir)?;
+        let st = rustix::fs::fstat(&dfd)?;
+        self.owner = Owner {
+            uid: st.st_uid,
+            gid: st.st_gid,
+        };
+        let file = format!("{}/profiler_config.json", self.config_dir.trim_end_matches('/'));
+        let read = targetdir::read_capped(&root, &file, 0, MAX_TEMPLATE + 1);
+        match read {
+            Ok((b, size)) if size as usize <= MAX_TEMPLATE => {
+                match serde_json::from_slice::<Value>(&b) {
+                    Ok(v) if v.is_object() => self.template = v,
+                    _ => eprintln!(
+                        "dynprof: torch-npu-dp: {file} in the job's root is not a JSON object;                          using torch_npu's default template"
+                    ),
+                }
+            }
+            Ok((_, size)) => eprintln!(
+                "dynprof: torch-npu-dp: {file} in the job's root is {size} bytes (over {} KiB);                  using torch_npu's default template",
+                MAX_TEMPLATE >> 10
+            ),
+            Err(e) => eprintln!(
+                "dynprof: torch-npu-dp: {file} in the job's root: {e} (has the job called                  dp.init({})?); using torch_npu's default template",
                 self.cfg.config_dir
             ),
         }
@@ -227,14 +306,12 @@ impl WindowHook for TorchNpuDp {
             .clone()
             .or_else(|| self.template["prof_dir"].as_str().map(String::from))
             .unwrap_or_else(|| "./".into());
-        // A relative prof_dir is relative to the job's working directory.
-        self.host_prof_dir = if prof_dir.starts_with('/') {
-            target.host_path(&prof_dir)
-        } else {
-            std::fs::read_link(format!("/proc/{}/cwd", target.host_pid))
-                .map(|cwd| target.host_path(&cwd.join(&prof_dir).to_string_lossy()))
-                .unwrap_or_else(|_| target.host_path(&prof_dir))
-        };
+        let cwd = std::fs::read_link(format!("/proc/{}/cwd", target.host_pid))
+            .ok()
+            .map(|c| c.to_string_lossy().into_owned());
+        self.prof_dir = absolute_in_target(&prof_dir, cwd.as_deref());
+        self.host_prof_dir = target.host_path(&self.prof_dir);
+        self.root = Some(root);
         Ok(())
     }
 
@@ -252,13 +329,26 @@ impl WindowHook for TorchNpuDp {
         if let Some(p) = &self.cfg.prof_dir {
             cfg["prof_dir"] = json!(p);
         }
-        let log_sizes = dp_logs(&self.host_dir);
-        let pt_before = pt_dirs(&self.host_prof_dir);
-        let file = self.host_dir.join("profiler_config.json");
-        let tmp = self.host_dir.join(".profiler_config.json.dynprof");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&cfg)?)
-            .and_then(|_| std::fs::rename(&tmp, &file))
-            .with_context(|| format!("writing {}", file.display()))?;
+        let log_sizes = self.dp_logs();
+        let pt_before = self.pt_dirs();
+        let root = self
+            .root
+            .as_ref()
+            .context("torch-npu-dp: window before prepare")?;
+        targetdir::replace_file(
+            root,
+            &self.config_dir,
+            "profiler_config.json",
+            &serde_json::to_vec_pretty(&cfg)?,
+            self.owner,
+            0o644,
+        )
+        .with_context(|| {
+            format!(
+                "writing {}/profiler_config.json in the job's root",
+                self.config_dir.trim_end_matches('/')
+            )
+        })?;
         self.pending.push(Request {
             window: w.id.0,
             observed_step: observed,
@@ -314,5 +404,17 @@ mod tests {
             parse_dp_log(t),
             vec![(Some(17), Some(20)), (Some(40), None)]
         );
+    }
+
+    #[test]
+    fn csv_step_column_and_prof_dir_in_the_target() {
+        assert_eq!(
+            csv_steps("Device_id,Step,Computing\n0,41,1.0\n0,42,2.0\n0,x,3\n"),
+            vec![41, 42]
+        );
+        assert!(csv_steps("no step column\n1\n").is_empty());
+        assert_eq!(absolute_in_target("/out", Some("/w")), "/out");
+        assert_eq!(absolute_in_target("./", Some("/w/")), "/w/./");
+        assert_eq!(absolute_in_target("prof", None), "/prof");
     }
 }

@@ -82,6 +82,10 @@ const MSPROF_REST: [Req; 4] = [
     (CAP_CHOWN, "to hand msprof's output directory to the job's uid"),
     (CAP_DAC_READ_SEARCH, "to read the job's /proc files and root for msprof"),
 ];
+const JOB_FILE_OWNER: Req = (
+    CAP_CHOWN,
+    "to give the rewritten profiler_config.json to the owner of the job's directory",
+);
 const JOB_DIR: Req = (
     CAP_DAC_OVERRIDE,
     "to write profiler_config.json into the job's directory, owned by the job's user",
@@ -113,7 +117,7 @@ impl Need {
                 v.extend(MSPROF_REST);
                 v
             }
-            Need::TorchNpuDp => vec![PTRACE, JOB_DIR],
+            Need::TorchNpuDp => vec![PTRACE, JOB_DIR, JOB_FILE_OWNER],
         }
     }
 }

@@ -190,6 +190,104 @@ pub fn list_subdirs(root: &TargetRoot, path: &str, prefix: &str) -> io::Result<V
     Ok(out)
 }
 
+/// Regular files directly in `dir` (in the target's root) whose names pass
+/// `keep`, with their sizes, sorted by name. Symlinks are not followed.
+pub fn list_files(
+    root: &TargetRoot,
+    dir: &str,
+    keep: impl Fn(&str) -> bool,
+) -> io::Result<Vec<(String, u64)>> {
+    let fd = root.open_dir(dir)?;
+    let mut out = Vec::new();
+    for e in rustix::fs::Dir::read_from(&fd)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !keep(&name) {
+            continue;
+        }
+        let st = rustix::fs::statat(&fd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)?;
+        if FileType::from_raw_mode(st.st_mode) == FileType::RegularFile {
+            out.push((name, st.st_size as u64));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// At most `cap` bytes of the regular file `path` (in the target's root),
+/// from `offset` on, read under [`super::rootfs::FILE_DEADLINE`]; with the
+/// file's size. A FIFO, device or link out of the root is refused unopened.
+pub fn read_capped(
+    root: &TargetRoot,
+    path: &str,
+    offset: u64,
+    cap: usize,
+) -> io::Result<(Vec<u8>, u64)> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let f = root.open_regular(path)?;
+    let size = f.size;
+    let mut file = f.file;
+    let what = format!("reading {path} in the target's root");
+    let bytes = super::rootfs::within(
+        super::rootfs::FILE_DEADLINE,
+        &what,
+        move || -> io::Result<Vec<u8>> {
+            file.seek(SeekFrom::Start(offset))?;
+            let mut buf = Vec::new();
+            file.take(cap as u64).read_to_end(&mut buf)?;
+            Ok(buf)
+        },
+    )??;
+    Ok((bytes, size))
+}
+
+/// Replaces `dir/name` (in the target's root) with `bytes`, the way an
+/// editor saves: a new file under a random name, created `O_EXCL` (never
+/// through a link the target planted) in the directory's descriptor, given
+/// to `owner` with `mode`, fsynced, then renamed over `name` in that same
+/// descriptor. The directory itself is resolved inside the root.
+pub fn replace_file(
+    root: &TargetRoot,
+    dir: &str,
+    name: &str,
+    bytes: &[u8],
+    owner: Owner,
+    mode: u32,
+) -> io::Result<()> {
+    use std::io::Write as _;
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{name:?} is not a file name"),
+        ));
+    }
+    let dfd = root.open_dir(dir)?;
+    let tmp = super::hostfs::random_name(&format!(".{name}.dynprof"));
+    let fd = rustix::fs::openat(
+        &dfd,
+        tmp.as_str(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    let r = (|| -> io::Result<()> {
+        rustix::fs::fchown(
+            &fd,
+            Some(Uid::from_raw(owner.uid)),
+            Some(Gid::from_raw(owner.gid)),
+        )?;
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
+        let mut f = std::fs::File::from(fd);
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        rustix::fs::renameat(&dfd, tmp.as_str(), &dfd, name)?;
+        Ok(())
+    })();
+    if r.is_err() {
+        let _ = rustix::fs::unlinkat(&dfd, tmp.as_str(), AtFlags::empty());
+    }
+    r
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,6 +347,54 @@ mod tests {
         };
         let e = ensure_dir(&root, "/t/out/a", other, false).unwrap_err();
         assert!(e.contains("owned by uid"), "{e}");
+        let _ = std::fs::remove_dir_all(&base);
+        let _ = std::fs::remove_dir_all(&host);
+    }
+
+    #[test]
+    fn replace_read_and_list_never_leave_the_root() {
+        let base =
+            std::env::temp_dir().join(format!("dynprof-targetdir-rw-{}", std::process::id()));
+        let host = std::env::temp_dir().join(format!(
+            "dynprof-targetdir-rw-host-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&base);
+        let _ = std::fs::remove_dir_all(&host);
+        std::fs::create_dir_all(base.join("job/log")).unwrap();
+        std::fs::create_dir_all(&host).unwrap();
+        let victim = host.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        // The job plants links: at the final name, and at a log name.
+        symlink(&victim, base.join("job/profiler_config.json")).unwrap();
+        symlink(&victim, base.join("job/log/dp_x.log")).unwrap();
+        std::fs::write(base.join("job/log/dp_y.log"), "Start Dynamic Profiler at 7 step.\n")
+            .unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            base.join("job/log/dp_fifo.log"),
+            FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let root = TargetRoot::open(&base).unwrap();
+        let owner = Owner {
+            uid: 65534,
+            gid: 65534,
+        };
+        replace_file(&root, "/job", "profiler_config.json", b"{}", owner, 0o644).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        let meta = std::fs::symlink_metadata(base.join("job/profiler_config.json")).unwrap();
+        assert!(meta.file_type().is_file());
+        assert_eq!((meta.uid(), meta.mode() & 0o777), (65534, 0o644));
+        assert!(replace_file(&root, "/job", "../x", b"", owner, 0o644).is_err());
+        // Only the regular log is listed; the link and the FIFO are not.
+        let logs = list_files(&root, "/job/log", |n| n.starts_with("dp_")).unwrap();
+        assert_eq!(logs, vec![("dp_y.log".to_string(), 34)]);
+        let (b, size) = read_capped(&root, "/job/log/dp_y.log", 6, 7).unwrap();
+        assert_eq!((b.as_slice(), size), (&b"Dynamic"[..], 34));
+        assert!(read_capped(&root, "/job/log/dp_fifo.log", 0, 10).is_err());
         let _ = std::fs::remove_dir_all(&base);
         let _ = std::fs::remove_dir_all(&host);
     }
