@@ -499,11 +499,8 @@ pub struct MsprofHook {
 /// 16 random hex digits, so that no other user can create msprof's output
 /// directory in advance.
 fn random_suffix() -> Result<String> {
-    let mut b = [0u8; 8];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|e| anyhow!("reading /dev/urandom: {e}"))?;
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+    let name = crate::sys::hostfs::random_name("");
+    Ok(name.trim_start_matches('.').to_string())
 }
 
 /// True when `/proc/<pid>/root` is dynprof's own `/`.
@@ -654,8 +651,12 @@ impl MsprofHook {
             return self.cfg.collection_args.clone();
         }
         if let Some(p) = &self.cfg.profiler_config_path
-            && let Some(v) = std::fs::read_to_string(p)
-                .ok()
+            // The job's user writes this file: no link, FIFO or device, 1 MiB at most.
+            && let Some(v) = crate::sys::hostfs::read_path_capped(
+                p,
+                crate::trigger::config_file::MAX_CONFIG_BYTES,
+            )
+            .ok()
                 .and_then(|t| serde_json::from_str::<Value>(&t).ok())
         {
             let a = args_from_profiler_config(&v);

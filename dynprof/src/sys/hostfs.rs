@@ -17,7 +17,7 @@
 use std::{
     borrow::Cow,
     fs::File,
-    io::{self, Write},
+    io::{self, Read as _, Write},
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::{Component, Path, PathBuf},
 };
@@ -167,6 +167,21 @@ impl HostDir {
             ));
         }
         Ok(File::from(fd))
+    }
+
+    /// The text of the regular file `name` ([`HostDir::open_read`]: no
+    /// link, FIFO or device), refused past `max` bytes.
+    pub fn read_capped(&self, name: &str, max: u64) -> io::Result<String> {
+        let f = self.open_read(name)?;
+        let mut text = String::new();
+        io::Read::take(f, max + 1).read_to_string(&mut text)?;
+        if text.len() as u64 > max {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("larger than {max} bytes"),
+            ));
+        }
+        Ok(text)
     }
 
     /// Opens `name` for appending (created 0640 if absent), never through a
@@ -585,6 +600,13 @@ fn split(path: &Path) -> io::Result<(&Path, &str)> {
 pub fn write_atomic_path(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let (parent, name) = split(path)?;
     open_dir_nofollow(parent)?.write_atomic(name, bytes)
+}
+
+/// [`HostDir::read_capped`] for a path (its directories opened without
+/// following links).
+pub fn read_path_capped(path: &Path, max: u64) -> io::Result<String> {
+    let (parent, name) = split(path)?;
+    open_dir_nofollow(parent)?.read_capped(name, max)
 }
 
 /// [`HostDir::write_atomic_with`] for a path.

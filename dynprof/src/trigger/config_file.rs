@@ -17,7 +17,7 @@ use std::{
     collections::BTreeSet,
     ffi::CString,
     fs,
-    io::{Read as _, Write as _},
+    io::Write as _,
     os::unix::ffi::OsStrExt as _,
     path::{Component, Path, PathBuf},
     time::{Duration, SystemTime},
@@ -731,23 +731,14 @@ impl ConfigFileTrigger {
 }
 
 /// Largest profiler_config.json read (the template is under 1 KiB).
-const MAX_CONFIG_BYTES: u64 = 1 << 20;
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// Reads profiler_config.json through DIR's descriptor: a symlink, FIFO or
 /// device at the name is refused (it would let the job's user make root
 /// read, and quote in the log, a file they cannot read), and at most
 /// [`MAX_CONFIG_BYTES`] are read.
 fn read_config(dir: &HostDir) -> std::io::Result<String> {
-    let f = dir.open_read(CONFIG_FILE)?;
-    let mut text = String::new();
-    std::io::Read::take(f, MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
-    if text.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("larger than {MAX_CONFIG_BYTES} bytes"),
-        ));
-    }
-    Ok(text)
+    dir.read_capped(CONFIG_FILE, MAX_CONFIG_BYTES)
 }
 
 /// (mtime, size, content): two events of one save compare equal.
