@@ -8,16 +8,6 @@ use std::{
     path::{Component, Path, PathBuf},
 };
 
-/// Pages other branches add concurrently (security, reliability,
-/// capabilities, exit codes). A link to one of these may dangle only while
-/// the page is missing; once it exists it is checked like any other.
-/// After the merge that brings them, this list can go.
-const PENDING: &[&str] = &[
-    "docs/security.md",
-    "docs/reliability.md",
-    "docs/capabilities.md",
-    "docs/exit-codes.md",
-];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -159,12 +149,6 @@ fn normalize(p: &Path) -> PathBuf {
     out
 }
 
-fn is_pending(root: &Path, file: &Path) -> bool {
-    PENDING
-        .iter()
-        .any(|p| normalize(&root.join(p)) == normalize(file) && !file.exists())
-}
-
 /// Every problem in the Markdown pages, one line each.
 fn dangling_links(root: &Path) -> Vec<String> {
     let mut bad = Vec::new();
@@ -193,9 +177,7 @@ fn dangling_links(root: &Path) -> Vec<String> {
                 };
                 let file = normalize(&file);
                 if !file.exists() {
-                    if !is_pending(root, &file) {
-                        bad.push(format!("{rel_page}:{lineno}: `{target}`: no such file"));
-                    }
+                    bad.push(format!("{rel_page}:{lineno}: `{target}`: no such file"));
                     continue;
                 }
                 if let Some(a) = anchor
@@ -257,7 +239,7 @@ fn dangling_docs_in_code(root: &Path) -> Vec<String> {
         .into_iter()
         .filter(|(name, _, _)| {
             let f = root.join(name);
-            !f.exists() && !is_pending(root, &f)
+            !f.exists()
         })
         .map(|(name, file, line)| {
             format!(
@@ -325,7 +307,7 @@ fn checker_finds_what_it_should() {
     std::fs::write(
         dir.join("README.md"),
         "# Top\n[ok](docs/a.md) [gone](docs/missing.md) [anchor](docs/a.md#the---b-flag)\n\
-         [bad anchor](docs/a.md#nope) [web](https://example.com/x.md) [pending](docs/security.md)\n\
+         [bad anchor](docs/a.md#nope) [web](https://example.com/x.md)\n\
          `[in code](docs/nothere.md)`\n```\n[in fence](docs/nothere2.md)\n```\n",
     )
     .unwrap();

@@ -110,8 +110,14 @@ impl<'a> ReadRef<'a> for &'a Sparse {
             .iter()
             .find(|(s, b)| start >= *s && start < s + b.len() as u64)
             .ok_or(())?;
+        // The range comes from the file's own headers: it may end before it
+        // starts (found by the `elf` fuzz target: this subtraction overflowed).
+        let end = range.end.min(cstart + bytes.len() as u64);
+        if end < start {
+            return Err(());
+        }
         let from = (start - cstart) as usize;
-        let to = (range.end.min(cstart + bytes.len() as u64) - cstart) as usize;
+        let to = (end - cstart) as usize;
         let tail = bytes.get(from..to).ok_or(())?;
         let n = tail.iter().position(|b| *b == delimiter).ok_or(())?;
         Ok(&tail[..n])
@@ -636,6 +642,19 @@ mod tests {
         let path = std::env::temp_dir().join(format!("dynprof-{name}-{}", std::process::id()));
         std::fs::write(&path, &b).unwrap();
         path
+    }
+
+    #[test]
+    fn string_range_ending_before_it_starts_is_an_error() {
+        // Found by the `elf` fuzz target: a section name offset past the end
+        // of the string table's range overflowed `end - start`.
+        let sparse = Sparse {
+            len: 200,
+            chunks: vec![(100, b"abc\0".to_vec())],
+            total: 4,
+        };
+        assert_eq!((&sparse).read_bytes_at_until(101..50, 0), Err(()));
+        assert_eq!((&sparse).read_bytes_at_until(101..104, 0), Ok(&b"bc"[..]));
     }
 
     #[test]
