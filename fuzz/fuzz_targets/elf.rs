@@ -1,8 +1,11 @@
 //! ELF files the target maps: what `--marker` resolution, build-id checks
 //! and USDT discovery read from them.
 //!
-//! Bytes go through a memfd and `ElfImage::open` on its /proc/self/fd path,
-//! so the fuzzer drives the same open/map/parse path as an attach.
+//! Bytes go through a memfd opened as an attach opens a mapped file
+//! (`rootfs::open_regular`: O_PATH, fstat, reopen) and `ElfImage::from_file`,
+//! so the fuzzer drives the same bounded-pread parse as an attach. Only the
+//! deadline thread of `ElfImage::open` is left out: a thread that outlives
+//! one input reads to LeakSanitizer as a leak of its TLS destructor list.
 #![no_main]
 
 use std::{
@@ -38,7 +41,10 @@ fuzz_target!(|data: &[u8]| {
     let s = scratch().lock().unwrap();
     s.file.set_len(0).unwrap();
     s.file.write_all_at(data, 0).unwrap();
-    let Ok(img) = ElfImage::open(&s.path) else {
+    let Ok(f) = dynprof::sys::rootfs::open_regular(&s.path) else {
+        return;
+    };
+    let Ok(img) = ElfImage::from_file(&s.path, f) else {
         return;
     };
     let _ = img.build_id();
