@@ -214,7 +214,7 @@ fn library_truncated_in_a_loop_while_attaching() {
             rounds
         })
     };
-    let mut resolved = 0;
+    let (mut resolved, mut cut_before_attach) = (0, 0);
     for i in 0..20 {
         let e = attach_then_sigint(
             p.host_pid(),
@@ -227,7 +227,19 @@ fn library_truncated_in_a_loop_while_attaching() {
             ],
         );
         assert_clean_exit(&e);
-        assert!(e.status.success(), "attach {i}: {}", e.stderr);
+        // Read whole, then cut before the uprobe went in: the kernel refuses
+        // a probe past the file's end, and dynprof must say so plainly.
+        if !e.status.success() {
+            assert!(
+                e.stderr.contains("hostile_fn_19999")
+                    && e.stderr.contains("shorter than the probe offset")
+                    && e.stderr.contains("truncated or replaced after dynprof read it"),
+                "attach {i}: {}",
+                e.stderr
+            );
+            cut_before_attach += 1;
+            continue;
+        }
         let markers = e.of("attached")[0]["markers"].as_array().unwrap().clone();
         // The aux marker resolves when the read saw a whole file, and is
         // reported as not resolved when it did not: both are fine.
@@ -245,7 +257,10 @@ fn library_truncated_in_a_loop_while_attaching() {
     stop.store(true, Ordering::Relaxed);
     let rounds = cutter.join().unwrap();
     assert!(rounds > 20, "the library was cut {rounds} times");
-    eprintln!("20 attaches, {resolved} resolved the aux marker, {rounds} truncations");
+    eprintln!(
+        "20 attaches, {resolved} resolved the aux marker, {cut_before_attach} refused \
+         (cut between read and attach), {rounds} truncations"
+    );
 }
 
 /// Assembler for a library with `n` `.note.stapsdt` notes named `hostile:tick`.

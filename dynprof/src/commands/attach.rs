@@ -208,6 +208,9 @@ pub fn needs(w: &crate::window::args::WindowArgs, mode: &Mode) -> Result<Vec<Nee
     if w.vendor.wants(VendorCollector::TorchNpuDp) {
         v.push(Need::TorchNpuDp);
     }
+    if w.chown.is_some() {
+        v.push(Need::Chown);
+    }
     Ok(v)
 }
 

@@ -32,6 +32,8 @@ pub enum Need {
     /// The torch_npu dynamic_profile hook: profiler_config.json written in
     /// the job's directory, through /proc/PID/root.
     TorchNpuDp,
+    /// `--chown`: each finished window is handed to another uid.
+    Chown,
 }
 
 use Capability::*;
@@ -82,6 +84,10 @@ const MSPROF_REST: [Req; 4] = [
     (CAP_CHOWN, "to hand msprof's output directory to the job's uid"),
     (CAP_DAC_READ_SEARCH, "to read the job's /proc files and root for msprof"),
 ];
+const WINDOW_OWNER: Req = (
+    CAP_CHOWN,
+    "to hand each finished window to the uid --chown names",
+);
 const JOB_FILE_OWNER: Req = (
     CAP_CHOWN,
     "to give the rewritten profiler_config.json to the owner of the job's directory",
@@ -118,6 +124,7 @@ impl Need {
                 v
             }
             Need::TorchNpuDp => vec![PTRACE, JOB_DIR, JOB_FILE_OWNER],
+            Need::Chown => vec![WINDOW_OWNER],
         }
     }
 }
@@ -186,6 +193,7 @@ fn name(n: Need) -> &'static str {
         Need::Offcpu => "collector offcpu",
         Need::Msprof => "collector msprof",
         Need::TorchNpuDp => "collector torch-npu-dp",
+        Need::Chown => "--chown",
     }
 }
 

@@ -86,6 +86,8 @@ fn uprobe_pmu_type() -> Result<u32> {
 pub struct OpenError {
     pub errno: i32,
     pub source: std::io::Error,
+    /// What the errno most likely means here, when dynprof can tell.
+    pub hint: Option<String>,
 }
 
 /// Opens an entry uprobe at `offset` of `path`, in process `pid` only, with
@@ -128,9 +130,24 @@ pub fn open_uprobe(
     };
     if fd < 0 {
         let e = std::io::Error::last_os_error();
+        let errno = e.raw_os_error().unwrap_or(0);
+        // The kernel refuses a probe past the end of the file with EINVAL:
+        // a target can shrink a file it maps after dynprof has read it.
+        let hint = (errno == libc::EINVAL)
+            .then(|| super::rootfs::stat_path(path).ok())
+            .flatten()
+            .filter(|id| id.size <= offset)
+            .map(|id| {
+                format!(
+                    "the file is now {} bytes, shorter than the probe offset {offset:#x}: \
+                     it was truncated or replaced after dynprof read it",
+                    id.size
+                )
+            });
         return Err(anyhow::Error::new(OpenError {
-            errno: e.raw_os_error().unwrap_or(0),
+            errno,
             source: e,
+            hint,
         }));
     }
     // SAFETY: the kernel just returned this descriptor to us.
@@ -139,7 +156,11 @@ pub fn open_uprobe(
 
 impl std::fmt::Display for OpenError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "perf_event_open(uprobe): {}", self.source)
+        write!(f, "perf_event_open(uprobe): {}", self.source)?;
+        match &self.hint {
+            Some(h) => write!(f, " ({h})"),
+            None => Ok(()),
+        }
     }
 }
 impl std::error::Error for OpenError {}
