@@ -81,30 +81,6 @@ fn dynprof_programs() -> Vec<(u32, String, Vec<u32>)> {
     out
 }
 
-/// The runtime address of file offset `fo` of `path` in `pid`.
-fn runtime_addr(pid: u32, path: &std::path::Path, fo: u64) -> u64 {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
-    for l in maps.lines() {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() < 6 || f[5] != path.to_str().unwrap() {
-            continue;
-        }
-        let (a, b) = f[0].split_once('-').unwrap();
-        let (start, end) = (
-            u64::from_str_radix(a, 16).unwrap(),
-            u64::from_str_radix(b, 16).unwrap(),
-        );
-        let off = u64::from_str_radix(f[2], 16).unwrap();
-        if fo >= off && fo < off + (end - start) {
-            return start + (fo - off);
-        }
-    }
-    panic!(
-        "file offset {fo:#x} of {} is not mapped in {pid}",
-        path.display()
-    );
-}
-
 fn read_byte(pid: u32, addr: u64) -> u8 {
     use std::os::unix::fs::FileExt as _;
     let f = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();

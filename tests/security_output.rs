@@ -11,7 +11,7 @@ use std::{
     os::unix::fs::{PermissionsExt as _, chown, symlink},
     path::{Path, PathBuf},
     process::Command,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use common::*;
@@ -36,22 +36,6 @@ fn trainer(tag: &str) -> (Proc, PathBuf, PathBuf) {
 
 fn chmod(p: &Path, mode: u32) {
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
-}
-
-fn wait_file_contains(p: &Path, needle: &str, timeout: Duration) -> String {
-    let until = Instant::now() + timeout;
-    loop {
-        let t = std::fs::read_to_string(p).unwrap_or_default();
-        if t.contains(needle) {
-            return t;
-        }
-        assert!(
-            Instant::now() < until,
-            "{}: no {needle:?} within {timeout:?}; it has:\n{t}",
-            p.display()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// `attach` with a one-window plan into `out`; returns (exit code, stderr).

@@ -34,22 +34,6 @@ fn trainer(tag: &str, step_ms: &str) -> (Proc, PathBuf, PathBuf) {
     trainer_env(tag, step_ms, &[])
 }
 
-fn wait_file_contains(p: &Path, needle: &str, timeout: Duration) -> String {
-    let until = Instant::now() + timeout;
-    loop {
-        let t = std::fs::read_to_string(p).unwrap_or_default();
-        if t.contains(needle) {
-            return t;
-        }
-        assert!(
-            Instant::now() < until,
-            "{}: no {needle:?} within {timeout:?}; it has:\n{t}",
-            p.display()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 /// Waits until the trainer has logged `n` more steps than now.
 fn let_steps_pass(log: &Path, n: usize) {
     let have = log_lines_of(log, "step").len();

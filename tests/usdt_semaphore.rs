@@ -474,31 +474,6 @@ fn read_mem_byte(pid: u32, addr: u64) -> u8 {
     b[0]
 }
 
-/// Runtime address of file offset `fo` of the mapping of `path` in `pid`.
-fn runtime_addr(pid: u32, path: &Path, fo: u64) -> u64 {
-    let want = std::fs::canonicalize(path).unwrap();
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
-    for l in maps.lines() {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() < 6 || Path::new(f[5]) != want {
-            continue;
-        }
-        let (a, b) = f[0].split_once('-').unwrap();
-        let (start, end) = (
-            u64::from_str_radix(a, 16).unwrap(),
-            u64::from_str_radix(b, 16).unwrap(),
-        );
-        let off = u64::from_str_radix(f[2], 16).unwrap();
-        if fo >= off && fo < off + (end - start) {
-            return start + (fo - off);
-        }
-    }
-    panic!(
-        "file offset {fo:#x} of {} not mapped in {pid}",
-        want.display()
-    );
-}
-
 /// Cycles for the leak test: one takes ~0.4-0.65 s here (a fresh dynprof
 /// loads and verifies its programs and reads python3's notes each time);
 /// 1,000 took 476 s, so 200 fit the ~2 minutes a test may take on the

@@ -523,3 +523,48 @@ pub fn read_acl_log(path: impl AsRef<Path>) -> Vec<AclLogLine> {
         })
         .collect()
 }
+
+// ---------------------------------------------------------------- waiting on files and memory
+
+/// Waits (up to `timeout`) until `p` contains `needle`; returns its text.
+pub fn wait_file_contains(p: &Path, needle: &str, timeout: Duration) -> String {
+    let until = Instant::now() + timeout;
+    loop {
+        let t = std::fs::read_to_string(p).unwrap_or_default();
+        if t.contains(needle) {
+            return t;
+        }
+        assert!(
+            Instant::now() < until,
+            "{}: no {needle:?} within {timeout:?}; it has:\n{t}",
+            p.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runtime address of file offset `fo` of the mapping of `path` in `pid`
+/// (the test's own reading of /proc/PID/maps, independent of dynprof's).
+pub fn runtime_addr(pid: u32, path: &Path, fo: u64) -> u64 {
+    let want = std::fs::canonicalize(path).unwrap();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    for l in maps.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() < 6 || Path::new(f[5]) != want {
+            continue;
+        }
+        let (a, b) = f[0].split_once('-').unwrap();
+        let (start, end) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
+        let off = u64::from_str_radix(f[2], 16).unwrap();
+        if fo >= off && fo < off + (end - start) {
+            return start + (fo - off);
+        }
+    }
+    panic!(
+        "file offset {fo:#x} of {} not mapped in {pid}",
+        want.display()
+    );
+}
