@@ -131,19 +131,27 @@ pub fn open_uprobe(
     if fd < 0 {
         let e = std::io::Error::last_os_error();
         let errno = e.raw_os_error().unwrap_or(0);
-        // The kernel refuses a probe past the end of the file with EINVAL:
-        // a target can shrink a file it maps after dynprof has read it.
-        let hint = (errno == libc::EINVAL)
-            .then(|| super::rootfs::stat_path(path).ok())
-            .flatten()
-            .filter(|id| id.size <= offset)
-            .map(|id| {
-                format!(
-                    "the file is now {} bytes, shorter than the probe offset {offset:#x}: \
-                     it was truncated or replaced after dynprof read it",
-                    id.size
-                )
-            });
+        // A target can shrink a file it maps after dynprof has read it. The
+        // kernel then refuses a probe past the file's end (EINVAL), or
+        // fails to read the probed instruction from the page cache (EIO)
+        // when the cut comes between its size check and that read.
+        let hint = match errno {
+            libc::EINVAL => super::rootfs::stat_path(path)
+                .ok()
+                .filter(|id| id.size <= offset)
+                .map(|id| {
+                    format!(
+                        "the file is now {} bytes, shorter than the probe offset {offset:#x}: \
+                         it was truncated or replaced after dynprof read it",
+                        id.size
+                    )
+                }),
+            libc::EIO => Some(format!(
+                "the kernel could not read the instruction at offset {offset:#x} from the \
+                 file: it was truncated or replaced after dynprof read it"
+            )),
+            _ => None,
+        };
         return Err(anyhow::Error::new(OpenError {
             errno,
             source: e,
