@@ -383,7 +383,15 @@ fn hook_output(hook: &mut Box<dyn WindowHook>, target: &Target, scratch: &Path) 
 #[test]
 fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
     require_privileges!();
-    let scratch = scratch_dir("security_exec_symlink");
+    // Outside /tmp even when the checkout is under /tmp (a CI clone made
+    // with mktemp): the container's /tmp is the link under test, so nothing
+    // the container needs may live below the host's /tmp.
+    let scratch = PathBuf::from(format!(
+        "/var/tmp/dynprof-test-security_exec_symlink-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
     let shared = open_dir(&scratch.join("shared"));
     // The host directory the container's /tmp points at (an absolute link):
     // it exists on the host, with something in it.
@@ -402,20 +410,27 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
     std::fs::create_dir_all(inside(&victim)).unwrap();
     std::os::unix::fs::symlink(&victim, root.join("tmp")).unwrap();
     let fx = fixtures();
-    let binds = [fx.dir.clone(), fx.src_dir.clone(), shared.clone()];
+    // The fixtures at fixed paths in the container (their own paths may be
+    // under the host's /tmp); `shared` at its own path, which msprof's
+    // environment names.
+    let binds = [
+        (fx.dir.clone(), PathBuf::from("/fx")),
+        (fx.src_dir.clone(), PathBuf::from("/fxsrc")),
+        (shared.clone(), shared.clone()),
+    ];
     let mut script = format!(
         "mount --rbind /usr {} && mount -t proc proc {}",
         root.join("usr").display(),
         root.join("proc").display()
     );
-    for b in &binds {
-        std::fs::create_dir_all(inside(b)).unwrap();
-        script += &format!(" && mount --bind {} {}", b.display(), inside(b).display());
+    for (from, to) in &binds {
+        std::fs::create_dir_all(inside(to)).unwrap();
+        script += &format!(" && mount --bind {} {}", from.display(), inside(to).display());
     }
     script += &format!(
-        " && exec chroot {} {} --steps 0 --step-ms 20 --log {}",
+        " && exec chroot {} /fx/{} --steps 0 --step-ms 20 --log {}",
         root.display(),
-        fx.trainer.display(),
+        fx.trainer.file_name().unwrap().to_string_lossy(),
         shared.join("trainer.log").display()
     );
     let ns = Proc::spawn_ready(
@@ -441,7 +456,7 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
         .unwrap();
     let target = Target::open(HostPid(host)).unwrap();
     let mut a = args(&shared);
-    a.msprof = Some(fx.src_dir.join("msprof_standin.py").display().to_string());
+    a.msprof = Some("/fxsrc/msprof_standin.py".to_string());
     let mut hook = one_hook(&a, &target);
     hook.prepare(&target).unwrap();
     let w = window(1, &scratch);
@@ -486,6 +501,7 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
         "msprof wrote inside the container: {profs:?}"
     );
     drop(ns);
+    let _ = std::fs::remove_dir_all(&scratch);
 }
 
 #[test]

@@ -18,6 +18,7 @@ const HOST_EXCLUDE: &[&str] = &["--exclude", "dynprof-ebpf"];
 
 pub fn run(extra: &[String], with_fuzz: bool) -> Result<()> {
     setup::run_with_torch2()?;
+    let_others_traverse_the_checkout()?;
 
     let mut build = util::cargo();
     build.args(["build", "--workspace"]).args(HOST_EXCLUDE);
@@ -193,4 +194,30 @@ fn pump(src: impl std::io::Read, is_err: bool, seen: &Mutex<Seen>) {
             seen.skipped.push(line[i..].to_string());
         }
     }
+}
+
+/// Several tests run a job as uid 65534 (the msprof-as-the-target and
+/// capability tests), and that job executes the fixtures built under
+/// `target/`. A checkout inside a private directory (`mktemp -d` makes
+/// 0700 ones) would make those tests fail with "permission denied" for a
+/// reason that has nothing to do with dynprof. So each ancestor of the
+/// checkout that others cannot search gets `o+x`: search only, no listing
+/// or reading. Each change is printed.
+fn let_others_traverse_the_checkout() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let root = util::workspace_root();
+    for dir in root.ancestors() {
+        let meta = std::fs::metadata(dir).with_context(|| format!("stat {}", dir.display()))?;
+        let mode = meta.permissions().mode();
+        if mode & 0o001 == 0 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o001))
+                .with_context(|| format!("chmod o+x {}", dir.display()))?;
+            println!(
+                "[test] chmod o+x {} (was {:o}): the uid-65534 test jobs run fixtures below it",
+                dir.display(),
+                mode & 0o7777
+            );
+        }
+    }
+    Ok(())
 }
