@@ -140,6 +140,17 @@ fn pids_with(needle: &str) -> Vec<u32> {
     out
 }
 
+/// The first child of `pid` (the job `unshare --fork` started).
+fn first_child(pid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 fn args(shared: &Path) -> VendorArgs {
     VendorArgs {
         collectors: vec![VendorCollector::Msprof],
@@ -328,14 +339,7 @@ fn msprof_of_a_rootless_container_runs_in_its_user_pid_and_mount_namespaces() {
             .env("PATH", format!("{}:/usr/bin:/bin", bin.display())),
     );
     assert_eq!(ns.pid, 1, "the trainer is PID 1 of its namespace");
-    let u = ns.host_pid();
-    let host: u32 = std::fs::read_to_string(format!("/proc/{u}/task/{u}/children"))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let host = first_child(ns.host_pid());
     for n in ["user", "pid", "mnt"] {
         assert_ne!(ns_link(host, n), ns_link(std::process::id(), n), "{n}");
     }
@@ -446,14 +450,7 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
             ])
             .env("PROFILING_MODE", "dynamic"),
     );
-    let u = ns.host_pid();
-    let host: u32 = std::fs::read_to_string(format!("/proc/{u}/task/{u}/children"))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let host = first_child(ns.host_pid());
     let target = Target::open(HostPid(host)).unwrap();
     let mut a = args(&shared);
     a.msprof = Some("/fxsrc/msprof_standin.py".to_string());
