@@ -13,7 +13,7 @@ use crate::{
     session::{EndReason, SessionSummary},
     sys::caps::Need,
     target::Target,
-    window::args::Mode,
+    commands::args::Mode,
 };
 
 const MARKER_HELP: &str = "\
@@ -42,7 +42,7 @@ pub struct AttachArgs {
     pub in_pidns: Option<String>,
 
     #[command(flatten)]
-    pub window: crate::window::args::WindowArgs,
+    pub window: crate::commands::args::WindowArgs,
 
     #[arg(long = "marker", short = 'm', value_name = "SPEC", long_help = MARKER_HELP,
           value_parser = marker_spec)]
@@ -182,14 +182,14 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
 /// drop after attach: attach always; with windows, the collectors
 /// `--collect` allows (all by default: a console or config-file window may
 /// choose any of them) and the vendor hooks.
-pub fn needs(w: &crate::window::args::WindowArgs, mode: &Mode) -> Result<Vec<Need>> {
+pub fn needs(w: &crate::commands::args::WindowArgs, mode: &Mode) -> Result<Vec<Need>> {
     use crate::collect::vendor_args::VendorCollector;
     let mut v = vec![Need::Attach];
     if *mode == Mode::None {
         return Ok(v);
     }
     let builtin = w.collectors()?.unwrap_or_else(|| {
-        crate::window::args::COLLECTORS
+        crate::commands::args::COLLECTORS
             .iter()
             .map(|s| s.to_string())
             .collect()
@@ -214,7 +214,7 @@ pub fn needs(w: &crate::window::args::WindowArgs, mode: &Mode) -> Result<Vec<Nee
 /// The built-in collectors the window scheduler may arm (`--collect`
 /// chooses among them; config files choose through `activities`).
 pub fn collectors(
-    w: &crate::window::args::WindowArgs,
+    w: &crate::commands::args::WindowArgs,
 ) -> Result<Vec<Box<dyn crate::collect::Collector>>> {
     let opts = w.collector_opts.options()?;
     Ok(crate::collect::build_collectors(
@@ -239,7 +239,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
     // Before anything reads the target's maps or takes the lock: without
     // privileges those fail with a bare EACCES that names no capability.
     crate::bpf::preflight()?;
-    let lock = crate::window::lock::acquire(target.host_pid, "attach")?;
+    let lock = crate::sys::lock::acquire(target.host_pid, "attach")?;
     let wait = match args.window.wait_for_marker {
         Some(d) if !d.is_zero() => super::launch::MarkerWait::For(d),
         _ => super::launch::MarkerWait::No,
@@ -253,7 +253,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
         ring: args.ring,
         mode_name: "attach",
         collectors: collectors(&args.window)?,
-        hooks: crate::collect::vendor_args::build_hooks_for(&args.window, &target)?,
+        hooks: args.window.build_hooks(&target)?,
     };
     super::launch::drive(d, target, None, lock, wait)
         .await

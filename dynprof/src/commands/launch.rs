@@ -29,14 +29,15 @@ use crate::{
     probes::{self, MarkerArg, ResolvedProbe},
     session::{Command, Limits, Observer, Session, SessionSummary},
     target::{Target, exited_during},
-    trigger::{config_file::ConfigFileTrigger, console},
+    sys::lock,
     types::HostPid,
     window::{
         Scheduler, SchedulerOptions,
-        args::{Mode, WindowArgs},
-        lock,
+        trigger::{config_file::ConfigFileTrigger, console},
     },
 };
+
+use super::args::{Mode, WindowArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct LaunchArgs {
@@ -331,7 +332,7 @@ pub async fn drive(
                     .config_dir
                     .as_ref()
                     .map(|p| p
-                        .join(crate::trigger::config_file::CONFIG_FILE)
+                        .join(crate::window::trigger::config_file::CONFIG_FILE)
                         .display()
                         .to_string())
                     .unwrap_or_default()
@@ -444,7 +445,7 @@ pub async fn run(args: LaunchArgs) -> Result<()> {
         args.window.flags_request()?;
     }
     if let Mode::ConfigFile(d) = &mode {
-        crate::trigger::config_file::check_dir(d)?;
+        crate::window::trigger::config_file::check_dir(d)?;
     }
     attach::ring_bytes(args.ring.ring_buffer_kb)?;
     crate::sys::caps::check(&attach::needs(&args.window, &mode)?)?;
@@ -475,7 +476,7 @@ pub async fn run(args: LaunchArgs) -> Result<()> {
         ring: args.ring,
         mode_name: "launch",
         collectors: attach::collectors(&args.window)?,
-        hooks: crate::collect::vendor_args::build_hooks_for(&args.window, &target)?,
+        hooks: args.window.build_hooks(&target)?,
     };
     let r = drive(d, target, Some(kernel), lk, MarkerWait::WhileAlive).await;
     if let Err(e) = &r {

@@ -1,4 +1,5 @@
 //! The subcommands' implementations; `main.rs` only parses.
+pub mod args;
 pub mod attach;
 pub mod launch;
 pub mod printer;

@@ -8,7 +8,6 @@
 pub mod container;
 pub mod mount;
 pub mod pidns;
-pub mod ps;
 
 pub use pidns::resolve_pid;
 

@@ -8,10 +8,10 @@
 //! every boundary from the `StepEvent`s (whose `gate` is the kernel's
 //! decision at that hit), arms collectors ahead of time and finalizes each
 //! window into a `PROF_*` directory ([`profdir`]).
-pub mod args;
-pub mod lock;
+pub mod collector;
 pub mod profdir;
 pub mod scheduler;
+pub mod trigger;
 pub mod writer;
 
 use anyhow::{Result, bail};

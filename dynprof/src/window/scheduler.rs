@@ -28,12 +28,17 @@ use serde_json::{Map, Value, json};
 
 use super::{
     Plan,
+    collector::{Collector, WindowHook, WindowInfo},
     profdir::ProfDir,
+    trigger::{
+        ConsoleCommand, ConsoleRequest, NoticePrinter, PlanRequest, Reply, SetNoticePrinter,
+        Source,
+        config_file::{ConfigChanged, ConfigFileTrigger},
+    },
     writer::{WriteJob, WriteTag, Writer, Written},
 };
 use crate::{
     bpf::Kernel,
-    collect::{Collector, WindowHook, WindowInfo},
     output::{
         Collectors,
         model::{Drops, StepSpan, WindowData},
@@ -41,11 +46,6 @@ use crate::{
     session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
     sys::hostfs::OutputRoot,
     target::Target,
-    trigger::{
-        ConsoleCommand, ConsoleRequest, NoticePrinter, PlanRequest, Reply, SetNoticePrinter,
-        Source,
-        config_file::{ConfigChanged, ConfigFileTrigger},
-    },
     types::{StepIndex, WindowId},
 };
 
@@ -703,7 +703,7 @@ impl Scheduler {
             hooks_started: false,
             drops_at_open: ctx.kernel.drops().unwrap_or_default(),
             collectors,
-            started_at: super::profdir::local_timestamp_human(),
+            started_at: crate::sys::clock::local_timestamp_human(),
             req,
             info,
         };
@@ -947,7 +947,7 @@ impl Scheduler {
             "hooks": hooks,
             "errors": errors,
             "started_at": w.started_at,
-            "ended_at": super::profdir::local_timestamp_human(),
+            "ended_at": crate::sys::clock::local_timestamp_human(),
         });
         if let Some(md) = &w.req.metadata {
             m["metadata"] = md.clone();

@@ -344,7 +344,7 @@ impl RotatingLog {
     pub fn write(&self, level: &str, msg: &str) {
         let line = format!(
             "[{}] [{level}] {}\n",
-            crate::window::profdir::local_timestamp_human(),
+            crate::sys::clock::local_timestamp_human(),
             escape_untrusted(msg)
         );
         let open = || self.dir.open_append(&self.name, Some(self.owner), 0o644);

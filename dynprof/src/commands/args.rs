@@ -4,10 +4,16 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::{Result, bail};
 use clap::Args;
 
-use super::{Plan, profdir::Owner};
 use crate::{
     cli::{SECS_MAX, STEPS_MAX, int},
-    trigger::{PlanRequest, Source},
+    collect::vendor_args::build_hooks,
+    target::Target,
+    window::{
+        Plan,
+        collector::WindowHook,
+        profdir::Owner,
+        trigger::{PlanRequest, Source},
+    },
 };
 
 /// A step count flag: `min..=STEPS_MAX`.
@@ -238,6 +244,19 @@ impl WindowArgs {
 
     pub fn idle_timeout(&self) -> Option<Duration> {
         (self.idle_timeout > 0).then(|| Duration::from_secs(self.idle_timeout))
+    }
+
+    /// The hooks for `attach`/`launch` ([`build_hooks`]): in config-file mode
+    /// (`--config-dir`) msprof's collection switches follow that directory's
+    /// profiler_config.json.
+    pub fn build_hooks(&self, target: &Target) -> Result<Vec<Box<dyn WindowHook>>> {
+        let mut v = self.vendor.clone();
+        if let Some(d) = &self.config_dir
+            && v.profiler_config_path.is_none()
+        {
+            v.profiler_config_path = Some(d.join("profiler_config.json"));
+        }
+        build_hooks(&v, target)
     }
 }
 
