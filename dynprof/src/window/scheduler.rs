@@ -27,9 +27,9 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::{
-    Plan,
     collector::{Collector, WindowHook, WindowInfo},
     profdir::ProfDir,
+    state::{Action, Boundary, OpenSteps, PlanRegister, WindowState},
     trigger::{
         ConsoleCommand, ConsoleRequest, NoticePrinter, PlanRequest, Reply, SetNoticePrinter,
         Source,
@@ -92,39 +92,14 @@ pub struct WindowRecord {
     pub last_recorded: Option<StepIndex>,
 }
 
-struct ActivePlan {
-    req: PlanRequest,
-    cfg: PlanConfig,
-    /// Last step inside the window once `stop` fixed it (open-ended plans).
-    stop_last: Option<u64>,
-    /// No more cycles after the current window (stopped).
-    final_cycle: bool,
-}
-
-impl ActivePlan {
-    fn cycles(&self) -> u64 {
-        self.req.plan.repeat.saturating_add(1)
-    }
-    fn cycle_start(&self, cycle: u64) -> u64 {
-        self.cfg
-            .start
-            .saturating_add(cycle.saturating_mul(self.cfg.period))
-    }
-}
-
+/// The open window's files and what it gathered (its steps are in
+/// [`WindowState`]).
 struct OpenWindow {
-    id: WindowId,
-    cycle: u64,
-    first_step: u64,
-    first_recorded: u64,
-    /// Planned last recorded step (u64::MAX while open-ended).
-    last_recorded: u64,
     open_ts_ns: u64,
     last_ts_ns: u64,
     boundaries: Vec<(u64, u64)>,
     steps: Vec<StepSpan>,
     prof: ProfDir,
-    hooks_started: bool,
     drops_at_open: Drops,
     collectors: Vec<usize>,
     started_at: String,
@@ -132,25 +107,36 @@ struct OpenWindow {
     info: WindowInfo,
 }
 
+/// Where a step boundary's actions are carried out.
+#[derive(Clone, Copy)]
+struct At<'a> {
+    k: u64,
+    ts: u64,
+    completed: Option<&'a CompletedStep>,
+}
+
+impl PlanRegister for Kernel {
+    fn step_hits(&mut self) -> Result<u64> {
+        Ok(self.state()?.step_hits)
+    }
+    fn set_plan(&mut self, cfg: PlanConfig) -> Result<()> {
+        Kernel::set_plan(self, cfg)
+    }
+}
+
 pub struct Scheduler {
     opts: SchedulerOptions,
     collectors: Vec<Box<dyn Collector>>,
     armed: Vec<bool>,
     hooks: Vec<Box<dyn WindowHook>>,
-    plan: Option<ActivePlan>,
+    /// Plans, the open window's steps, the deferred request.
+    state: WindowState,
     window: Option<OpenWindow>,
-    /// A request that arrived while a window was open: applied when it ends.
-    deferred: Option<PlanRequest>,
-    next_id: u32,
     written: Vec<WindowRecord>,
-    done: bool,
-    quit: bool,
     prepared: bool,
     last_activity: Instant,
     config: Option<ConfigFileTrigger>,
     printer: Option<NoticePrinter>,
-    /// Collector names armed for the current plan (for `Collectors`).
-    plan_collectors: Vec<usize>,
     /// The session's target (known from `begin` or the first callback).
     target: Option<Target>,
     /// Steps per second, as of the last step event.
@@ -166,22 +152,17 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(opts: SchedulerOptions) -> Self {
         Self {
+            state: WindowState::new(opts.exit_when_done),
             opts,
             collectors: Vec::new(),
             armed: Vec::new(),
             hooks: Vec::new(),
-            plan: None,
             window: None,
-            deferred: None,
-            next_id: 1,
             written: Vec::new(),
-            done: false,
-            quit: false,
             prepared: false,
             last_activity: Instant::now(),
             config: None,
             printer: None,
-            plan_collectors: Vec::new(),
             target: None,
             rate: 0.0,
             writer: None,
@@ -252,8 +233,10 @@ impl Scheduler {
         self.root()?;
         self.prepare_hooks(target);
         if let Some(req) = initial {
-            let msg = self.submit(req, kernel)?;
-            self.notice(msg);
+            let mut out = Vec::new();
+            let r = self.state.submit(req, kernel, self.lead(), &mut out);
+            self.carry_out(out, kernel, target, None)?;
+            self.notice(r?);
         }
         Ok(())
     }
@@ -339,92 +322,25 @@ impl Scheduler {
         }
     }
 
-    fn collector_indices(&self, req: &PlanRequest) -> Vec<usize> {
+    /// Steps ahead of a window at which its collectors are armed.
+    fn lead(&self) -> u64 {
+        arm_ahead(self.rate)
+    }
+
+    fn collector_indices(&self, collect: Option<&Vec<String>>) -> Vec<usize> {
         (0..self.collectors.len())
-            .filter(
-                |i| match req.collect.as_ref().or(self.opts.collect.as_ref()) {
-                    None => true,
-                    Some(names) => names.iter().any(|n| n == self.collectors[*i].name()),
-                },
-            )
+            .filter(|i| match collect.or(self.opts.collect.as_ref()) {
+                None => true,
+                Some(names) => names.iter().any(|n| n == self.collectors[*i].name()),
+            })
             .collect()
     }
 
-    /// Programs a request now (or defers it while a window is open).
-    fn submit(&mut self, req: PlanRequest, kernel: &mut Kernel) -> Result<String> {
-        req.plan.validate()?;
-        if let Some(w) = &self.window {
-            let msg = format!(
-                "window {} is open; the new plan ({}) starts when it ends (a later change replaces it)",
-                w.id,
-                req.plan.describe()
-            );
-            self.deferred = Some(req);
-            return Ok(msg);
-        }
-        self.program_now(req, kernel)
-    }
-
-    fn program_now(&mut self, req: PlanRequest, kernel: &mut Kernel) -> Result<String> {
-        if req.plan.start_step == 0 {
-            // "no collection": cancel whatever is pending.
-            self.cancel_plan(kernel);
-            return Ok("start_step 0: no collection planned".into());
-        }
-        if self.plan.is_some() {
-            self.cancel_plan(kernel);
-        }
-        let cfg = super::program(kernel, &req.plan)?;
-        let c = kernel.state()?.step_hits;
-        let p = &req.plan;
-        let msg = if p.open_ended() {
-            format!("window opens at step {} and runs until `stop`", cfg.start)
-        } else {
-            let first = cfg.start + p.warmup;
-            let mut m = format!("window records steps {}..{}", first, first + p.active - 1);
-            if p.warmup > 0 {
-                m.push_str(&format!(" (warmup from step {})", cfg.start));
-            }
-            if p.repeat > 0 {
-                m.push_str(&format!(
-                    ", {} more time(s) every {} steps",
-                    p.repeat, cfg.period
-                ));
-            }
-            if p.start_step > 0 && cfg.start != p.start_step as u64 {
-                m.push_str(&format!(" (step {} had already begun)", p.start_step));
-            }
-            m
-        };
-        self.plan_collectors = self.collector_indices(&req);
-        self.plan = Some(ActivePlan {
-            req,
-            cfg,
-            stop_last: None,
-            final_cycle: false,
-        });
-        if cfg.start <= c + arm_ahead(self.rate) {
-            self.arm(kernel);
-        }
-        Ok(msg)
-    }
-
-    fn cancel_plan(&mut self, kernel: &mut Kernel) {
-        if self.plan.take().is_some()
-            && let Err(e) = super::disarm(kernel)
-        {
-            log::warn!("disarming the kernel plan: {e:#}");
-        }
-        if self.window.is_none() {
-            self.disarm_all(kernel);
-        }
-    }
-
-    fn arm(&mut self, kernel: &mut Kernel) {
+    fn arm(&mut self, kernel: &mut Kernel, collect: Option<&Vec<String>>) {
         let Some(target) = self.target.clone() else {
             return;
         };
-        for i in self.plan_collectors.clone() {
+        for i in self.collector_indices(collect) {
             if self.armed[i] {
                 continue;
             }
@@ -444,6 +360,101 @@ impl Scheduler {
         }
     }
 
+    /// Carries out what the window state decided, in order. `at`: the step
+    /// boundary being handled, if any.
+    fn carry_out(
+        &mut self,
+        actions: Vec<Action>,
+        kernel: &mut Kernel,
+        target: &Target,
+        at: Option<At<'_>>,
+    ) -> Result<()> {
+        let mut queue: std::collections::VecDeque<Action> = actions.into();
+        while let Some(a) = queue.pop_front() {
+            match a {
+                Action::Arm { collect } => self.arm(kernel, collect.as_ref()),
+                Action::DisarmAll => self.disarm_all(kernel),
+                Action::Record => {
+                    if let (Some(w), Some(At {
+                        completed: Some(c), ..
+                    })) = (&mut self.window, at)
+                    {
+                        w.steps.push(StepSpan {
+                            step: c.step,
+                            start_ts_ns: c.start_ts_ns,
+                            end_ts_ns: c.end_ts_ns,
+                            tid: c.tid,
+                            aux: c.aux.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                        });
+                    }
+                }
+                Action::Boundary => {
+                    if let (Some(w), Some(at)) = (&mut self.window, at) {
+                        w.boundaries.push((at.k, at.ts));
+                        w.last_ts_ns = at.ts;
+                    }
+                }
+                Action::StartHooks => {
+                    if let (Some(w), Some(at)) = (&mut self.window, at) {
+                        w.info.start_ts_ns = at.ts;
+                        let info = w.info.clone();
+                        for h in &mut self.hooks {
+                            if let Err(e) = h.on_window_start(&info, target) {
+                                log::warn!("hook {}: window start: {e:#}", h.name());
+                            }
+                        }
+                    }
+                }
+                Action::Close {
+                    steps,
+                    complete,
+                    reason,
+                    end_ts_ns,
+                    disarm,
+                    kernel: cfg,
+                } => {
+                    if let Some(w) = &mut self.window
+                        && end_ts_ns != 0
+                    {
+                        w.info.end_ts_ns = end_ts_ns;
+                    }
+                    self.close_window(&steps, complete, reason, disarm, cfg, kernel, target)?;
+                }
+                Action::Open {
+                    steps,
+                    req,
+                    start_hooks,
+                } => {
+                    let (k, ts) = at.map(|a| (a.k, a.ts)).unwrap_or_default();
+                    if let Err(e) = self.open_window(&steps, *req, start_hooks, k, ts, kernel, target) {
+                        // E.g. an unwritable output directory: give up this
+                        // plan, keep the session (and other triggers) alive.
+                        self.failures.fetch_add(1, Ordering::Relaxed);
+                        let m = format!("window could not be opened, plan cancelled: {e:#}");
+                        log::error!("{m}");
+                        if let Some(c) = &mut self.config {
+                            c.error(&m);
+                        }
+                        self.notice(m);
+                        let mut more = Vec::new();
+                        self.state.open_failed(kernel, &mut more);
+                        for a in more.into_iter().rev() {
+                            queue.push_front(a);
+                        }
+                    }
+                }
+                Action::Answered { change, ok, msg } => {
+                    if let Some(c) = &mut self.config {
+                        c.monitor_result(change, ok, &msg);
+                    }
+                    self.notice(msg);
+                }
+                Action::Notice(m) => self.notice(m),
+            }
+        }
+        Ok(())
+    }
+
     fn disarm_all(&mut self, kernel: &mut Kernel) {
         for (i, c) in self.collectors.iter_mut().enumerate() {
             if self.armed[i] {
@@ -461,20 +472,17 @@ impl Scheduler {
             c.current(),
             c.rate()
         );
-        match (&self.window, &self.plan) {
+        match (self.state.window(), self.state.plan()) {
             (Some(w), _) => {
                 let last = if w.last_recorded == u64::MAX {
                     "until stop".into()
                 } else {
                     w.last_recorded.to_string()
                 };
+                let recorded = self.window.as_ref().map_or(0, |o| o.steps.len());
                 s.push_str(&format!(
                     "window {} open since step {} (recording {}..{}, {} recorded so far)",
-                    w.id,
-                    w.first_step,
-                    w.first_recorded,
-                    last,
-                    w.steps.len()
+                    w.id, w.first_step, w.first_recorded, last, recorded
                 ));
             }
             (None, Some(p)) => {
@@ -489,75 +497,18 @@ impl Scheduler {
         s
     }
 
-    fn console(&mut self, req: ConsoleRequest, ctx: &mut Ctx) -> String {
+    fn console(&mut self, req: ConsoleRequest, ctx: &mut Ctx) -> Result<String> {
         self.last_activity = Instant::now();
-        let r: Result<String> = (|| match req {
-            ConsoleRequest::Status => Ok(self.status(ctx)),
-            ConsoleRequest::Start | ConsoleRequest::Capture(_) => {
-                if let Some(w) = &self.window {
-                    return Ok(format!(
-                        "window {} is already open (since step {}); `stop` it first",
-                        w.id, w.first_step
-                    ));
-                }
-                if let Some(p) = &self.plan {
-                    return Ok(format!(
-                        "a window is already pending (opens at step {}); `stop` cancels it",
-                        p.cfg.start
-                    ));
-                }
-                let plan = match req {
-                    ConsoleRequest::Capture(p) => p,
-                    _ => Plan {
-                        start_step: -1,
-                        warmup: 0,
-                        active: super::UNTIL_STOP,
-                        repeat: 0,
-                        gap: 0,
-                    },
-                };
-                self.submit(PlanRequest::new(plan, Source::Console), ctx.kernel)
-            }
-            ConsoleRequest::Stop => self.stop(ctx.kernel),
-            ConsoleRequest::Quit => {
-                self.quit = true;
-                if self.window.is_some() {
-                    let m = self.stop(ctx.kernel)?;
-                    Ok(format!("{m}; detaching after it is written"))
-                } else {
-                    self.cancel_plan(ctx.kernel);
-                    self.done = true;
-                    Ok("detaching; the target keeps running".into())
-                }
-            }
-        })();
-        r.unwrap_or_else(|e| format!("error: {e:#}"))
-    }
-
-    /// Closes the open window at the next boundary, or cancels a pending plan.
-    fn stop(&mut self, kernel: &mut Kernel) -> Result<String> {
-        self.deferred = None;
-        let Some(p) = &mut self.plan else {
-            return Ok("no window open or pending".into());
-        };
-        let Some(w) = &mut self.window else {
-            self.cancel_plan(kernel);
-            return Ok("pending window cancelled".into());
-        };
-        let (cfg, last) = super::program_stop(kernel, p.cfg)?;
-        p.cfg = cfg;
-        p.stop_last = Some(last);
-        p.final_cycle = true;
-        if last < w.last_recorded {
-            w.last_recorded = last;
+        if req == ConsoleRequest::Status {
+            return Ok(self.status(ctx));
         }
-        Ok(format!(
-            "window {} closes at the next boundary (step {})",
-            w.id,
-            last + 1
-        ))
+        let mut out = Vec::new();
+        let r = self.state.console(req, ctx.kernel, self.lead(), &mut out);
+        self.carry_out(out, ctx.kernel, ctx.target, None)?;
+        Ok(r.unwrap_or_else(|e| format!("error: {e:#}")))
     }
 
+    /// A step boundary: the window state decides, this carries it out.
     fn on_step(
         &mut self,
         k: u64,
@@ -567,95 +518,32 @@ impl Scheduler {
         ctx: &mut Ctx,
     ) -> Result<()> {
         self.rate = ctx.clock.rate();
-        // 1. the open window: collect the step that just ended, then close.
-        let mut close = false;
-        if let Some(w) = &mut self.window {
-            if let Some(c) = completed
-                && c.step.0 >= w.first_recorded
-                && c.step.0 <= w.last_recorded
-            {
-                w.steps.push(StepSpan {
-                    step: c.step,
-                    start_ts_ns: c.start_ts_ns,
-                    end_ts_ns: c.end_ts_ns,
-                    tid: c.tid,
-                    aux: c.aux.iter().map(|(k, v)| (k.clone(), *v)).collect(),
-                });
-            }
-            if k >= w.first_step {
-                w.boundaries.push((k, ts));
-                w.last_ts_ns = ts;
-            }
-            if k > w.last_recorded || (!gate && k > w.first_step) {
-                if k <= w.last_recorded {
-                    // The kernel closed the gate earlier than planned (stop).
-                    w.last_recorded = k.saturating_sub(1);
-                }
-                w.info.end_ts_ns = ts;
-                close = true;
-            } else if k >= w.first_recorded && !w.hooks_started {
-                w.hooks_started = true;
-                w.info.start_ts_ns = ts;
-                let info = w.info.clone();
-                for h in &mut self.hooks {
-                    if let Err(e) = h.on_window_start(&info, ctx.target) {
-                        log::warn!("hook {}: window start: {e:#}", h.name());
-                    }
-                }
-            }
-        }
-        if close {
-            self.close_window(true, None, ctx)?;
-        }
-        // 2. a new window opens where the kernel opened the gate.
-        if self.window.is_none()
-            && gate
-            && let Some(p) = &self.plan
-        {
-            let cfg = p.cfg;
-            // Before `start`: a stale plan write opened the gate early.
-            if k >= cfg.start && k < cfg.end && (k - cfg.start) % cfg.period < cfg.span {
-                let cycle = (k - cfg.start) / cfg.period;
-                let base = cfg.start + cycle * cfg.period;
-                if let Err(e) = self.open_window(cycle, base, k, ts, ctx) {
-                    // E.g. an unwritable output directory: give up this
-                    // plan, keep the session (and other triggers) alive.
-                    self.failures.fetch_add(1, Ordering::Relaxed);
-                    let m = format!("window could not be opened, plan cancelled: {e:#}");
-                    log::error!("{m}");
-                    if let Some(c) = &mut self.config {
-                        c.error(&m);
-                    }
-                    self.notice(m);
-                    self.cancel_plan(ctx.kernel);
-                    if self.opts.exit_when_done {
-                        self.done = true;
-                    }
-                }
-            }
-        }
-        // 3. arm ahead of the next window.
-        if self.window.is_none()
-            && let Some(p) = &self.plan
-        {
-            let next = ((k.saturating_sub(p.cfg.start)) / p.cfg.period
-                + u64::from(k >= p.cfg.start))
-            .min(p.cycles());
-            if next < p.cycles() && p.cycle_start(next) <= k + arm_ahead(self.rate) {
-                self.arm(ctx.kernel);
-            }
-        }
-        Ok(())
+        let b = Boundary {
+            k,
+            ts_ns: ts,
+            gate,
+            completed: completed.map(|c| c.step.0),
+            lead: self.lead(),
+            now: ctx.clock.current().0,
+        };
+        let mut out = Vec::new();
+        self.state.on_step(b, ctx.kernel, &mut out);
+        self.carry_out(out, ctx.kernel, ctx.target, Some(At { k, ts, completed }))
     }
 
-    fn open_window(&mut self, cycle: u64, base: u64, k: u64, ts: u64, ctx: &mut Ctx) -> Result<()> {
-        let p = self.plan.as_ref().expect("plan");
-        let req = p.req.clone();
-        let stop_last = p.stop_last;
-        // Make sure collectors are armed (a window at the next boundary).
-        self.arm(ctx.kernel);
-        let id = WindowId(self.next_id);
-        self.next_id += 1;
+    #[allow(clippy::too_many_arguments)]
+    fn open_window(
+        &mut self,
+        steps: &OpenSteps,
+        req: PlanRequest,
+        start_hooks: bool,
+        k: u64,
+        ts: u64,
+        kernel: &mut Kernel,
+        target: &Target,
+    ) -> Result<()> {
+        let id = steps.id;
+        let base = steps.first_step;
         let chown = self.opts.chown;
         let root = self.root()?;
         // A config file's `prof_dir` was confined to a relative path below
@@ -664,14 +552,8 @@ impl Scheduler {
             Some(rel) => root.subdir(rel)?,
             None => root.dir().try_clone()?,
         };
-        let mut prof = ProfDir::create(&parent, ctx.target.host_pid, id)?;
+        let mut prof = ProfDir::create(&parent, target.host_pid, id)?;
         prof.set_owner(chown);
-        let first_recorded = base + req.plan.warmup;
-        let last_recorded = match stop_last {
-            Some(l) => l,
-            None if req.plan.open_ended() => u64::MAX,
-            None => first_recorded + req.plan.active - 1,
-        };
         if k != base {
             log::warn!(
                 "window {id}: the boundary of step {base} was not seen (lost event?); opened at step {k}"
@@ -680,37 +562,30 @@ impl Scheduler {
         let info = WindowInfo {
             id,
             first_step: StepIndex(base),
-            first_recorded: StepIndex(first_recorded),
+            first_recorded: StepIndex(steps.first_recorded),
             open_ts_ns: ts,
-            start_ts_ns: if k >= first_recorded { ts } else { 0 },
+            start_ts_ns: if start_hooks { ts } else { 0 },
             end_ts_ns: 0,
             dir: prof.tmp.clone(),
         };
         let collectors: Vec<usize> = (0..self.collectors.len())
             .filter(|i| self.armed[*i])
             .collect();
-        let mut w = OpenWindow {
-            id,
-            cycle,
-            first_step: base,
-            first_recorded,
-            last_recorded,
+        let w = OpenWindow {
             open_ts_ns: ts,
             last_ts_ns: ts,
             boundaries: vec![(k, ts)],
             steps: Vec::new(),
             prof,
-            hooks_started: false,
-            drops_at_open: ctx.kernel.drops().unwrap_or_default(),
+            drops_at_open: kernel.drops().unwrap_or_default(),
             collectors,
             started_at: crate::sys::clock::local_timestamp_human(),
             req,
             info,
         };
-        if k >= first_recorded {
-            w.hooks_started = true;
+        if start_hooks {
             for h in &mut self.hooks {
-                if let Err(e) = h.on_window_start(&w.info, ctx.target) {
+                if let Err(e) = h.on_window_start(&w.info, target) {
                     log::warn!("hook {}: window start: {e:#}", h.name());
                 }
             }
@@ -720,11 +595,16 @@ impl Scheduler {
     }
 
     /// Finalizes the open window: hooks, collectors, files, meta.json, rename.
+    #[allow(clippy::too_many_arguments)]
     fn close_window(
         &mut self,
+        s: &OpenSteps,
         complete: bool,
         reason: Option<String>,
-        ctx: &mut Ctx,
+        disarm: bool,
+        cfg: Option<PlanConfig>,
+        kernel: &mut Kernel,
+        target: &Target,
     ) -> Result<()> {
         let Some(w) = self.window.take() else {
             return Ok(());
@@ -734,9 +614,9 @@ impl Scheduler {
         let mut errors: Vec<String> = Vec::new();
 
         let mut hooks_meta = Map::new();
-        if w.hooks_started {
+        if s.hooks_started {
             for h in &mut self.hooks {
-                match h.on_window_end(&w.info, ctx.target) {
+                match h.on_window_end(&w.info, target) {
                     Ok(v) => {
                         hooks_meta.insert(h.name().to_string(), v);
                     }
@@ -755,32 +635,21 @@ impl Scheduler {
         };
         let mut data = WindowData {
             steps: w.steps.clone(),
-            process_name: ctx.target.comm.clone(),
-            host_pid: ctx.target.host_pid.0,
-            thread_names: thread_names(ctx.target),
+            process_name: target.comm.clone(),
+            host_pid: target.host_pid.0,
+            thread_names: thread_names(target),
             ..WindowData::default()
         };
-        // What comes next for the plan?
-        let mut plan_done = true;
-        if let Some(p) = &self.plan {
-            plan_done = p.final_cycle || w.cycle + 1 >= p.cycles();
-        }
         // The kernel gate is already closed. What only the kernel holds is
         // taken now, then the probes are detached (unless the next cycle is
         // too close to re-attach), before the events are symbolized and the
         // files written: a probe on sched_switch costs every task on the
         // host, and the window is over.
         for &i in &w.collectors {
-            self.collectors[i].seal(start_ts, end_ts, ctx.kernel);
+            self.collectors[i].seal(start_ts, end_ts, kernel);
         }
-        let k_now = ctx.clock.current().0;
-        if plan_done {
-            self.plan = None;
-            self.disarm_all(ctx.kernel);
-        } else if let Some(p) = &self.plan
-            && p.cycle_start(w.cycle + 1) > k_now + arm_ahead(self.rate) + 1
-        {
-            self.disarm_all(ctx.kernel);
+        if disarm {
+            self.disarm_all(kernel);
         }
 
         let mut ran = Collectors::NONE;
@@ -792,20 +661,20 @@ impl Scheduler {
                 "offcpu" => ran.offcpu = true,
                 _ => {}
             }
-            if let Err(e) = c.drain_into(start_ts, end_ts, &mut data, ctx.kernel) {
+            if let Err(e) = c.drain_into(start_ts, end_ts, &mut data, kernel) {
                 errors.push(format!("collector {}: {e:#}", c.name()));
             }
         }
         // Collectors filled their own drop slots, counted from their arm
         // (the gate still closed), which is exact even when the open event
         // was read late; the window counts only the step markers' losses.
-        let drops_now = ctx.kernel.drops().unwrap_or_default();
+        let drops_now = kernel.drops().unwrap_or_default();
         data.drops.step = drops_delta(&drops_now, &w.drops_at_open).step;
         let over = &data.budget.dropped_over_budget;
         if over.total() > 0 {
             let m = format!(
                 "window {}: too dense for --memory-budget {} MiB: kept {} events, dropped {} past the cap (api {}, cpu {}, offcpu {}); see meta.json `memory`",
-                w.id,
+                s.id,
                 data.budget.budget_bytes >> 20,
                 data.budget.events_cap,
                 over.total(),
@@ -818,7 +687,7 @@ impl Scheduler {
 
         if w.steps.is_empty() && complete {
             complete = false;
-            reason = Some(if w.last_recorded < w.first_recorded {
+            reason = Some(if s.last_recorded < s.first_recorded {
                 "stopped before any step was recorded".into()
             } else {
                 "no step was recorded".into()
@@ -828,22 +697,24 @@ impl Scheduler {
             complete = false;
             reason = Some(errors.join("; "));
         }
-        let mut meta = self.meta(
+        let mut meta = Self::meta(
+            s,
             &w,
+            cfg,
             &data,
             &ran,
             complete,
             reason.as_deref(),
             &errors,
             hooks_meta,
-            ctx.target,
+            target,
         );
         // Who held the USDT semaphores (kernel or the /proc/PID/mem fallback).
         meta["usdt_semaphores"] =
-            serde_json::to_value(ctx.kernel.semaphore_report()).unwrap_or_default();
+            serde_json::to_value(kernel.semaphore_report()).unwrap_or_default();
         // Files are written off the event loop; the notice follows on a tick.
         let job = WriteJob {
-            id: w.id,
+            id: s.id,
             first: w.steps.first().map(|s| s.step),
             last: w.steps.last().map(|s| s.step),
             prof: w.prof,
@@ -860,30 +731,14 @@ impl Scheduler {
         self.writer_mut()?.submit(job);
         self.last_activity = Instant::now();
 
-        // A change that arrived during the window applies now (last one wins).
-        if plan_done {
-            if let Some(req) = self.deferred.take() {
-                let change = req.change;
-                let r = self.program_now(req, ctx.kernel);
-                let m = match &r {
-                    Ok(m) => format!("deferred plan applied: {m}"),
-                    Err(e) => format!("deferred plan refused: {e:#}"),
-                };
-                if let Some(c) = &mut self.config {
-                    c.monitor_result(change, r.is_ok(), &m);
-                }
-                self.notice(m);
-            } else if self.opts.exit_when_done || self.quit {
-                self.done = true;
-            }
-        }
         Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
     fn meta(
-        &self,
+        s: &OpenSteps,
         w: &OpenWindow,
+        cfg: Option<PlanConfig>,
         data: &WindowData,
         ran: &Collectors,
         complete: bool,
@@ -893,10 +748,9 @@ impl Scheduler {
         target: &Target,
     ) -> Value {
         let p = &w.req.plan;
-        let cfg = self.plan.as_ref().map(|ap| ap.cfg);
         let mut m = json!({
             "dynprof_version": env!("CARGO_PKG_VERSION"),
-            "window": w.id,
+            "window": s.id,
             "complete": complete,
             "incomplete_reason": reason,
             "target": {
@@ -916,10 +770,10 @@ impl Scheduler {
                 "until_stop": p.open_ended(),
                 "repeat": p.repeat,
                 "gap": p.gap,
-                "cycle": w.cycle,
+                "cycle": s.cycle,
                 "kernel": cfg.map(|c| json!({"start": c.start, "end": c.end, "span": c.span, "period": c.period})),
             },
-            "first_step": w.first_step,
+            "first_step": s.first_step,
             "first_recorded_step": data.steps.first().map(|s| s.step),
             "last_recorded_step": data.steps.last().map(|s| s.step),
             "steps_recorded": data.steps.len(),
@@ -927,7 +781,7 @@ impl Scheduler {
             "boundaries": w.boundaries.iter().map(|(k, ts)| json!({
                 "step": k,
                 "ts_ns": ts,
-                "warmup": *k < w.first_recorded,
+                "warmup": *k < s.first_recorded,
             })).collect::<Vec<_>>(),
             "steps": data.steps.iter().map(|s| json!({
                 "step": s.step,
@@ -968,8 +822,12 @@ impl Scheduler {
             return;
         };
         let change = req.change;
-        let deferred = self.window.is_some();
-        let r = self.submit(req, ctx.kernel);
+        let deferred = self.state.window().is_some();
+        let mut out = Vec::new();
+        let r = self.state.submit(req, ctx.kernel, self.lead(), &mut out);
+        if let Err(e) = self.carry_out(out, ctx.kernel, ctx.target, None) {
+            log::error!("{e:#}");
+        }
         let (ok, m) = match &r {
             Ok(m) => (true, m.clone()),
             Err(e) => (false, format!("refused: {e:#}")),
@@ -1043,7 +901,7 @@ impl Observer for Scheduler {
     fn on_command(&mut self, cmd: &mut dyn std::any::Any, ctx: &mut Ctx) -> Result<()> {
         self.remember_target(ctx.target);
         if let Some(c) = cmd.downcast_mut::<ConsoleCommand>() {
-            let text = self.console(c.req.clone(), ctx);
+            let text = self.console(c.req.clone(), ctx)?;
             let _ = c.reply.send(Reply { text });
         } else if let Some(ev) = cmd.downcast_ref::<ConfigChanged>() {
             self.on_config(ev, ctx);
@@ -1051,8 +909,12 @@ impl Observer for Scheduler {
             let f: NoticePrinter = std::mem::replace(&mut p.0, Box::new(|_| {}));
             self.printer = Some(f);
         } else if let Some(req) = cmd.downcast_mut::<PlanRequest>() {
-            let r = self.submit(req.clone(), ctx.kernel)?;
-            self.notice(r);
+            let mut out = Vec::new();
+            let r = self
+                .state
+                .submit(req.clone(), ctx.kernel, self.lead(), &mut out);
+            self.carry_out(out, ctx.kernel, ctx.target, None)?;
+            self.notice(r?);
         }
         Ok(())
     }
@@ -1062,44 +924,32 @@ impl Observer for Scheduler {
         self.remember_target(ctx.target);
         self.prepare_hooks(ctx.target);
         if let Some(t) = self.opts.idle_timeout
-            && !self.done
-            && self.window.is_none()
-            && self.plan.is_none()
+            && !self.state.done()
+            && self.state.window().is_none()
+            && self.state.plan().is_none()
             && self.last_activity.elapsed() >= t
         {
             self.notice(format!(
                 "idle for {} s without a command or window; detaching",
                 t.as_secs()
             ));
-            self.done = true;
+            self.state.set_done();
         }
         Ok(())
     }
 
     fn finish(&mut self, end: &EndReason, ctx: &mut Ctx) -> Result<()> {
         self.remember_target(ctx.target);
-        if self.window.is_some() {
-            // No cycle follows: the window's probes go as soon as it closes.
-            if let Some(p) = &mut self.plan {
-                p.final_cycle = true;
-            }
-            let reason = match end {
-                EndReason::Done if self.quit => "detached (quit)".to_string(),
-                EndReason::Done => "detached".to_string(),
-                other => other.describe().to_string(),
-            };
-            self.close_window(false, Some(reason), ctx)?;
-        } else if let Some(p) = &self.plan {
-            let msg = format!(
-                "the planned window (step {}) was never reached: {}",
-                p.cfg.start,
-                end.describe()
-            );
-            self.notice(msg);
-        }
-        self.plan = None;
-        let _ = super::disarm(ctx.kernel);
-        self.disarm_all(ctx.kernel);
+        let reason = match end {
+            EndReason::Done if self.state.quitting() => "detached (quit)".to_string(),
+            EndReason::Done => "detached".to_string(),
+            other => other.describe().to_string(),
+        };
+        let mut out = Vec::new();
+        let now = ctx.clock.current().0;
+        self.state
+            .finish(reason, end.describe(), now, ctx.kernel, &mut out);
+        self.carry_out(out, ctx.kernel, ctx.target, None)?;
         for h in &mut self.hooks {
             if let Err(e) = h.shutdown(ctx.target) {
                 log::warn!("hook {}: shutdown: {e:#}", h.name());
@@ -1113,6 +963,6 @@ impl Observer for Scheduler {
     }
 
     fn wants_exit(&self) -> bool {
-        self.done
+        self.state.done()
     }
 }

@@ -26,7 +26,7 @@ pub enum Source {
 }
 
 /// A plan plus what the window should collect and where it goes.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlanRequest {
     pub plan: Plan,
     pub source: Source,
