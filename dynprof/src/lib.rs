@@ -15,6 +15,7 @@ pub mod commands;
 pub mod discover;
 pub mod output;
 pub mod probes;
+pub mod report;
 pub mod session;
 pub mod symbols;
 pub mod sys;

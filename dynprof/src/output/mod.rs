@@ -1,9 +1,8 @@
-//! Everything a window leaves on disk, and `dynprof report`, which reads it
-//! back. Writers take a [`model::WindowData`] and never see the kernel.
+//! Everything a window leaves on disk (`dynprof report`, in [`crate::report`],
+//! reads it back). Writers take a [`model::WindowData`] and never see the kernel.
 pub mod chrome_trace;
 pub mod flame;
 pub mod model;
-pub mod report;
 pub mod tables;
 
 use std::path::{Path, PathBuf};

@@ -9,6 +9,7 @@
 //! decision at that hit), arms collectors ahead of time and finalizes each
 //! window into a `PROF_*` directory ([`profdir`]).
 pub mod collector;
+pub mod meta;
 pub mod profdir;
 pub mod scheduler;
 pub mod state;

@@ -96,7 +96,7 @@ impl ProfDir {
     /// could not be written). If meta.json itself cannot be written, the
     /// directory is renamed `PROF_…_incomplete` (or removed) and the error
     /// returned.
-    pub fn finish(mut self, meta: &serde_json::Value, files_missing: bool) -> Result<PathBuf> {
+    pub fn finish(mut self, meta: &impl serde::Serialize, files_missing: bool) -> Result<PathBuf> {
         let text = serde_json::to_vec_pretty(meta)?;
         let written = self
             .handle

@@ -28,6 +28,10 @@ use serde_json::{Map, Value, json};
 
 use super::{
     collector::{Collector, WindowHook, WindowInfo},
+    meta::{
+        BoundaryMeta, CollectorsMeta, KernelPlanMeta, MemoryMeta, PlanMeta, StepMeta, TargetMeta,
+        WindowMeta,
+    },
     profdir::ProfDir,
     state::{Action, Boundary, OpenSteps, PlanRegister, WindowState},
     trigger::{
@@ -710,8 +714,7 @@ impl Scheduler {
             target,
         );
         // Who held the USDT semaphores (kernel or the /proc/PID/mem fallback).
-        meta["usdt_semaphores"] =
-            serde_json::to_value(kernel.semaphore_report()).unwrap_or_default();
+        meta.usdt_semaphores = serde_json::to_value(kernel.semaphore_report()).unwrap_or_default();
         // Files are written off the event loop; the notice follows on a tick.
         let job = WriteJob {
             id: s.id,
@@ -746,73 +749,84 @@ impl Scheduler {
         errors: &[String],
         hooks: Map<String, Value>,
         target: &Target,
-    ) -> Value {
+    ) -> WindowMeta {
         let p = &w.req.plan;
-        let mut m = json!({
-            "dynprof_version": env!("CARGO_PKG_VERSION"),
-            "window": s.id,
-            "complete": complete,
-            "incomplete_reason": reason,
-            "target": {
-                "host_pid": target.host_pid,
-                "ns_pids": target.ns_pids,
-                "ns_pid": target.inner_pid(),
-                "container": target.container,
-                "comm": target.comm,
-                "cmdline": target.cmdline,
-                "rank": target.rank,
+        WindowMeta {
+            dynprof_version: env!("CARGO_PKG_VERSION").to_string(),
+            window: Some(s.id),
+            complete: Some(complete),
+            incomplete_reason: reason.map(str::to_string),
+            target: Some(TargetMeta {
+                host_pid: Some(target.host_pid),
+                ns_pids: target.ns_pids.clone(),
+                ns_pid: Some(target.inner_pid()),
+                container: target.container.clone(),
+                comm: target.comm.clone(),
+                cmdline: target.cmdline.clone(),
+                rank: target.rank,
+            }),
+            trigger: Some(w.req.source),
+            plan: Some(PlanMeta {
+                start_step: p.start_step,
+                warmup: p.warmup,
+                active: (!p.open_ended()).then_some(p.active),
+                until_stop: p.open_ended(),
+                repeat: p.repeat,
+                gap: p.gap,
+                cycle: s.cycle,
+                kernel: cfg.map(|c| KernelPlanMeta {
+                    start: c.start,
+                    end: c.end,
+                    span: c.span,
+                    period: c.period,
+                }),
+            }),
+            first_step: Some(s.first_step),
+            first_recorded_step: data.steps.first().map(|s| s.step),
+            last_recorded_step: data.steps.last().map(|s| s.step),
+            steps_recorded: data.steps.len(),
+            open_ts_ns: w.open_ts_ns,
+            boundaries: w
+                .boundaries
+                .iter()
+                .map(|&(k, ts)| BoundaryMeta {
+                    step: k,
+                    ts_ns: ts,
+                    warmup: k < s.first_recorded,
+                })
+                .collect(),
+            steps: data
+                .steps
+                .iter()
+                .map(|s| StepMeta {
+                    step: Some(s.step),
+                    start_ts_ns: s.start_ts_ns,
+                    end_ts_ns: s.end_ts_ns,
+                })
+                .collect(),
+            collectors: CollectorsMeta {
+                api: ran.api,
+                cpu: ran.cpu,
+                offcpu: ran.offcpu,
             },
-            "trigger": w.req.source,
-            "plan": {
-                "start_step": p.start_step,
-                "warmup": p.warmup,
-                "active": if p.open_ended() { Value::Null } else { json!(p.active) },
-                "until_stop": p.open_ended(),
-                "repeat": p.repeat,
-                "gap": p.gap,
-                "cycle": s.cycle,
-                "kernel": cfg.map(|c| json!({"start": c.start, "end": c.end, "span": c.span, "period": c.period})),
-            },
-            "first_step": s.first_step,
-            "first_recorded_step": data.steps.first().map(|s| s.step),
-            "last_recorded_step": data.steps.last().map(|s| s.step),
-            "steps_recorded": data.steps.len(),
-            "open_ts_ns": w.open_ts_ns,
-            "boundaries": w.boundaries.iter().map(|(k, ts)| json!({
-                "step": k,
-                "ts_ns": ts,
-                "warmup": *k < s.first_recorded,
-            })).collect::<Vec<_>>(),
-            "steps": data.steps.iter().map(|s| json!({
-                "step": s.step,
-                "start_ts_ns": s.start_ts_ns,
-                "end_ts_ns": s.end_ts_ns,
-            })).collect::<Vec<_>>(),
-            "collectors": {"api": ran.api, "cpu": ran.cpu, "offcpu": ran.offcpu},
-            "drops": data.drops,
-            "memory": {
-                "budget_bytes": data.budget.budget_bytes,
-                "events_cap": data.budget.events_cap,
-                "dropped_over_budget": data.budget.dropped_over_budget,
+            drops: data.drops.clone(),
+            memory: MemoryMeta {
+                budget_bytes: data.budget.budget_bytes,
+                events_cap: data.budget.events_cap,
+                dropped_over_budget: data.budget.dropped_over_budget.clone(),
                 // As of the closing boundary; the writer updates it once the
                 // files are written (the window's own peak is then known).
-                "peak_rss_bytes": crate::sys::memory::peak_rss_bytes().ok(),
+                peak_rss_bytes: crate::sys::memory::peak_rss_bytes().ok(),
             },
-            "hooks": hooks,
-            "errors": errors,
-            "started_at": w.started_at,
-            "ended_at": crate::sys::clock::local_timestamp_human(),
-        });
-        if let Some(md) = &w.req.metadata {
-            m["metadata"] = md.clone();
+            hooks,
+            errors: errors.to_vec(),
+            started_at: w.started_at.clone(),
+            ended_at: crate::sys::clock::local_timestamp_human(),
+            metadata: w.req.metadata.clone(),
+            config: w.req.config.clone(),
+            config_change: w.req.change,
+            usdt_semaphores: Value::Null,
         }
-        if let Some(c) = &w.req.config {
-            m["config"] = c.clone();
-        }
-        if let Some(n) = w.req.change {
-            m["config_change"] = json!(n);
-        }
-        m
     }
 
     fn on_config(&mut self, ev: &ConfigChanged, ctx: &mut Ctx) {
