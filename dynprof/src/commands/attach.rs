@@ -9,11 +9,11 @@ use std::io::IsTerminal as _;
 
 use crate::{
     bpf::Kernel,
+    commands::args::Mode,
     probes::{self, MarkerArg, ResolvedProbe},
     session::{EndReason, SessionSummary},
     sys::caps::Need,
     target::Target,
-    commands::args::Mode,
 };
 
 const MARKER_HELP: &str = "\

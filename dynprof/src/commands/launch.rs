@@ -28,8 +28,8 @@ use crate::{
     collect::{Collector, WindowHook},
     probes::{self, MarkerArg, ResolvedProbe},
     session::{Command, Limits, Observer, Session, SessionSummary},
-    target::{Target, exited_during},
     sys::lock,
+    target::{Target, exited_during},
     types::HostPid,
     window::{
         Scheduler, SchedulerOptions,

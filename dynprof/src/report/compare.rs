@@ -171,4 +171,3 @@ pub fn render_compare(an: &[Analysis]) -> String {
     }
     o
 }
-

@@ -169,4 +169,3 @@ pub fn to_json(analyses: &[Analysis]) -> Value {
         .collect();
     serde_json::json!({"dirs": analyses, "comparison": rows})
 }
-

@@ -80,4 +80,3 @@ pub(super) fn parse_api_summary(path: &Path, text: &str) -> Result<Vec<ApiStat>>
     out.sort_by(|a, b| b.total_ns.cmp(&a.total_ns).then_with(|| a.api.cmp(&b.api)));
     Ok(out)
 }
-

@@ -172,4 +172,3 @@ pub(super) fn step_table(steps: &[StepLine]) -> String {
         p(100.0)
     )
 }
-

@@ -1,7 +1,7 @@
 //! `dynprof report` on windows written by the real writer.
 use super::{compare::*, render::*, *};
-use crate::output::tables::API_SUMMARY_FILE;
 use crate::output::model::*;
+use crate::output::tables::API_SUMMARY_FILE;
 use crate::output::tests_support::tempdir;
 use crate::output::write_window_files;
 use crate::types::StepIndex;

@@ -1,5 +1,6 @@
-//! Local wall-clock time for names and logs (libc `localtime_r`: the
-//! time zone as the host's C library resolves it).
+//! Clocks: local wall-clock time for names and logs (libc `localtime_r`:
+//! the time zone as the host's C library resolves it), and CLOCK_MONOTONIC,
+//! the clock of the kernel's boundary timestamps.
 
 /// Local wall-clock time as `YYYYmmddHHMMSSmmm`.
 pub fn local_timestamp() -> String {
@@ -42,4 +43,15 @@ fn local_tm() -> (libc::tm, u32) {
         libc::localtime_r(&secs, &mut tm);
     }
     (tm, now.subsec_millis())
+}
+
+/// CLOCK_MONOTONIC in ns (the clock of the kernel's boundary timestamps).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

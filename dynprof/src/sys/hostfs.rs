@@ -112,6 +112,14 @@ impl HostDir {
         self.open_subdir(name)
     }
 
+    /// Creates the symlink `name` → `to` (never replacing an existing entry).
+    /// The link is for readers; nothing here follows it.
+    pub fn symlink(&self, to: &Path, name: &str) -> io::Result<()> {
+        let name = single(name)?;
+        rfs::symlinkat(to, &self.fd, name)?;
+        Ok(())
+    }
+
     /// Creates a new directory with an unpredictable name
     /// `.<prefix>.<random>_tmp`; returns its name and the open directory.
     pub fn create_temp_dir(&self, prefix: &str) -> io::Result<(String, HostDir)> {

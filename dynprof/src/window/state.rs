@@ -712,10 +712,13 @@ mod tests {
         // Next boundary is close: armed at once.
         assert!(matches!(r.log.last(), Some(Action::Arm { collect: None })));
         let out = r.step();
-        assert!(out.iter().any(|a| matches!(a, Action::Open {
-            start_hooks: true,
-            ..
-        })));
+        assert!(out.iter().any(|a| matches!(
+            a,
+            Action::Open {
+                start_hooks: true,
+                ..
+            }
+        )));
         r.step();
         r.step();
         assert_eq!(r.opens(), vec![(8, 8, 9)]);
@@ -729,7 +732,10 @@ mod tests {
             r.step();
         }
         let msg = r.submit(plan(4, 0, 1, 0, 0), Source::Flags);
-        assert_eq!(msg, "window records steps 11..11 (step 4 had already begun)");
+        assert_eq!(
+            msg,
+            "window records steps 11..11 (step 4 had already begun)"
+        );
     }
 
     #[test]
@@ -741,7 +747,10 @@ mod tests {
         }
         // span 3 + gap 1 = period 4: cycles start at 3, 7, 11.
         assert_eq!(r.opens(), vec![(3, 4, 5), (7, 8, 9), (11, 12, 13)]);
-        assert_eq!(r.windows(), vec![(4, 5, true), (8, 9, true), (12, 13, true)]);
+        assert_eq!(
+            r.windows(),
+            vec![(4, 5, true), (8, 9, true), (12, 13, true)]
+        );
         // Between cycles one step apart the collectors stay attached; the
         // last window detaches them.
         let disarms: Vec<bool> = r
@@ -760,10 +769,9 @@ mod tests {
     fn stop_closes_an_open_ended_window_at_the_next_boundary() {
         let mut r = Run::new(false);
         let mut out = Vec::new();
-        let m = r
-            .st
-            .console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
-            .unwrap();
+        let m =
+            r.st.console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
+                .unwrap();
         assert_eq!(m, "window opens at step 1 and runs until `stop`");
         for _ in 0..4 {
             r.step();
@@ -785,10 +793,9 @@ mod tests {
             .unwrap();
         r.step();
         r.step();
-        let m = r
-            .st
-            .console(ConsoleRequest::Quit, &mut r.reg, 2, &mut out)
-            .unwrap();
+        let m =
+            r.st.console(ConsoleRequest::Quit, &mut r.reg, 2, &mut out)
+                .unwrap();
         assert_eq!(
             m,
             "window 1 closes at the next boundary (step 3); detaching after it is written"
@@ -837,7 +844,13 @@ mod tests {
         r.submit(plan(50, 0, 1, 0, 0), Source::Flags);
         r.step();
         let mut out = Vec::new();
-        r.st.finish("target exited".into(), "the target exited", 1, &mut r.reg, &mut out);
+        r.st.finish(
+            "target exited".into(),
+            "the target exited",
+            1,
+            &mut r.reg,
+            &mut out,
+        );
         assert_eq!(
             out,
             vec![
@@ -925,12 +938,16 @@ mod tests {
     fn console_refuses_a_second_window() {
         let mut r = Run::new(false);
         let mut out = Vec::new();
-        r.st.console(ConsoleRequest::Capture(plan(5, 0, 1, 0, 0)), &mut r.reg, 2, &mut out)
-            .unwrap();
-        let m = r
-            .st
-            .console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
-            .unwrap();
+        r.st.console(
+            ConsoleRequest::Capture(plan(5, 0, 1, 0, 0)),
+            &mut r.reg,
+            2,
+            &mut out,
+        )
+        .unwrap();
+        let m =
+            r.st.console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
+                .unwrap();
         assert_eq!(
             m,
             "a window is already pending (opens at step 5); `stop` cancels it"

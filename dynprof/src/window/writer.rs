@@ -15,7 +15,6 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-
 use super::{WindowRecord, meta::WindowMeta, profdir::ProfDir};
 use crate::{
     output::{Collectors, model::WindowData, write_window_files},

@@ -381,9 +381,12 @@ impl Scheduler {
                 Action::Arm { collect } => self.arm(kernel, collect.as_ref()),
                 Action::DisarmAll => self.disarm_all(kernel),
                 Action::Record => {
-                    if let (Some(w), Some(At {
-                        completed: Some(c), ..
-                    })) = (&mut self.window, at)
+                    if let (
+                        Some(w),
+                        Some(At {
+                            completed: Some(c), ..
+                        }),
+                    ) = (&mut self.window, at)
                     {
                         w.steps.push(StepSpan {
                             step: c.step,
@@ -432,7 +435,9 @@ impl Scheduler {
                     start_hooks,
                 } => {
                     let (k, ts) = at.map(|a| (a.k, a.ts)).unwrap_or_default();
-                    if let Err(e) = self.open_window(&steps, *req, start_hooks, k, ts, kernel, target) {
+                    if let Err(e) =
+                        self.open_window(&steps, *req, start_hooks, k, ts, kernel, target)
+                    {
                         // E.g. an unwritable output directory: give up this
                         // plan, keep the session (and other triggers) alive.
                         self.failures.fetch_add(1, Ordering::Relaxed);
