@@ -8,6 +8,7 @@ use crate::{
     cli::{SECS_MAX, STEPS_MAX, int},
     collect::vendor_args::build_hooks,
     target::Target,
+    types::Builtin,
     window::{
         Plan,
         collector::WindowHook,
@@ -20,9 +21,6 @@ use crate::{
 fn steps(min: u64) -> impl Fn(&str) -> Result<u64, String> + Clone + Send + Sync + 'static {
     int(min, STEPS_MAX)
 }
-
-/// Collectors `--collect` accepts.
-pub const COLLECTORS: &[&str] = &["api", "cpu", "offcpu"];
 
 #[derive(Args, Debug, Clone, Default)]
 #[command(next_help_heading = "Windows and triggers")]
@@ -199,7 +197,9 @@ impl WindowArgs {
         Ok(plan)
     }
 
-    pub fn collectors(&self) -> Result<Option<Vec<String>>> {
+    /// `--collect`: the built-in collectors windows arm (`None`: all; empty
+    /// for `none`, step timing only).
+    pub fn collectors(&self) -> Result<Option<Vec<Builtin>>> {
         let Some(c) = &self.collect else {
             return Ok(None);
         };
@@ -207,15 +207,17 @@ impl WindowArgs {
         if c.len() == 1 && c[0] == "none" {
             return Ok(Some(Vec::new()));
         }
-        for n in c {
-            if !COLLECTORS.contains(&n.as_str()) {
-                bail!(
-                    "--collect: unknown collector `{n}` (known: {}, or `none` for step timing only)",
-                    COLLECTORS.join(",")
-                );
-            }
-        }
-        Ok(Some(c.clone()))
+        c.iter()
+            .map(|n| {
+                Builtin::from_name(n).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--collect: unknown collector `{n}` (known: {}, or `none` for step timing only)",
+                        Builtin::names()
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
     }
 
     pub fn flags_request(&self) -> Result<PlanRequest> {

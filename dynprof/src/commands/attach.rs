@@ -14,6 +14,7 @@ use crate::{
     session::{EndReason, SessionSummary},
     sys::caps::Need,
     target::Target,
+    types::Builtin,
 };
 
 const MARKER_HELP: &str = "\
@@ -188,18 +189,12 @@ pub fn needs(w: &crate::commands::args::WindowArgs, mode: &Mode) -> Result<Vec<N
     if *mode == Mode::None {
         return Ok(v);
     }
-    let builtin = w.collectors()?.unwrap_or_else(|| {
-        crate::commands::args::COLLECTORS
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-    });
+    let builtin = w.collectors()?.unwrap_or_else(|| Builtin::ALL.to_vec());
     for c in builtin {
-        v.push(match c.as_str() {
-            "api" => Need::Api,
-            "cpu" => Need::Cpu,
-            "offcpu" => Need::Offcpu,
-            other => bail!("--collect: unknown collector `{other}`"),
+        v.push(match c {
+            Builtin::Api => Need::Api,
+            Builtin::Cpu => Need::Cpu,
+            Builtin::Offcpu => Need::Offcpu,
         });
     }
     if w.vendor.wants(VendorCollector::Msprof) {

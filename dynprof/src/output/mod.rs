@@ -10,9 +10,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::types::Builtin;
+
 use model::WindowData;
 
-/// Which collectors ran in a window. Files of collectors that did not run
+/// Which collectors ran in a window (summary.json's form of a set of
+/// [`Builtin`]s). Files of collectors that did not run
 /// are not written at all, so that an absent `cpu.folded` means "not
 /// collected" rather than "collected nothing".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +42,34 @@ impl Collectors {
         cpu: false,
         offcpu: false,
     };
+
+    /// Whether `b` ran.
+    pub fn has(&self, b: Builtin) -> bool {
+        match b {
+            Builtin::Api => self.api,
+            Builtin::Cpu => self.cpu,
+            Builtin::Offcpu => self.offcpu,
+        }
+    }
+
+    /// Marks `b` as run.
+    pub fn insert(&mut self, b: Builtin) {
+        match b {
+            Builtin::Api => self.api = true,
+            Builtin::Cpu => self.cpu = true,
+            Builtin::Offcpu => self.offcpu = true,
+        }
+    }
+}
+
+impl FromIterator<Builtin> for Collectors {
+    fn from_iter<I: IntoIterator<Item = Builtin>>(it: I) -> Self {
+        let mut c = Collectors::NONE;
+        for b in it {
+            c.insert(b);
+        }
+        c
+    }
 }
 
 /// Writes every per-window output file into `dir` (which must exist) and

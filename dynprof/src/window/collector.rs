@@ -9,7 +9,7 @@ use crate::{
     output::model::WindowData,
     session::Decoded,
     target::Target,
-    types::{StepIndex, WindowId},
+    types::{Builtin, StepIndex, WindowId},
 };
 
 /// A window as the scheduler knows it when calling collectors and hooks.
@@ -33,7 +33,11 @@ pub struct WindowInfo {
 }
 
 pub trait Collector {
-    fn name(&self) -> &'static str;
+    /// Which built-in collector this is.
+    fn kind(&self) -> Builtin;
+    fn name(&self) -> &'static str {
+        self.kind().name()
+    }
     /// Attaches probes. Called at least one step before the window opens
     /// (or immediately, for a window that opens at the next boundary).
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()>;

@@ -15,7 +15,7 @@ use super::{
     Plan, UNTIL_STOP, first_start,
     trigger::{ConsoleRequest, PlanRequest, Source},
 };
-use crate::types::WindowId;
+use crate::types::{Builtin, WindowId};
 
 /// The kernel's plan slot and step counter (`bpf::Kernel` in a session).
 pub trait PlanRegister {
@@ -106,7 +106,7 @@ pub struct OpenSteps {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Attach the collectors a plan asks for (`None`: the session default).
-    Arm { collect: Option<Vec<String>> },
+    Arm { collect: Option<Vec<Builtin>> },
     /// Detach every armed collector.
     DisarmAll,
     /// The step that just ended is one of the open window's recorded steps.

@@ -70,12 +70,7 @@ impl Scheduler {
         let mut ran = Collectors::NONE;
         for &i in &w.collectors {
             let c = &mut self.collectors[i];
-            match c.name() {
-                "api" => ran.api = true,
-                "cpu" => ran.cpu = true,
-                "offcpu" => ran.offcpu = true,
-                _ => {}
-            }
+            ran.insert(c.kind());
             if let Err(e) = c.drain_into(start_ts, end_ts, &mut data, kernel) {
                 errors.push(format!("collector {}: {e:#}", c.name()));
             }

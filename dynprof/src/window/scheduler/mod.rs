@@ -50,7 +50,7 @@ use crate::{
     session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
     sys::hostfs::OutputRoot,
     target::Target,
-    types::{StepIndex, WindowId},
+    types::{Builtin, StepIndex, WindowId},
 };
 
 /// Arm collectors when the window is at most this many boundaries away
@@ -82,7 +82,7 @@ pub struct SchedulerOptions {
     /// Print window notices as JSON lines on stdout.
     pub json: bool,
     /// Collectors for plans that do not name theirs (`--collect`); `None` = all.
-    pub collect: Option<Vec<String>>,
+    pub collect: Option<Vec<Builtin>>,
     /// `--chown`: who finished windows are handed to.
     pub chown: Option<super::profdir::Owner>,
 }
@@ -333,16 +333,16 @@ impl Scheduler {
         arm_ahead(self.rate)
     }
 
-    fn collector_indices(&self, collect: Option<&Vec<String>>) -> Vec<usize> {
+    fn collector_indices(&self, collect: Option<&Vec<Builtin>>) -> Vec<usize> {
         (0..self.collectors.len())
             .filter(|i| match collect.or(self.opts.collect.as_ref()) {
                 None => true,
-                Some(names) => names.iter().any(|n| n == self.collectors[*i].name()),
+                Some(kinds) => kinds.contains(&self.collectors[*i].kind()),
             })
             .collect()
     }
 
-    fn arm(&mut self, kernel: &mut Kernel, collect: Option<&Vec<String>>) {
+    fn arm(&mut self, kernel: &mut Kernel, collect: Option<&Vec<Builtin>>) {
         let Some(target) = self.target.clone() else {
             return;
         };

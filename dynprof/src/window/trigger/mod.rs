@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::window::Plan;
+use crate::{types::Builtin, window::Plan};
 
 /// Where a plan came from (recorded in meta.json).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,7 +31,8 @@ pub struct PlanRequest {
     pub plan: Plan,
     pub source: Source,
     /// Collector names to arm (`api`, `cpu`, `offcpu`); `None` = all registered.
-    pub collect: Option<Vec<String>>,
+    /// The collectors this window arms (`None`: the session's default).
+    pub collect: Option<Vec<Builtin>>,
     /// Output directory; `None` = the scheduler's default.
     pub output: Option<PathBuf>,
     /// Copied into meta.json (`metadata` of profiler_config.json).

@@ -1,5 +1,6 @@
 //! profiler_config.json: the torch_npu template, and what a saved file asks for.
 use super::*;
+use crate::types::Builtin;
 
 /// The torch_npu default `profiler_config.json`, key for key.
 pub fn template() -> Value {
@@ -72,7 +73,7 @@ pub(super) const NO_EFFECT: &[&str] = &[
 #[derive(Clone, Debug, PartialEq)]
 pub struct Parsed {
     pub plan: Plan,
-    pub collect: Vec<String>,
+    pub collect: Vec<Builtin>,
     pub prof_dir: String,
     pub is_rank: bool,
     pub rank_list: Vec<i64>,
@@ -158,13 +159,13 @@ pub fn parse(text: &str) -> Result<Parsed> {
     // activities / with_stack → collectors.
     let mut collect = Vec::new();
     if activities.iter().any(|a| a == "NPU") {
-        collect.push("api".to_string());
+        collect.push(Builtin::Api);
     }
     if activities.iter().any(|a| a == "CPU") {
-        collect.push("cpu".to_string());
+        collect.push(Builtin::Cpu);
     }
     if with_stack {
-        collect.push("offcpu".to_string());
+        collect.push(Builtin::Offcpu);
     }
     let no_effect = NO_EFFECT
         .iter()

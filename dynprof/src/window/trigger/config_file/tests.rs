@@ -1,11 +1,12 @@
 //! Parsing, directory rules and log rotation, without a session.
 use super::{logs::*, parse::*, *};
+use crate::types::Builtin;
 
 #[test]
 fn template_parses_to_no_collection() {
     let p = parse(&template().to_string()).unwrap();
     assert_eq!(p.plan.start_step, 0);
-    assert_eq!(p.collect, vec!["api", "cpu"]);
+    assert_eq!(p.collect, vec![Builtin::Api, Builtin::Cpu]);
     assert!(p.unknown.is_empty() && p.no_effect.is_empty());
 }
 
@@ -22,7 +23,7 @@ fn fields_map_and_validate() {
             gap: 0
         }
     );
-    assert_eq!(p.collect, vec!["cpu", "offcpu"]);
+    assert_eq!(p.collect, vec![Builtin::Cpu, Builtin::Offcpu]);
     assert_eq!(p.unknown, vec!["foo"]);
     assert_eq!(p.no_effect, vec!["analyse"]);
     assert!(p.metadata.is_some());
