@@ -409,11 +409,6 @@ pub fn parse_ppid(status: &str) -> Option<HostPid> {
     line["PPid:".len()..].trim().parse().ok().map(HostPid)
 }
 
-/// Does this path exist in the target's mount namespace?
-pub fn exists_in(root: &Path, target_path: &str) -> bool {
-    root.join(target_path.trim_start_matches('/')).exists()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

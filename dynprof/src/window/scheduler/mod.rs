@@ -221,11 +221,6 @@ impl Scheduler {
         }
     }
 
-    /// Windows written so far.
-    pub fn written(&self) -> &[WindowRecord] {
-        &self.written
-    }
-
     /// Call before the session runs (ideally before the markers are
     /// attached): prepares hooks and programs the flags plan, if any.
     pub fn begin(
@@ -668,13 +663,6 @@ impl Observer for Scheduler {
         } else if let Some(p) = cmd.downcast_mut::<SetNoticePrinter>() {
             let f: NoticePrinter = std::mem::replace(&mut p.0, Box::new(|_| {}));
             self.printer = Some(f);
-        } else if let Some(req) = cmd.downcast_mut::<PlanRequest>() {
-            let mut out = Vec::new();
-            let r = self
-                .state
-                .submit(req.clone(), ctx.kernel, self.lead(), &mut out);
-            self.carry_out(out, ctx.kernel, ctx.target, None)?;
-            self.notice(r?);
         }
         Ok(())
     }

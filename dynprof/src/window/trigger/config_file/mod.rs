@@ -226,10 +226,6 @@ impl ConfigFileTrigger {
     pub fn log_path(&self) -> &Path {
         self.log.path()
     }
-    pub fn monitor_path(&self) -> &Path {
-        self.monitor.path()
-    }
-
     pub fn info(&self, m: &str) {
         self.log.write("INFO", m);
     }
