@@ -139,7 +139,7 @@ pub(crate) mod tests_support {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     /// A fresh directory per call; tests run in parallel threads of one process.
-    pub fn tempdir(tag: &str) -> PathBuf {
+    pub(crate) fn tempdir(tag: &str) -> PathBuf {
         static N: AtomicU32 = AtomicU32::new(0);
         let d = std::env::temp_dir().join(format!(
             "dynprof-test-{tag}-{}-{}",

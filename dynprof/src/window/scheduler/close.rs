@@ -249,7 +249,7 @@ fn drops_delta(now: &Drops, then: &Drops) -> Drops {
 }
 
 /// Host tid → thread name, read now (empty once the target is gone).
-pub fn thread_names(t: &Target) -> Vec<(u32, String)> {
+fn thread_names(t: &Target) -> Vec<(u32, String)> {
     let mut out = Vec::new();
     let dir = format!("/proc/{}/task", t.host_pid);
     if let Ok(rd) = std::fs::read_dir(Path::new(&dir)) {
