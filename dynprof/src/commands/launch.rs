@@ -27,13 +27,13 @@ use crate::{
     bpf::Kernel,
     collect::{Collector, WindowHook},
     probes::{self, MarkerArg, ResolvedProbe},
-    session::{Command, Limits, Observer, Session, SessionSummary},
+    session::{Limits, Observer, Session, SessionSummary},
     sys::lock,
     target::{Target, exited_during},
     types::HostPid,
     window::{
         Scheduler, SchedulerOptions,
-        trigger::{config_file::ConfigFileTrigger, console},
+        trigger::{SessionCommand, config_file::ConfigFileTrigger, console},
     },
 };
 
@@ -319,7 +319,7 @@ pub async fn drive(
         }
     }
 
-    let (tx, rx) = mpsc::unbounded_channel::<Command>();
+    let (tx, rx) = mpsc::unbounded_channel::<SessionCommand>();
     match &mode {
         Mode::Console { plain } => console::spawn(tx.clone(), *plain)?,
         Mode::ConfigFile(_) => {
@@ -340,7 +340,7 @@ pub async fn drive(
         }
         _ => {}
     }
-    let mut observers: Vec<Box<dyn Observer>> = Vec::new();
+    let mut observers: Vec<Box<dyn Observer<SessionCommand>>> = Vec::new();
     // Live steps, except where they would drown the console or a
     // long-running config-file session (unless asked for with --json).
     if matches!(mode, Mode::None | Mode::Flags) || (d.json && !matches!(mode, Mode::Console { .. }))

@@ -35,8 +35,7 @@ use super::{
     profdir::ProfDir,
     state::{Action, Boundary, OpenSteps, PlanRegister, WindowState},
     trigger::{
-        ConsoleCommand, ConsoleRequest, NoticePrinter, PlanRequest, Reply, SetNoticePrinter,
-        Source,
+        ConsoleRequest, NoticePrinter, PlanRequest, Reply, SessionCommand, Source,
         config_file::{ConfigChanged, ConfigFileTrigger},
     },
     writer::{WriteJob, WriteTag, Writer, Written},
@@ -213,7 +212,7 @@ impl Scheduler {
     /// Starts the config-file watcher thread (if a config trigger is set).
     pub fn spawn_config_watcher(
         &self,
-        tx: tokio::sync::mpsc::UnboundedSender<crate::session::Command>,
+        tx: tokio::sync::mpsc::UnboundedSender<SessionCommand>,
     ) -> Result<()> {
         match &self.config {
             Some(c) => c.spawn_watcher(tx),
@@ -631,7 +630,7 @@ impl Scheduler {
     }
 }
 
-impl Observer for Scheduler {
+impl Observer<SessionCommand> for Scheduler {
     fn on_event(
         &mut self,
         ev: &Decoded,
@@ -653,16 +652,18 @@ impl Observer for Scheduler {
         Ok(())
     }
 
-    fn on_command(&mut self, cmd: &mut dyn std::any::Any, ctx: &mut Ctx) -> Result<()> {
+    fn on_command(&mut self, cmd: &mut SessionCommand, ctx: &mut Ctx) -> Result<()> {
         self.remember_target(ctx.target);
-        if let Some(c) = cmd.downcast_mut::<ConsoleCommand>() {
-            let text = self.console(c.req.clone(), ctx)?;
-            let _ = c.reply.send(Reply { text });
-        } else if let Some(ev) = cmd.downcast_ref::<ConfigChanged>() {
-            self.on_config(ev, ctx);
-        } else if let Some(p) = cmd.downcast_mut::<SetNoticePrinter>() {
-            let f: NoticePrinter = std::mem::replace(&mut p.0, Box::new(|_| {}));
-            self.printer = Some(f);
+        match cmd {
+            SessionCommand::Console(c) => {
+                let text = self.console(c.req.clone(), ctx)?;
+                let _ = c.reply.send(Reply { text });
+            }
+            SessionCommand::ConfigChanged(ev) => self.on_config(ev, ctx),
+            SessionCommand::SetNoticePrinter(p) => {
+                let f: NoticePrinter = std::mem::replace(&mut p.0, Box::new(|_| {}));
+                self.printer = Some(f);
+            }
         }
         Ok(())
     }

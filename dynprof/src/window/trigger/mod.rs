@@ -87,3 +87,13 @@ pub type NoticePrinter = Box<dyn FnMut(String) + Send>;
 
 /// Sent once by the console so that the scheduler prints through it.
 pub struct SetNoticePrinter(pub NoticePrinter);
+
+/// What the triggers send into the session, on its command channel.
+pub enum SessionCommand {
+    /// A console line to answer.
+    Console(ConsoleCommand),
+    /// profiler_config.json was saved.
+    ConfigChanged(config_file::ConfigChanged),
+    /// The console prints notices now (above its prompt).
+    SetNoticePrinter(SetNoticePrinter),
+}

@@ -41,9 +41,8 @@ use logs::hostname;
 pub use parse::{Parsed, key_paths, parse, template};
 use watch::{inotify_wait, inotify_watch, read_config, stamp};
 
-use super::{PlanRequest, Source};
+use super::{PlanRequest, SessionCommand, Source};
 use crate::{
-    session::Command,
     sys::hostfs::{self, HostDir, escape_untrusted},
     target::Target,
     window::Plan,
@@ -393,7 +392,7 @@ impl ConfigFileTrigger {
 
     /// Starts the watcher thread. Every save of the file becomes one
     /// [`ConfigChanged`] command.
-    pub fn spawn_watcher(&self, tx: UnboundedSender<Command>) -> Result<()> {
+    pub fn spawn_watcher(&self, tx: UnboundedSender<SessionCommand>) -> Result<()> {
         let dir = self.dir.clone();
         let dir_fd = self.dir_fd.try_clone()?;
         let initial = self.initial.clone();
@@ -443,7 +442,10 @@ impl ConfigFileTrigger {
                     }
                     last = now.clone();
                     let content = read_config(&dir_fd).map_err(|e| e.to_string());
-                    if tx.send(Box::new(ConfigChanged { content })).is_err() {
+                    if tx
+                        .send(SessionCommand::ConfigChanged(ConfigChanged { content }))
+                        .is_err()
+                    {
                         return;
                     }
                 }
