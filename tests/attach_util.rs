@@ -1,7 +1,7 @@
 //! Helpers for the attach tests (`#[path = "attach_util.rs"] mod attach_util;`):
 //! run `dynprof attach --json`, follow its JSON lines, and check step events
 //! against a fixture's own CLOCK_MONOTONIC log.
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub)] // shared by many test crates; each uses a part
 
 use std::{
     io::{BufRead as _, BufReader, Read as _},

@@ -1,7 +1,7 @@
 //! Helpers for the container tests (`#[path = "containers_util.rs"] mod containers_util;`):
 //! trainers in real PID / mount namespaces made with `unshare`, process-tree
 //! walks, fake-but-real container cgroups, and a blocking `dynprof attach --json`.
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub)] // shared by many test crates; each uses a part
 
 use std::{
     path::{Path, PathBuf},

@@ -1,7 +1,7 @@
 //! Helpers for the window and trigger tests
 //! (`#[path = "windows_util.rs"] mod windows_util;`): run dynprof, follow
 //! its output line by line, read PROF_* directories back.
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub)] // shared by many test crates; each uses a part
 
 use std::{
     io::Write as _,

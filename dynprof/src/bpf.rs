@@ -304,7 +304,7 @@ impl Kernel {
     /// first so that a later dynprof can undo it if this one is killed.
     fn raise_in_memory(&mut self, addr: u64) -> Result<()> {
         if self.ledger.is_none() {
-            self.ledger = Some(Ledger::new(&crate::window::lock::lock_dir(), self.pid)?);
+            self.ledger = Some(Ledger::new(&crate::sys::lock::lock_dir(), self.pid)?);
         }
         let ledger = self.ledger.as_mut().expect("just set");
         ledger.begin_raise(addr)?;

@@ -1,19 +1,24 @@
 //! dynprof: attach to a running AI job by PID, find its training-step
 //! boundaries with uprobes, and collect exactly at those boundaries.
 //!
-//! Data flows one way: `target` (/proc) → `symbols`/`probes` (ELF, USDT) →
-//! kernel (`dynprof-ebpf`: count, gate, emit) → `session` (event loop, step
-//! clock) → `window` (plans, scheduler) → `collect` → `output`.
+//! Data flows one way, and a module only imports the ones before it:
+//! `sys`/`types` → `target` (/proc) → `symbols`/`probes` (ELF, USDT) →
+//! `output::model` → `bpf` (the kernel side, `dynprof-ebpf`: count, gate,
+//! emit) → `session` (event loop, step clock) → `window` (plans, triggers,
+//! scheduler, and the [`window::collector`] contract it drives) → `collect`
+//! (the collectors and hooks implementing it) → `discover`/`commands`.
+//! No module imports one that imports it back.
 pub mod bpf;
 pub mod cli;
 pub mod collect;
 pub mod commands;
+pub mod discover;
 pub mod output;
 pub mod probes;
+pub mod report;
 pub mod session;
 pub mod symbols;
 pub mod sys;
 pub mod target;
-pub mod trigger;
 pub mod types;
 pub mod window;

@@ -36,7 +36,7 @@ Examples:
 Examples:
   dynprof report out/PROF_20261202120000123_4242_1
   dynprof report before/PROF_* after/PROF_* --json")]
-    Report(dynprof::output::report::ReportArgs),
+    Report(dynprof::report::ReportArgs),
     /// Bench helper (`cargo xtask bench`): one program on one marker, drained silently.
     #[command(name = "__probe-cost", hide = true)]
     ProbeCost(dynprof::commands::probe_cost::ProbeCostArgs),
@@ -71,7 +71,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Attach(a) => rt.block_on(attach::run(a)),
         Command::Launch(a) => rt.block_on(dynprof::commands::launch::run(a)),
-        Command::Report(r) => dynprof::output::report::run(&r),
+        Command::Report(r) => dynprof::report::run(&r),
         Command::ProbeCost(p) => dynprof::commands::probe_cost::run(&p),
         Command::Ps(p) => dynprof::commands::ps::run(&p),
     }

@@ -3,6 +3,61 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+/// A built-in eBPF collector: the one name `--collect`, plans, config files,
+/// the scheduler and summary.json use for it.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Builtin {
+    /// Runtime API calls (CANN/CUDA, or `--api`).
+    Api,
+    /// On-CPU stack samples.
+    Cpu,
+    /// Off-CPU intervals (sched_switch).
+    Offcpu,
+}
+
+impl Builtin {
+    /// Every built-in collector, in the order they are built and listed.
+    pub const ALL: [Builtin; 3] = [Builtin::Api, Builtin::Cpu, Builtin::Offcpu];
+
+    /// The name on the command line, in config files and in output.
+    pub fn name(self) -> &'static str {
+        match self {
+            Builtin::Api => "api",
+            Builtin::Cpu => "cpu",
+            Builtin::Offcpu => "offcpu",
+        }
+    }
+
+    /// The collector named `name`, if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|b| b.name() == name)
+    }
+
+    /// `api,cpu,offcpu`, for messages.
+    pub fn names() -> String {
+        Self::ALL.map(Builtin::name).join(",")
+    }
+}
+
+impl fmt::Display for Builtin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A PID as the host (the initial PID namespace) sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]

@@ -5,7 +5,7 @@
 
 use dynprof::{
     collect::{msprof, torch_npu_dp},
-    trigger::config_file,
+    window::trigger::config_file,
 };
 use libfuzzer_sys::fuzz_target;
 

@@ -5,8 +5,9 @@
 #![no_main]
 
 use dynprof::{
+    discover as ps,
     probes::presets,
-    target::{self, RankEnv, ps},
+    target::{self, RankEnv},
 };
 use libfuzzer_sys::fuzz_target;
 

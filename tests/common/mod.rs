@@ -9,7 +9,7 @@
 //! - [`read_log`] / [`wait_for_log_lines`] parse and follow the fixtures'
 //!   `<kind> <index> <before_ns> <after_ns>` logs (CLOCK_MONOTONIC ns);
 //!   [`read_acl_log`] parses the simulated ACL runtime's log.
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub)] // shared by many test crates; each uses a part
 
 use std::{
     fs::File,

@@ -22,6 +22,7 @@ use crate::{
     output::model::{ApiCall, WindowData},
     session::Decoded,
     target::Target,
+    types::Builtin,
 };
 
 pub struct ApiCollector {
@@ -56,8 +57,8 @@ impl ApiCollector {
 }
 
 impl Collector for ApiCollector {
-    fn name(&self) -> &'static str {
-        "api"
+    fn kind(&self) -> Builtin {
+        Builtin::Api
     }
 
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {

@@ -20,10 +20,8 @@ use crate::{
         Collectors,
         model::{Drops, OverBudget, WindowData},
     },
+    types::Builtin,
 };
-
-/// Names `--collect` accepts, in output order.
-pub const NAMES: &[&str] = &["api", "cpu", "offcpu"];
 
 /// Options of the built-in collectors (`attach`/`launch` flags).
 #[derive(Args, Debug, Clone)]
@@ -100,23 +98,17 @@ impl Default for CollectorOptions {
     }
 }
 
-/// Parses a `--collect` list (`api,cpu,offcpu`, any subset, any order).
+/// Parses a `--collect` list (`api,cpu,offcpu`, any subset, any order, or
+/// `all`).
 pub fn parse_collect(list: &str) -> Result<Collectors> {
-    collectors_from_names(list.split(',').map(str::trim).filter(|s| !s.is_empty()))
-}
-
-/// The set named by `names`; an unknown name is an error.
-pub fn collectors_from_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Collectors> {
     let mut c = Collectors::NONE;
-    for n in names {
-        match n {
-            "api" => c.api = true,
-            "cpu" => c.cpu = true,
-            "offcpu" => c.offcpu = true,
-            "all" => c = Collectors::ALL,
-            _ => bail!(
+    for n in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match Builtin::from_name(n) {
+            Some(b) => c.insert(b),
+            None if n == "all" => c = Collectors::ALL,
+            None => bail!(
                 "--collect: unknown collector `{n}` (known: {})",
-                NAMES.join(",")
+                Builtin::names()
             ),
         }
     }
@@ -131,21 +123,21 @@ pub fn build_collectors(which: &Collectors, opts: &CollectorOptions) -> Vec<Box<
     let store = StackStore::shared();
     let pool = EventPool::new(opts.memory_budget);
     let mut out: Vec<Box<dyn Collector>> = Vec::new();
-    if which.api {
+    if which.has(Builtin::Api) {
         out.push(Box::new(ApiCollector::new(
             opts.api_sets.clone(),
             opts.apis.clone(),
             pool.clone(),
         )));
     }
-    if which.cpu {
+    if which.has(Builtin::Cpu) {
         out.push(Box::new(CpuCollector::new(
             opts.cpu_hz,
             store.clone(),
             pool.clone(),
         )));
     }
-    if which.offcpu {
+    if which.has(Builtin::Offcpu) {
         out.push(Box::new(OffCpuCollector::new(store, pool)));
     }
     out
@@ -223,11 +215,11 @@ mod tests {
         let c = parse_collect(" offcpu , api ").unwrap();
         assert!(c.api && c.offcpu && !c.cpu);
         assert!(parse_collect("gpu").is_err());
-        let names: Vec<&str> = build_collectors(&Collectors::ALL, &CollectorOptions::default())
+        let kinds: Vec<Builtin> = build_collectors(&Collectors::ALL, &CollectorOptions::default())
             .iter()
-            .map(|c| c.name())
+            .map(|c| c.kind())
             .collect();
-        assert_eq!(names, NAMES);
+        assert_eq!(kinds, Builtin::ALL);
         assert_eq!(
             build_collectors(
                 &parse_collect("offcpu").unwrap(),

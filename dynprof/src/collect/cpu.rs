@@ -20,6 +20,7 @@ use crate::{
     output::model::{CpuSample, WindowData},
     session::Decoded,
     target::Target,
+    types::Builtin,
 };
 
 pub const DEFAULT_HZ: u64 = 99;
@@ -53,8 +54,8 @@ impl CpuCollector {
 }
 
 impl Collector for CpuCollector {
-    fn name(&self) -> &'static str {
-        "cpu"
+    fn kind(&self) -> Builtin {
+        Builtin::Cpu
     }
 
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {

@@ -26,6 +26,7 @@ use crate::{
     output::model::{OffCpuSpan, WindowData},
     session::Decoded,
     target::Target,
+    types::Builtin,
 };
 
 pub struct OffCpuCollector {
@@ -62,8 +63,8 @@ impl OffCpuCollector {
 }
 
 impl Collector for OffCpuCollector {
-    fn name(&self) -> &'static str {
-        "offcpu"
+    fn kind(&self) -> Builtin {
+        Builtin::Offcpu
     }
 
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {

@@ -372,7 +372,7 @@ mod tests {
 
     #[inline(never)]
     #[unsafe(no_mangle)]
-    pub extern "C" fn dynprof_symbolize_test_target(x: u64) -> u64 {
+    pub(crate) extern "C" fn dynprof_symbolize_test_target(x: u64) -> u64 {
         std::hint::black_box(x.wrapping_mul(31).wrapping_add(7))
     }
 

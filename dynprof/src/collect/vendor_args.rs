@@ -252,18 +252,3 @@ pub fn build_hooks(args: &VendorArgs, _target: &Target) -> Result<Vec<Box<dyn Wi
     }
     Ok(hooks)
 }
-
-/// [`build_hooks`] for `attach`/`launch`: in config-file mode (`--config-dir`)
-/// msprof's collection switches follow that directory's profiler_config.json.
-pub fn build_hooks_for(
-    w: &crate::window::args::WindowArgs,
-    target: &Target,
-) -> Result<Vec<Box<dyn WindowHook>>> {
-    let mut v = w.vendor.clone();
-    if let Some(d) = &w.config_dir
-        && v.profiler_config_path.is_none()
-    {
-        v.profiler_config_path = Some(d.join("profiler_config.json"));
-    }
-    build_hooks(&v, target)
-}

@@ -1,5 +1,7 @@
 //! The subcommands' implementations; `main.rs` only parses.
+pub mod args;
 pub mod attach;
+pub mod driver;
 pub mod launch;
 pub mod printer;
 pub mod probe_cost;

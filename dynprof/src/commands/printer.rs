@@ -48,7 +48,7 @@ impl StepPrinter {
     }
 }
 
-impl Observer for StepPrinter {
+impl<C> Observer<C> for StepPrinter {
     fn on_event(
         &mut self,
         ev: &Decoded,

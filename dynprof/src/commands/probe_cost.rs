@@ -35,7 +35,7 @@ pub struct ProbeCostArgs {
     #[arg(long, value_parser = crate::cli::int(1, crate::cli::PID_MAX))]
     pub pid: u32,
     /// One marker SPEC (same grammar as `attach --marker`).
-    #[arg(long, value_parser = super::attach::marker_spec)]
+    #[arg(long, value_parser = super::driver::marker_spec)]
     pub marker: probes::MarkerArg,
     /// `marker` (the step-marker program) or `empty` (the empty uprobe).
     #[arg(long, default_value = "marker")]

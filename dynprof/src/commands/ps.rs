@@ -5,7 +5,7 @@ use anyhow::Result;
 use clap::Args;
 use comfy_table::{ContentArrangement, Table, presets::NOTHING};
 
-use crate::target::ps::{self, ProcInfo};
+use crate::discover::{self as ps, ProcInfo};
 
 #[derive(Args, Debug, Clone)]
 pub struct PsArgs {

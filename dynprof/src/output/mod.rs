@@ -1,9 +1,8 @@
-//! Everything a window leaves on disk, and `dynprof report`, which reads it
-//! back. Writers take a [`model::WindowData`] and never see the kernel.
+//! Everything a window leaves on disk (`dynprof report`, in [`crate::report`],
+//! reads it back). Writers take a [`model::WindowData`] and never see the kernel.
 pub mod chrome_trace;
 pub mod flame;
 pub mod model;
-pub mod report;
 pub mod tables;
 
 use std::path::{Path, PathBuf};
@@ -11,9 +10,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::types::Builtin;
+
 use model::WindowData;
 
-/// Which collectors ran in a window. Files of collectors that did not run
+/// Which collectors ran in a window (summary.json's form of a set of
+/// [`Builtin`]s). Files of collectors that did not run
 /// are not written at all, so that an absent `cpu.folded` means "not
 /// collected" rather than "collected nothing".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +42,34 @@ impl Collectors {
         cpu: false,
         offcpu: false,
     };
+
+    /// Whether `b` ran.
+    pub fn has(&self, b: Builtin) -> bool {
+        match b {
+            Builtin::Api => self.api,
+            Builtin::Cpu => self.cpu,
+            Builtin::Offcpu => self.offcpu,
+        }
+    }
+
+    /// Marks `b` as run.
+    pub fn insert(&mut self, b: Builtin) {
+        match b {
+            Builtin::Api => self.api = true,
+            Builtin::Cpu => self.cpu = true,
+            Builtin::Offcpu => self.offcpu = true,
+        }
+    }
+}
+
+impl FromIterator<Builtin> for Collectors {
+    fn from_iter<I: IntoIterator<Item = Builtin>>(it: I) -> Self {
+        let mut c = Collectors::NONE;
+        for b in it {
+            c.insert(b);
+        }
+        c
+    }
 }
 
 /// Writes every per-window output file into `dir` (which must exist) and
@@ -109,7 +139,7 @@ pub(crate) mod tests_support {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     /// A fresh directory per call; tests run in parallel threads of one process.
-    pub fn tempdir(tag: &str) -> PathBuf {
+    pub(crate) fn tempdir(tag: &str) -> PathBuf {
         static N: AtomicU32 = AtomicU32::new(0);
         let d = std::env::temp_dir().join(format!(
             "dynprof-test-{tag}-{}-{}",

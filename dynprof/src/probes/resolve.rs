@@ -175,15 +175,6 @@ pub fn host_path_for(target: &Target, m: &Mapping) -> PathBuf {
 /// (the torch presets) look into the same large library.
 pub type ImageCache = HashMap<PathBuf, Rc<ElfImage>>;
 
-pub fn resolve_spec(
-    target: &Target,
-    maps: &[Mapping],
-    spec: &MarkerSpec,
-    first_index: u32,
-) -> Result<Vec<ResolvedProbe>, Miss> {
-    resolve_spec_cached(target, maps, spec, first_index, &mut ImageCache::new())
-}
-
 pub fn resolve_spec_cached(
     target: &Target,
     maps: &[Mapping],

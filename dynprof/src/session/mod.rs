@@ -4,7 +4,6 @@ pub mod clock;
 pub mod events;
 
 use std::{
-    any::Any,
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     time::{Duration, Instant},
 };
@@ -62,8 +61,10 @@ pub struct Ctx<'a> {
 }
 
 /// A consumer of the event stream. Everything but counting steps is an
-/// observer: the live printer, the window scheduler, the collectors.
-pub trait Observer {
+/// observer: the live printer, the window scheduler, the collectors. `C` is
+/// the type of the commands triggers send into the session (the window's
+/// `SessionCommand`; `()` for a session without triggers).
+pub trait Observer<C = ()> {
     /// Called for every event, after the step clock has seen it. `completed`
     /// is the step a step event just closed, if any.
     fn on_event(
@@ -72,8 +73,8 @@ pub trait Observer {
         completed: Option<&CompletedStep>,
         ctx: &mut Ctx,
     ) -> Result<()>;
-    /// Commands from triggers (console, config watcher), routed by type.
-    fn on_command(&mut self, _cmd: &mut dyn Any, _ctx: &mut Ctx) -> Result<()> {
+    /// A command from a trigger (console, config watcher).
+    fn on_command(&mut self, _cmd: &mut C, _ctx: &mut Ctx) -> Result<()> {
         Ok(())
     }
     /// About every 100 ms, for housekeeping that must not wait for a step.
@@ -89,8 +90,6 @@ pub trait Observer {
         false
     }
 }
-
-pub type Command = Box<dyn Any + Send>;
 
 /// How often batched events are read and observers get `on_tick`: the
 /// delay of the live step lines and status while no window is near.
@@ -137,11 +136,11 @@ impl Session {
     }
 
     /// Runs until a limit, a signal, the target's exit or an observer ends it.
-    pub async fn run(
+    pub async fn run<C>(
         &mut self,
-        observers: &mut [Box<dyn Observer>],
+        observers: &mut [Box<dyn Observer<C>>],
         limits: Limits,
-        mut commands: Option<mpsc::UnboundedReceiver<Command>>,
+        mut commands: Option<mpsc::UnboundedReceiver<C>>,
     ) -> Result<SessionSummary> {
         let started = Instant::now();
         let ring: RingBuf<MapData> = self.kernel.take_events()?;
@@ -187,7 +186,7 @@ impl Session {
                 Some(mut cmd) = async { match commands.as_mut() { Some(c) => c.recv().await, None => None } } => {
                     let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
                     for o in observers.iter_mut() {
-                        o.on_command(cmd.as_mut(), &mut ctx)?;
+                        o.on_command(&mut cmd, &mut ctx)?;
                     }
                     if !observers.is_empty() && observers.iter().all(|o| o.wants_exit()) { break EndReason::Done; }
                 }
@@ -245,10 +244,10 @@ impl Session {
     }
 
     /// Hands every event waiting in the ring to the observers.
-    fn drain(
+    fn drain<C>(
         &mut self,
         ring: &mut RingBuf<MapData>,
-        observers: &mut [Box<dyn Observer>],
+        observers: &mut [Box<dyn Observer<C>>],
         limits: &Limits,
     ) -> Result<Option<EndReason>> {
         while let Some(item) = ring.next() {
@@ -263,10 +262,10 @@ impl Session {
         Ok(None)
     }
 
-    fn dispatch(
+    fn dispatch<C>(
         &mut self,
         ev: &Decoded,
-        observers: &mut [Box<dyn Observer>],
+        observers: &mut [Box<dyn Observer<C>>],
         limits: &Limits,
     ) -> Result<Option<EndReason>> {
         let mut completed = None;

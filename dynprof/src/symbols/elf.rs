@@ -581,13 +581,6 @@ fn mangled_needles(spec: &str) -> Vec<String> {
         .collect()
 }
 
-pub fn require_elf(path: &Path) -> Result<()> {
-    if !path.exists() {
-        bail!("{} does not exist", path.display());
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

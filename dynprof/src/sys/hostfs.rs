@@ -55,6 +55,10 @@ fn single(name: &str) -> io::Result<&str> {
     Ok(name)
 }
 
+/// Largest job-written config file dynprof reads (profiler_config.json;
+/// the vendor template is under 1 KiB).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
 /// `<prefix>.<16 hex digits from getrandom>` : nobody can plant it in advance.
 pub fn random_name(prefix: &str) -> String {
     let mut b = [0u8; 8];
@@ -110,6 +114,14 @@ impl HostDir {
             Err(e) => return Err(e.into()),
         }
         self.open_subdir(name)
+    }
+
+    /// Creates the symlink `name` → `to` (never replacing an existing entry).
+    /// The link is for readers; nothing here follows it.
+    pub fn symlink(&self, to: &Path, name: &str) -> io::Result<()> {
+        let name = single(name)?;
+        rfs::symlinkat(to, &self.fd, name)?;
+        Ok(())
     }
 
     /// Creates a new directory with an unpredictable name

@@ -8,14 +8,18 @@
 //! | `creds` | a target's credentials (uids, gids, groups, capabilities, no_new_privs, namespaces, cgroup) |
 //! | `exec` | start a process with a target's credentials in its namespaces and cgroup |
 //! | `hostfs` | create files on the host without following links planted by others |
+//! | `clock` | local wall-clock time for directory names and logs |
 //! | `caps` | dynprof's own capabilities: check, and drop after attach |
 //! | `targetdir` | make, check and list directories in a target's world, through `rootfs` |
 //! | `uprobe` | uprobe perf events with kernel-owned USDT semaphores; the /proc/PID/mem fallback |
+//! | `lock` | one controller per target: the flock under /run/dynprof |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 pub mod caps;
+pub mod clock;
 pub mod creds;
 pub mod exec;
 pub mod hostfs;
+pub mod lock;
 pub mod memory;
 pub mod rootfs;
 pub mod targetdir;

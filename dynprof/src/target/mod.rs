@@ -8,7 +8,6 @@
 pub mod container;
 pub mod mount;
 pub mod pidns;
-pub mod ps;
 
 pub use pidns::resolve_pid;
 
@@ -408,11 +407,6 @@ pub fn all_pids() -> Vec<HostPid> {
 pub fn parse_ppid(status: &str) -> Option<HostPid> {
     let line = status.lines().find(|l| l.starts_with("PPid:"))?;
     line["PPid:".len()..].trim().parse().ok().map(HostPid)
-}
-
-/// Does this path exist in the target's mount namespace?
-pub fn exists_in(root: &Path, target_path: &str) -> bool {
-    root.join(target_path.trim_start_matches('/')).exists()
 }
 
 #[cfg(test)]

@@ -8,17 +8,17 @@
 //! every boundary from the `StepEvent`s (whose `gate` is the kernel's
 //! decision at that hit), arms collectors ahead of time and finalizes each
 //! window into a `PROF_*` directory ([`profdir`]).
-pub mod args;
-pub mod lock;
+pub mod collector;
+pub mod meta;
 pub mod profdir;
 pub mod scheduler;
+pub mod state;
+pub mod trigger;
 pub mod writer;
 
 use anyhow::{Result, bail};
 use dynprof_common::PlanConfig;
 use serde::Serialize;
-
-use crate::bpf::Kernel;
 
 pub use scheduler::{Scheduler, SchedulerOptions, WindowRecord};
 
@@ -137,50 +137,6 @@ pub fn first_start(plan: &Plan, c: u64) -> u64 {
         s if s > 0 && (s as u64) > c => s as u64,
         _ => c + 1,
     }
-}
-
-/// Writes `plan` into the kernel so that its first window starts at the
-/// next boundary, or at `start_step` if that is still ahead. Race-free: the
-/// counter is read, the plan written, the counter re-read; if a hit slipped
-/// in between, the plan is rewritten for the new next boundary (a hit that
-/// saw the earlier write opened the gate one step early; the scheduler
-/// ignores gate openings before `PlanConfig.start`).
-pub fn program(kernel: &mut Kernel, plan: &Plan) -> Result<PlanConfig> {
-    let mut c = kernel.state()?.step_hits;
-    for _ in 0..16 {
-        let cfg = plan.kernel_config(first_start(plan, c));
-        kernel.set_plan(cfg)?;
-        let c2 = kernel.state()?.step_hits;
-        if c2 < cfg.start {
-            return Ok(cfg);
-        }
-        c = c2;
-    }
-    bail!(
-        "the step counter moves too fast to program a window (more than 16 steps during one map update)"
-    )
-}
-
-/// Closes an open-ended window at the next boundary: returns the last step
-/// inside it. Same read/write/re-read protocol as [`program`]; moving the end
-/// later is always safe because a closed gate stays closed.
-pub fn program_stop(kernel: &mut Kernel, mut cfg: PlanConfig) -> Result<(PlanConfig, u64)> {
-    let mut c = kernel.state()?.step_hits;
-    for _ in 0..16 {
-        cfg.end = (c + 1).max(cfg.start + 1);
-        kernel.set_plan(cfg)?;
-        let c2 = kernel.state()?.step_hits;
-        if c2 < cfg.end {
-            return Ok((cfg, cfg.end - 1));
-        }
-        c = c2;
-    }
-    bail!("the step counter moves too fast to close the window")
-}
-
-/// Disarms the kernel plan: the gate closes at the next hit.
-pub fn disarm(kernel: &mut Kernel) -> Result<()> {
-    kernel.set_plan(PlanConfig::DISARMED)
 }
 
 #[cfg(test)]

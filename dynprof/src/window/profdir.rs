@@ -12,52 +12,9 @@ use std::{fs, path::PathBuf};
 use anyhow::{Context as _, Result};
 
 use crate::{
-    sys::hostfs::HostDir,
+    sys::{clock::local_timestamp, hostfs::HostDir},
     types::{HostPid, WindowId},
 };
-
-/// Local wall-clock time as `YYYYmmddHHMMSSmmm`.
-pub fn local_timestamp() -> String {
-    let (tm, ms) = local_tm();
-    format!(
-        "{:04}{:02}{:02}{:02}{:02}{:02}{:03}",
-        tm.tm_year + 1900,
-        tm.tm_mon + 1,
-        tm.tm_mday,
-        tm.tm_hour,
-        tm.tm_min,
-        tm.tm_sec,
-        ms
-    )
-}
-
-/// Local wall-clock time as `YYYY-mm-dd HH:MM:SS.mmm`.
-pub fn local_timestamp_human() -> String {
-    let (tm, ms) = local_tm();
-    format!(
-        "{:04}-{:02}-{:02} {:02}:{:02}:{:02}.{:03}",
-        tm.tm_year + 1900,
-        tm.tm_mon + 1,
-        tm.tm_mday,
-        tm.tm_hour,
-        tm.tm_min,
-        tm.tm_sec,
-        ms
-    )
-}
-
-fn local_tm() -> (libc::tm, u32) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let secs = now.as_secs() as libc::time_t;
-    // SAFETY: localtime_r writes into the tm we pass; tzset reads the environment.
-    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    unsafe {
-        libc::localtime_r(&secs, &mut tm);
-    }
-    (tm, now.subsec_millis())
-}
 
 /// Who a finished window is handed to (`--chown`): uid, and gid when known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,7 +96,7 @@ impl ProfDir {
     /// could not be written). If meta.json itself cannot be written, the
     /// directory is renamed `PROF_…_incomplete` (or removed) and the error
     /// returned.
-    pub fn finish(mut self, meta: &serde_json::Value, files_missing: bool) -> Result<PathBuf> {
+    pub fn finish(mut self, meta: &impl serde::Serialize, files_missing: bool) -> Result<PathBuf> {
         let text = serde_json::to_vec_pretty(meta)?;
         let written = self
             .handle

@@ -14,9 +14,8 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use serde_json::{Value, json};
 
-use super::{WindowRecord, profdir::ProfDir};
+use super::{WindowRecord, meta::WindowMeta, profdir::ProfDir};
 use crate::{
     output::{Collectors, model::WindowData, write_window_files},
     types::{StepIndex, WindowId},
@@ -51,7 +50,7 @@ pub struct WriteJob {
     pub data: WindowData,
     pub ran: Collectors,
     /// meta.json as of the closing boundary; the writer adds its own errors.
-    pub meta: Value,
+    pub meta: WindowMeta,
     pub complete: bool,
     pub reason: Option<String>,
     pub first: Option<StepIndex>,
@@ -189,22 +188,17 @@ fn publish(job: WriteJob) -> Result<WindowRecord> {
     if let Err(e) = write_window_files(&prof.tmp, &data, &ran) {
         files_missing = true;
         let m = format!("writing window files: {e:#}");
-        if let Some(Value::Array(errors)) = meta.get_mut("errors") {
-            errors.push(json!(m));
-        }
+        meta.errors.push(m.clone());
         if complete {
             complete = false;
             reason = Some(m);
         }
-        meta["complete"] = json!(complete);
-        meta["incomplete_reason"] = json!(reason);
+        meta.complete = Some(complete);
+        meta.incomplete_reason = reason.clone();
     }
     // dynprof's peak RSS including this window's writing.
-    if let (Some(m), Ok(rss)) = (
-        meta.get_mut("memory").and_then(Value::as_object_mut),
-        crate::sys::memory::peak_rss_bytes(),
-    ) {
-        m.insert("peak_rss_bytes".into(), json!(rss));
+    if let Ok(rss) = crate::sys::memory::peak_rss_bytes() {
+        meta.memory.peak_rss_bytes = Some(rss);
     }
     let dir: PathBuf = prof
         .finish(&meta, files_missing)
@@ -240,7 +234,11 @@ mod tests {
             prof,
             data: WindowData::default(),
             ran: Collectors::NONE,
-            meta: json!({ "window": id, "complete": true, "incomplete_reason": null, "errors": [] }),
+            meta: WindowMeta {
+                window: Some(WindowId(id)),
+                complete: Some(true),
+                ..WindowMeta::default()
+            },
             complete: true,
             reason: None,
             first: Some(StepIndex(u64::from(id) * 10)),
@@ -279,9 +277,9 @@ mod tests {
             let rec = d.result.as_ref().unwrap();
             assert!(rec.complete);
             assert!(!tmp.exists(), "{} left behind", tmp.display());
-            let meta: Value =
+            let meta: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(rec.dir.join("meta.json")).unwrap()).unwrap();
-            assert_eq!(meta["window"], json!(d.id.0));
+            assert_eq!(meta["window"], d.id.0);
             assert!(rec.dir.join("steps.csv").exists());
         }
         assert!(w.finished().is_empty());

@@ -11,8 +11,10 @@ use std::io::{BufRead as _, IsTerminal as _, Write as _};
 use anyhow::{Result, bail};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::{ConsoleCommand, ConsoleRequest, NoticePrinter, SetNoticePrinter};
-use crate::{session::Command, window::Plan};
+use super::{
+    ConsoleCommand, ConsoleRequest, NoticePrinter, SessionCommand as Command, SetNoticePrinter,
+};
+use crate::window::Plan;
 
 pub const PROMPT: &str = "dynprof> ";
 
@@ -113,7 +115,8 @@ pub fn spawn(tx: UnboundedSender<Command>, force_plain: bool) -> Result<()> {
 /// Sends one request and waits for its answer; None when the session is gone.
 fn ask(tx: &UnboundedSender<Command>, req: ConsoleRequest) -> Option<String> {
     let (rtx, rrx) = std::sync::mpsc::channel();
-    tx.send(Box::new(ConsoleCommand { req, reply: rtx })).ok()?;
+    tx.send(Command::Console(ConsoleCommand { req, reply: rtx }))
+        .ok()?;
     rrx.recv().ok().map(|r| r.text)
 }
 
@@ -148,7 +151,7 @@ fn run_plain(tx: UnboundedSender<Command>) {
         let _ = writeln!(o, "{m}");
         let _ = o.flush();
     });
-    let _ = tx.send(Box::new(SetNoticePrinter(printer)));
+    let _ = tx.send(Command::SetNoticePrinter(SetNoticePrinter(printer)));
     let mut out = |s: &str| {
         let mut o = std::io::stdout().lock();
         let _ = writeln!(o, "{s}");
@@ -181,7 +184,7 @@ fn run_tty(tx: UnboundedSender<Command>) {
         let printer: NoticePrinter = Box::new(move |m: String| {
             let _ = p.print(format!("{m}\n"));
         });
-        let _ = tx.send(Box::new(SetNoticePrinter(printer)));
+        let _ = tx.send(Command::SetNoticePrinter(SetNoticePrinter(printer)));
     }
     let mut out = |s: &str| println!("{s}");
     out("dynprof console ready; type `help` for commands");

@@ -12,12 +12,12 @@ pub mod console;
 
 use std::path::PathBuf;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::window::Plan;
+use crate::{types::Builtin, window::Plan};
 
 /// Where a plan came from (recorded in meta.json).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Source {
     Flags,
@@ -26,12 +26,13 @@ pub enum Source {
 }
 
 /// A plan plus what the window should collect and where it goes.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlanRequest {
     pub plan: Plan,
     pub source: Source,
     /// Collector names to arm (`api`, `cpu`, `offcpu`); `None` = all registered.
-    pub collect: Option<Vec<String>>,
+    /// The collectors this window arms (`None`: the session's default).
+    pub collect: Option<Vec<Builtin>>,
     /// Output directory; `None` = the scheduler's default.
     pub output: Option<PathBuf>,
     /// Copied into meta.json (`metadata` of profiler_config.json).
@@ -86,3 +87,13 @@ pub type NoticePrinter = Box<dyn FnMut(String) + Send>;
 
 /// Sent once by the console so that the scheduler prints through it.
 pub struct SetNoticePrinter(pub NoticePrinter);
+
+/// What the triggers send into the session, on its command channel.
+pub enum SessionCommand {
+    /// A console line to answer.
+    Console(ConsoleCommand),
+    /// profiler_config.json was saved.
+    ConfigChanged(config_file::ConfigChanged),
+    /// The console prints notices now (above its prompt).
+    SetNoticePrinter(SetNoticePrinter),
+}

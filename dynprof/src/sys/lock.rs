@@ -180,7 +180,7 @@ pub fn acquire(target: HostPid, mode: &str) -> Result<TargetLock> {
     let content = format!(
         "pid={}\nmode={mode}\nsince={}\n",
         std::process::id(),
-        super::profdir::local_timestamp_human()
+        crate::sys::clock::local_timestamp_human()
     );
     file.set_len(0)?;
     file.seek(SeekFrom::Start(0))?;

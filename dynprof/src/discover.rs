@@ -1,4 +1,5 @@
-//! Finding AI jobs: which processes load a device runtime or a framework,
+//! Finding AI jobs (`dynprof ps`), above `target` (/proc) and `probes`
+//! (the `--marker auto` presets): which processes load a device runtime or a framework,
 //! where they live (PID namespaces, container), their rank, which step
 //! markers `--marker auto` would use, and which are launchers (torchrun,
 //! mpirun, ...) whose children are the real workers.
@@ -6,12 +7,12 @@ use std::{collections::HashMap, fs};
 
 use serde::Serialize;
 
-use super::{
-    RankEnv, all_pids, container, parse_cmdline, parse_maps, parse_nspid, parse_ppid, pidns,
-    read_environ,
-};
 use crate::{
     probes::presets,
+    target::{
+        Mapping, RankEnv, all_pids, container, parse_cmdline, parse_maps, parse_nspid, parse_ppid,
+        pidns, read_environ,
+    },
     types::{ContainerId, HostPid, NsPid},
 };
 
@@ -119,7 +120,7 @@ pub fn launcher_kind(cmdline: &[String]) -> Option<&'static str> {
 
 /// What `--marker auto` would use on a process with these runtimes, for
 /// the MARKERS column: the labels of its first preset group, or a hint.
-pub fn auto_marker_summary(rt: &presets::Runtimes, maps: &[super::Mapping]) -> String {
+pub fn auto_marker_summary(rt: &presets::Runtimes, maps: &[Mapping]) -> String {
     if let Ok(groups) = presets::auto_markers(maps)
         && let Some(first) = groups.first()
     {

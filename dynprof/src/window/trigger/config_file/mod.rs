@@ -13,6 +13,9 @@
 //! (whether each change took effect; when dynprof ended). Both rotate by
 //! size to `.1`. `<pid>` is the target's host PID, `<r>` its RANK (-1 when
 //! unset).
+//!
+//! `parse`: the JSON and its fields; `logs`: the rotating logs; `watch`:
+//! inotify and reading the file through the directory descriptor.
 use std::{
     collections::BTreeSet,
     ffi::CString,
@@ -27,9 +30,19 @@ use anyhow::{Context as _, Result, bail};
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::{PlanRequest, Source};
+mod logs;
+mod parse;
+#[cfg(test)]
+mod tests;
+mod watch;
+
+pub use logs::RotatingLog;
+use logs::hostname;
+pub use parse::{Parsed, key_paths, parse, template};
+use watch::{inotify_wait, inotify_watch, read_config, stamp};
+
+use super::{PlanRequest, SessionCommand, Source};
 use crate::{
-    session::Command,
     sys::hostfs::{self, HostDir, escape_untrusted},
     target::Target,
     window::Plan,
@@ -41,207 +54,10 @@ pub const CONFIG_FILE: &str = "profiler_config.json";
 /// (`DYNPROF_CONFIG_LOG_MAX_BYTES` overrides it).
 pub const LOG_MAX_BYTES: u64 = 10 * 1024 * 1024;
 
-/// The torch_npu default `profiler_config.json`, key for key.
-pub fn template() -> Value {
-    json!({
-        "activities": ["CPU", "NPU"],
-        "prof_dir": "./",
-        "analyse": false,
-        "record_shapes": false,
-        "profile_memory": false,
-        "with_stack": false,
-        "with_flops": false,
-        "with_modules": false,
-        "active": 1,
-        "warmup": 0,
-        "start_step": 0,
-        "is_rank": false,
-        "rank_list": [],
-        "experimental_config": {
-            "profiler_level": "Level0",
-            "aic_metrics": "AiCoreNone",
-            "l2_cache": false,
-            "op_attr": false,
-            "gc_detect_threshold": null,
-            "data_simplification": true,
-            "record_op_args": false,
-            "export_type": ["text"],
-            "mstx": false,
-            "mstx_domain_include": [],
-            "mstx_domain_exclude": [],
-            "host_sys": [],
-            "sys_io": false,
-            "sys_interconnection": false
-        }
-    })
-}
-
-/// Top-level fields of the torch_npu schema (the template plus the two
-/// optional ones).
-const KNOWN: &[&str] = &[
-    "activities",
-    "prof_dir",
-    "analyse",
-    "record_shapes",
-    "profile_memory",
-    "with_stack",
-    "with_flops",
-    "with_modules",
-    "active",
-    "warmup",
-    "start_step",
-    "is_rank",
-    "rank_list",
-    "async_mode",
-    "experimental_config",
-    "metadata",
-];
-
-/// torch_npu fields dynprof accepts but cannot act on (a non-default value
-/// gets one warning).
-const NO_EFFECT: &[&str] = &[
-    "analyse",
-    "record_shapes",
-    "profile_memory",
-    "with_flops",
-    "with_modules",
-    "async_mode",
-];
-
 /// A file change seen by the watcher: the new content, or why it could not be read.
 #[derive(Clone, Debug)]
 pub struct ConfigChanged {
     pub content: std::result::Result<String, String>,
-}
-
-/// A validated config: what dynprof will do with it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Parsed {
-    pub plan: Plan,
-    pub collect: Vec<String>,
-    pub prof_dir: String,
-    pub is_rank: bool,
-    pub rank_list: Vec<i64>,
-    pub metadata: Option<Value>,
-    pub raw: Value,
-    /// Fields present that dynprof cannot act on, or does not know.
-    pub no_effect: Vec<String>,
-    pub unknown: Vec<String>,
-}
-
-/// Validates a `profiler_config.json` text. Missing fields take the
-/// torch_npu defaults.
-pub fn parse(text: &str) -> Result<Parsed> {
-    let raw: Value =
-        serde_json::from_str(text).map_err(|e| anyhow::anyhow!("invalid JSON: {e}"))?;
-    let Some(obj) = raw.as_object() else {
-        bail!("invalid config: the top level must be a JSON object")
-    };
-    let defaults = template();
-    let get = |k: &str| {
-        obj.get(k)
-            .or_else(|| defaults.get(k))
-            .cloned()
-            .unwrap_or(Value::Null)
-    };
-    let boolean = |k: &str| -> Result<bool> {
-        match get(k) {
-            Value::Bool(b) => Ok(b),
-            Value::Null => Ok(false),
-            v => bail!("invalid field `{k}`: expected true or false, got {v}"),
-        }
-    };
-    let int = |k: &str, min: i64| -> Result<i64> {
-        match get(k).as_i64() {
-            Some(v) if v >= min => Ok(v),
-            Some(v) => bail!("invalid field `{k}`: must be >= {min}, got {v}"),
-            None => bail!("invalid field `{k}`: expected an integer, got {}", get(k)),
-        }
-    };
-    let start_step = int("start_step", -1)?;
-    let warmup = int("warmup", 0)? as u64;
-    let active = int("active", 1)? as u64;
-    let is_rank = boolean("is_rank")?;
-    let rank_list = match get("rank_list") {
-        Value::Array(a) => a
-            .iter()
-            .map(|v| {
-                v.as_i64().filter(|r| *r >= 0).ok_or_else(|| {
-                    anyhow::anyhow!("invalid field `rank_list`: {v} is not a rank number")
-                })
-            })
-            .collect::<Result<Vec<_>>>()?,
-        v => bail!("invalid field `rank_list`: expected a list of rank numbers, got {v}"),
-    };
-    let activities: Vec<String> = match get("activities") {
-        Value::Array(a) => a
-            .iter()
-            .map(|v| match v.as_str() {
-                Some(s @ ("CPU" | "NPU")) => Ok(s.to_string()),
-                _ => bail!("invalid field `activities`: {v} is not \"CPU\" or \"NPU\""),
-            })
-            .collect::<Result<Vec<_>>>()?,
-        v => {
-            bail!("invalid field `activities`: expected a list such as [\"CPU\", \"NPU\"], got {v}")
-        }
-    };
-    let prof_dir = match get("prof_dir") {
-        Value::String(s) if !s.is_empty() => s,
-        v => bail!("invalid field `prof_dir`: expected a non-empty path string, got {v}"),
-    };
-    let with_stack = boolean("with_stack")?;
-    for k in NO_EFFECT {
-        boolean(k)?;
-    }
-    if !matches!(get("experimental_config"), Value::Object(_) | Value::Null) {
-        bail!("invalid field `experimental_config`: expected an object");
-    }
-    let metadata = match obj.get("metadata") {
-        None | Some(Value::Null) => None,
-        Some(v @ Value::Object(_)) => Some(v.clone()),
-        Some(v) => bail!("invalid field `metadata`: expected an object, got {v}"),
-    };
-    // activities / with_stack → collectors.
-    let mut collect = Vec::new();
-    if activities.iter().any(|a| a == "NPU") {
-        collect.push("api".to_string());
-    }
-    if activities.iter().any(|a| a == "CPU") {
-        collect.push("cpu".to_string());
-    }
-    if with_stack {
-        collect.push("offcpu".to_string());
-    }
-    let no_effect = NO_EFFECT
-        .iter()
-        .filter(|k| {
-            obj.get(**k)
-                .is_some_and(|v| v != &defaults.get(**k).cloned().unwrap_or(Value::Bool(false)))
-        })
-        .map(|k| k.to_string())
-        .collect();
-    let unknown = obj
-        .keys()
-        .filter(|k| !KNOWN.contains(&k.as_str()))
-        .cloned()
-        .collect();
-    Ok(Parsed {
-        plan: Plan {
-            start_step,
-            warmup,
-            active,
-            repeat: 0,
-            gap: 0,
-        },
-        collect,
-        prof_dir,
-        is_rank,
-        rank_list,
-        metadata,
-        raw,
-        no_effect,
-        unknown,
-    })
 }
 
 /// DIR's own name may hold only `[A-Za-z0-9_-]`, and no component of its
@@ -292,96 +108,6 @@ pub fn check_dir(dir: &Path) -> Result<PathBuf> {
         }
     }
     Ok(clean)
-}
-
-/// A size-rotated log file in the (user-owned) log directory.
-///
-/// The directory is held open; the file is opened relative to it with
-/// `O_NOFOLLOW|O_APPEND` at every write and must be a regular file with one
-/// link, owned by root, dynprof or the directory's owner: a symlink or hard
-/// link planted at its name is refused, never written through. Every line
-/// is escaped ([`escape_untrusted`]): a string from the target stays one line.
-pub struct RotatingLog {
-    /// Said once on stderr that the file is refused (not at every line).
-    refused: std::sync::atomic::AtomicBool,
-    dir: HostDir,
-    name: String,
-    path: PathBuf,
-    /// The log directory's owner (the job's user, typically).
-    owner: u32,
-    max: u64,
-}
-
-impl RotatingLog {
-    pub fn new(dir: &HostDir, name: &str) -> Result<Self> {
-        let max = std::env::var("DYNPROF_CONFIG_LOG_MAX_BYTES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(LOG_MAX_BYTES);
-        Ok(Self {
-            refused: std::sync::atomic::AtomicBool::new(false),
-            dir: dir.try_clone()?,
-            name: name.to_string(),
-            path: dir.path().join(name),
-            owner: dir.stat()?.st_uid,
-            max,
-        })
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    fn refuse(&self, e: &std::io::Error) {
-        if !self
-            .refused
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            log::warn!("not logging to {}: {e}", self.path.display());
-        }
-    }
-
-    pub fn write(&self, level: &str, msg: &str) {
-        let line = format!(
-            "[{}] [{level}] {}\n",
-            crate::window::profdir::local_timestamp_human(),
-            escape_untrusted(msg)
-        );
-        let open = || self.dir.open_append(&self.name, Some(self.owner), 0o644);
-        let mut f = match open() {
-            Ok(f) => f,
-            Err(e) => {
-                self.refuse(&e);
-                return;
-            }
-        };
-        if f.metadata().map(|m| m.len() >= self.max).unwrap_or(false) {
-            let rotated = format!("{}.1", self.name);
-            // renameat inside the held directory replaces a name, never
-            // follows it.
-            if self.dir.rename(&self.name, &rotated).is_ok() {
-                match open() {
-                    Ok(g) => f = g,
-                    Err(e) => {
-                        self.refuse(&e);
-                        return;
-                    }
-                }
-            }
-        }
-        let _ = f.write_all(line.as_bytes());
-    }
-}
-
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into buf.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "localhost".into();
-    }
-    let n = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
 /// The config-file trigger's state (owned by the scheduler).
@@ -499,10 +225,6 @@ impl ConfigFileTrigger {
     pub fn log_path(&self) -> &Path {
         self.log.path()
     }
-    pub fn monitor_path(&self) -> &Path {
-        self.monitor.path()
-    }
-
     pub fn info(&self, m: &str) {
         self.log.write("INFO", m);
     }
@@ -670,7 +392,7 @@ impl ConfigFileTrigger {
 
     /// Starts the watcher thread. Every save of the file becomes one
     /// [`ConfigChanged`] command.
-    pub fn spawn_watcher(&self, tx: UnboundedSender<Command>) -> Result<()> {
+    pub fn spawn_watcher(&self, tx: UnboundedSender<SessionCommand>) -> Result<()> {
         let dir = self.dir.clone();
         let dir_fd = self.dir_fd.try_clone()?;
         let initial = self.initial.clone();
@@ -720,214 +442,15 @@ impl ConfigFileTrigger {
                     }
                     last = now.clone();
                     let content = read_config(&dir_fd).map_err(|e| e.to_string());
-                    if tx.send(Box::new(ConfigChanged { content })).is_err() {
+                    if tx
+                        .send(SessionCommand::ConfigChanged(ConfigChanged { content }))
+                        .is_err()
+                    {
                         return;
                     }
                 }
             })
             .context("starting the config watcher thread")?;
         Ok(())
-    }
-}
-
-/// Largest profiler_config.json read (the template is under 1 KiB).
-pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
-
-/// Reads profiler_config.json through DIR's descriptor: a symlink, FIFO or
-/// device at the name is refused (it would let the job's user make root
-/// read, and quote in the log, a file they cannot read), and at most
-/// [`MAX_CONFIG_BYTES`] are read.
-fn read_config(dir: &HostDir) -> std::io::Result<String> {
-    dir.read_capped(CONFIG_FILE, MAX_CONFIG_BYTES)
-}
-
-/// (mtime, size, content): two events of one save compare equal.
-fn stamp(dir: &HostDir) -> Option<(SystemTime, u64, String)> {
-    let f = dir.open_read(CONFIG_FILE).ok()?;
-    let m = f.metadata().ok()?;
-    Some((
-        m.modified().ok()?,
-        m.len(),
-        read_config(dir).unwrap_or_default(),
-    ))
-}
-
-fn inotify_watch(dir: &Path) -> Result<i32> {
-    // SAFETY: plain syscalls; the fd is owned by the watcher thread.
-    let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("inotify_init1");
-    }
-    let c = CString::new(dir.as_os_str().as_bytes())?;
-    let wd = unsafe {
-        libc::inotify_add_watch(
-            fd,
-            c.as_ptr(),
-            libc::IN_CLOSE_WRITE | libc::IN_MOVED_TO | libc::IN_CREATE,
-        )
-    };
-    if wd < 0 {
-        let e = std::io::Error::last_os_error();
-        unsafe { libc::close(fd) };
-        return Err(e).with_context(|| format!("inotify_add_watch {}", dir.display()));
-    }
-    Ok(fd)
-}
-
-/// Blocks for the next batch of inotify events; returns the file names.
-fn inotify_wait(fd: i32) -> std::io::Result<Vec<String>> {
-    let mut buf = [0u8; 4096];
-    // SAFETY: read into our buffer.
-    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-    if n < 0 {
-        let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::Interrupted {
-            return Ok(Vec::new());
-        }
-        return Err(e);
-    }
-    let n = n as usize;
-    let mut names = Vec::new();
-    let mut off = 0usize;
-    let hdr = std::mem::size_of::<libc::inotify_event>();
-    while off + hdr <= n {
-        // SAFETY: the kernel wrote whole events; read_unaligned copes with alignment.
-        let ev: libc::inotify_event =
-            unsafe { std::ptr::read_unaligned(buf.as_ptr().add(off).cast()) };
-        let name_start = off + hdr;
-        let name_end = (name_start + ev.len as usize).min(n);
-        let raw = &buf[name_start..name_end];
-        let end = raw.iter().position(|b| *b == 0).unwrap_or(raw.len());
-        names.push(String::from_utf8_lossy(&raw[..end]).into_owned());
-        off = name_end;
-    }
-    Ok(names)
-}
-
-/// Keys of a JSON object, recursively (`a.b` for nested objects).
-pub fn key_paths(v: &Value) -> BTreeSet<String> {
-    fn walk(prefix: &str, v: &Map<String, Value>, out: &mut BTreeSet<String>) {
-        for (k, val) in v {
-            let p = if prefix.is_empty() {
-                k.clone()
-            } else {
-                format!("{prefix}.{k}")
-            };
-            out.insert(p.clone());
-            if let Value::Object(o) = val {
-                walk(&p, o, out);
-            }
-        }
-    }
-    let mut out = BTreeSet::new();
-    if let Value::Object(o) = v {
-        walk("", o, &mut out);
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn template_parses_to_no_collection() {
-        let p = parse(&template().to_string()).unwrap();
-        assert_eq!(p.plan.start_step, 0);
-        assert_eq!(p.collect, vec!["api", "cpu"]);
-        assert!(p.unknown.is_empty() && p.no_effect.is_empty());
-    }
-
-    #[test]
-    fn fields_map_and_validate() {
-        let p = parse(r#"{"start_step": -1, "warmup": 2, "active": 3, "with_stack": true, "activities": ["CPU"], "metadata": {"a": 1}, "foo": 1, "analyse": true}"#).unwrap();
-        assert_eq!(
-            p.plan,
-            Plan {
-                start_step: -1,
-                warmup: 2,
-                active: 3,
-                repeat: 0,
-                gap: 0
-            }
-        );
-        assert_eq!(p.collect, vec!["cpu", "offcpu"]);
-        assert_eq!(p.unknown, vec!["foo"]);
-        assert_eq!(p.no_effect, vec!["analyse"]);
-        assert!(p.metadata.is_some());
-        assert!(parse("{").unwrap_err().to_string().contains("invalid JSON"));
-        assert!(
-            parse(r#"{"active": 0}"#)
-                .unwrap_err()
-                .to_string()
-                .contains("`active`")
-        );
-        assert!(
-            parse(r#"{"start_step": "5"}"#)
-                .unwrap_err()
-                .to_string()
-                .contains("`start_step`")
-        );
-        assert!(
-            parse(r#"{"activities": ["GPU"]}"#)
-                .unwrap_err()
-                .to_string()
-                .contains("activities")
-        );
-    }
-
-    #[test]
-    fn dir_rules() {
-        let base = std::env::temp_dir().join(format!("dynprof-cfgdir-{}", std::process::id()));
-        fs::create_dir_all(&base).unwrap();
-        assert!(check_dir(&base.join("good_dir-1")).is_ok());
-        assert!(
-            check_dir(&base.join("bad.dir"))
-                .unwrap_err()
-                .to_string()
-                .contains("letters, digits")
-        );
-        fs::create_dir_all(base.join("real")).unwrap();
-        let _ = std::os::unix::fs::symlink(base.join("real"), base.join("link"));
-        assert!(
-            check_dir(&base.join("link").join("cfg"))
-                .unwrap_err()
-                .to_string()
-                .contains("symbolic link")
-        );
-        let _ = fs::remove_dir_all(&base);
-    }
-
-    #[test]
-    fn log_rotates() {
-        let base = std::env::temp_dir().join(format!("dynprof-cfglog-{}", std::process::id()));
-        fs::create_dir_all(&base).unwrap();
-        let mut l = RotatingLog::new(&hostfs::open_dir_nofollow(&base).unwrap(), "x.log").unwrap();
-        l.max = 100;
-        for i in 0..10 {
-            l.write(
-                "INFO",
-                &format!("line {i} with some padding to grow the file"),
-            );
-        }
-        assert!(base.join("x.log.1").is_file());
-        assert!(fs::metadata(base.join("x.log")).unwrap().len() < 200);
-        // A newline in a message stays on its line.
-        let _ = fs::remove_file(base.join("x.log"));
-        l.write("WARNING", "field `\ntouch X; id > X #` ignored");
-        let text = fs::read_to_string(base.join("x.log")).unwrap();
-        assert_eq!(text.lines().count(), 1, "{text}");
-        assert!(
-            text.contains("field `\\ntouch X; id > X #` ignored"),
-            "{text}"
-        );
-        // A symlink planted at the log's name is not written through.
-        let victim = base.join("victim");
-        fs::write(&victim, "keep").unwrap();
-        let _ = fs::remove_file(base.join("x.log"));
-        std::os::unix::fs::symlink(&victim, base.join("x.log")).unwrap();
-        l.write("INFO", "hello");
-        assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
-        let _ = fs::remove_dir_all(&base);
     }
 }

@@ -4,19 +4,23 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::{Result, bail};
 use clap::Args;
 
-use super::{Plan, profdir::Owner};
 use crate::{
     cli::{SECS_MAX, STEPS_MAX, int},
-    trigger::{PlanRequest, Source},
+    collect::vendor_args::build_hooks,
+    target::Target,
+    types::Builtin,
+    window::{
+        Plan,
+        collector::WindowHook,
+        profdir::Owner,
+        trigger::{PlanRequest, Source},
+    },
 };
 
 /// A step count flag: `min..=STEPS_MAX`.
 fn steps(min: u64) -> impl Fn(&str) -> Result<u64, String> + Clone + Send + Sync + 'static {
     int(min, STEPS_MAX)
 }
-
-/// Collectors `--collect` accepts.
-pub const COLLECTORS: &[&str] = &["api", "cpu", "offcpu"];
 
 #[derive(Args, Debug, Clone, Default)]
 #[command(next_help_heading = "Windows and triggers")]
@@ -193,7 +197,9 @@ impl WindowArgs {
         Ok(plan)
     }
 
-    pub fn collectors(&self) -> Result<Option<Vec<String>>> {
+    /// `--collect`: the built-in collectors windows arm (`None`: all; empty
+    /// for `none`, step timing only).
+    pub fn collectors(&self) -> Result<Option<Vec<Builtin>>> {
         let Some(c) = &self.collect else {
             return Ok(None);
         };
@@ -201,15 +207,17 @@ impl WindowArgs {
         if c.len() == 1 && c[0] == "none" {
             return Ok(Some(Vec::new()));
         }
-        for n in c {
-            if !COLLECTORS.contains(&n.as_str()) {
-                bail!(
-                    "--collect: unknown collector `{n}` (known: {}, or `none` for step timing only)",
-                    COLLECTORS.join(",")
-                );
-            }
-        }
-        Ok(Some(c.clone()))
+        c.iter()
+            .map(|n| {
+                Builtin::from_name(n).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--collect: unknown collector `{n}` (known: {}, or `none` for step timing only)",
+                        Builtin::names()
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
     }
 
     pub fn flags_request(&self) -> Result<PlanRequest> {
@@ -238,6 +246,19 @@ impl WindowArgs {
 
     pub fn idle_timeout(&self) -> Option<Duration> {
         (self.idle_timeout > 0).then(|| Duration::from_secs(self.idle_timeout))
+    }
+
+    /// The hooks for `attach`/`launch` ([`build_hooks`]): in config-file mode
+    /// (`--config-dir`) msprof's collection switches follow that directory's
+    /// profiler_config.json.
+    pub fn build_hooks(&self, target: &Target) -> Result<Vec<Box<dyn WindowHook>>> {
+        let mut v = self.vendor.clone();
+        if let Some(d) = &self.config_dir
+            && v.profiler_config_path.is_none()
+        {
+            v.profiler_config_path = Some(d.join("profiler_config.json"));
+        }
+        build_hooks(&v, target)
     }
 }
 

@@ -1,0 +1,958 @@
+//! The window logic as a state machine: which plan is programmed, which
+//! window is open, what a step boundary, a request, `stop`, `quit` or the end
+//! of the session does to them, and what the scheduler must carry out
+//! ([`Action`]s: arm, open, close, start hooks, notices).
+//!
+//! It holds no file, collector or kernel object. The one thing it drives
+//! directly is the kernel's plan register, through the small [`PlanRegister`]
+//! trait (a step counter and a plan slot), because programming a plan is a
+//! read-write-reread loop against a counter the target keeps moving. Tests
+//! drive it with a counter in memory, without root.
+use anyhow::{Result, bail};
+use dynprof_common::PlanConfig;
+
+use super::{
+    Plan, UNTIL_STOP, first_start,
+    trigger::{ConsoleRequest, PlanRequest, Source},
+};
+use crate::types::{Builtin, WindowId};
+
+/// The kernel's plan slot and step counter (`bpf::Kernel` in a session).
+pub trait PlanRegister {
+    /// Step marker hits so far.
+    fn step_hits(&mut self) -> Result<u64>;
+    /// Replaces the plan the step program evaluates at every hit.
+    fn set_plan(&mut self, cfg: PlanConfig) -> Result<()>;
+}
+
+/// Programs `plan` into the kernel, starting at the first boundary the
+/// counter has not reached yet. The counter moves while we write: re-read it
+/// after the write and start over if the start already passed.
+pub fn program(reg: &mut impl PlanRegister, plan: &Plan) -> Result<PlanConfig> {
+    let mut c = reg.step_hits()?;
+    for _ in 0..16 {
+        let cfg = plan.kernel_config(first_start(plan, c));
+        reg.set_plan(cfg)?;
+        let c2 = reg.step_hits()?;
+        if c2 < cfg.start {
+            return Ok(cfg);
+        }
+        c = c2;
+    }
+    bail!(
+        "the step counter moves too fast to program a window (more than 16 steps during one map update)"
+    )
+}
+
+/// Ends the current cycle of `cfg` at the next boundary: returns the new
+/// config and the last step inside the window.
+pub fn program_stop(reg: &mut impl PlanRegister, mut cfg: PlanConfig) -> Result<(PlanConfig, u64)> {
+    let mut c = reg.step_hits()?;
+    for _ in 0..16 {
+        cfg.end = (c + 1).max(cfg.start + 1);
+        reg.set_plan(cfg)?;
+        let c2 = reg.step_hits()?;
+        if c2 < cfg.end {
+            return Ok((cfg, cfg.end - 1));
+        }
+        c = c2;
+    }
+    bail!("the step counter moves too fast to close the window")
+}
+
+/// No window from now on.
+pub fn disarm(reg: &mut impl PlanRegister) -> Result<()> {
+    reg.set_plan(PlanConfig::DISARMED)
+}
+
+/// A plan programmed into the kernel.
+#[derive(Clone, Debug)]
+pub struct ActivePlan {
+    pub req: PlanRequest,
+    pub cfg: PlanConfig,
+    /// Last step inside the window once `stop` fixed it (open-ended plans).
+    pub stop_last: Option<u64>,
+    /// No more cycles after the current window (stopped).
+    pub final_cycle: bool,
+}
+
+impl ActivePlan {
+    pub fn cycles(&self) -> u64 {
+        self.req.plan.repeat.saturating_add(1)
+    }
+    pub fn cycle_start(&self, cycle: u64) -> u64 {
+        self.cfg
+            .start
+            .saturating_add(cycle.saturating_mul(self.cfg.period))
+    }
+}
+
+/// The open window, in steps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenSteps {
+    pub id: WindowId,
+    /// Which repetition of the plan (0 = the first window).
+    pub cycle: u64,
+    /// First step inside the kernel gate (warmup included).
+    pub first_step: u64,
+    pub first_recorded: u64,
+    /// Planned last recorded step (u64::MAX while open-ended).
+    pub last_recorded: u64,
+    /// The hooks were told the first recorded step began.
+    pub hooks_started: bool,
+}
+
+/// What the scheduler carries out, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Attach the collectors a plan asks for (`None`: the session default).
+    Arm { collect: Option<Vec<Builtin>> },
+    /// Detach every armed collector.
+    DisarmAll,
+    /// The step that just ended is one of the open window's recorded steps.
+    Record,
+    /// This boundary lies inside the open window (its timestamp is kept).
+    Boundary,
+    /// The open window's first recorded step just began.
+    StartHooks,
+    /// Finalize the window: hooks, collectors, files. `disarm`: detach the
+    /// collectors after sealing (no next cycle close enough to keep them).
+    /// `kernel`: the plan's kernel config while more cycles follow.
+    Close {
+        steps: OpenSteps,
+        complete: bool,
+        reason: Option<String>,
+        /// Timestamp of the boundary that closed it; 0 when none did.
+        end_ts_ns: u64,
+        disarm: bool,
+        kernel: Option<PlanConfig>,
+    },
+    /// Create the window (after arming its collectors); `start_hooks` when
+    /// it opens on a recorded step already (no warmup).
+    Open {
+        steps: OpenSteps,
+        req: Box<PlanRequest>,
+        start_hooks: bool,
+    },
+    /// A plan request was answered (applied, deferred-then-applied or
+    /// refused); config-file requests log it in their monitor.
+    Answered {
+        change: Option<u64>,
+        ok: bool,
+        msg: String,
+    },
+    /// Something to tell the user.
+    Notice(String),
+}
+
+/// One step boundary as the scheduler saw it.
+#[derive(Clone, Copy, Debug)]
+pub struct Boundary {
+    /// Hit index: this boundary begins step `k`.
+    pub k: u64,
+    pub ts_ns: u64,
+    /// The kernel's gate decision at this hit.
+    pub gate: bool,
+    /// The step this boundary ended, if the clock completed one.
+    pub completed: Option<u64>,
+    /// Steps to arm collectors ahead of a window at the current rate.
+    pub lead: u64,
+    /// The step clock's current step after this boundary.
+    pub now: u64,
+}
+
+/// Plans, the open window and the request waiting for it to end.
+#[derive(Debug)]
+pub struct WindowState {
+    plan: Option<ActivePlan>,
+    window: Option<OpenSteps>,
+    /// A request that arrived while a window was open: applied when it ends
+    /// (a later one replaces it).
+    deferred: Option<PlanRequest>,
+    next_id: u32,
+    /// End the session when the plan is done (flags mode).
+    exit_when_done: bool,
+    quit: bool,
+    done: bool,
+}
+
+impl WindowState {
+    pub fn new(exit_when_done: bool) -> Self {
+        Self {
+            plan: None,
+            window: None,
+            deferred: None,
+            next_id: 1,
+            exit_when_done,
+            quit: false,
+            done: false,
+        }
+    }
+
+    pub fn plan(&self) -> Option<&ActivePlan> {
+        self.plan.as_ref()
+    }
+    pub fn window(&self) -> Option<&OpenSteps> {
+        self.window.as_ref()
+    }
+    pub fn deferred(&self) -> Option<&PlanRequest> {
+        self.deferred.as_ref()
+    }
+    /// `quit` was asked for on the console.
+    pub fn quitting(&self) -> bool {
+        self.quit
+    }
+    /// The session should end.
+    pub fn done(&self) -> bool {
+        self.done
+    }
+    /// Ends the session (idle timeout).
+    pub fn set_done(&mut self) {
+        self.done = true;
+    }
+
+    /// A plan request: programmed now, or deferred while a window is open.
+    pub fn submit(
+        &mut self,
+        req: PlanRequest,
+        reg: &mut impl PlanRegister,
+        lead: u64,
+        out: &mut Vec<Action>,
+    ) -> Result<String> {
+        req.plan.validate()?;
+        if let Some(w) = &self.window {
+            let msg = format!(
+                "window {} is open; the new plan ({}) starts when it ends (a later change replaces it)",
+                w.id,
+                req.plan.describe()
+            );
+            self.deferred = Some(req);
+            return Ok(msg);
+        }
+        self.program_now(req, reg, lead, out)
+    }
+
+    fn program_now(
+        &mut self,
+        req: PlanRequest,
+        reg: &mut impl PlanRegister,
+        lead: u64,
+        out: &mut Vec<Action>,
+    ) -> Result<String> {
+        if req.plan.start_step == 0 {
+            // "no collection": cancel whatever is pending.
+            self.cancel_plan(reg, out);
+            return Ok("start_step 0: no collection planned".into());
+        }
+        if self.plan.is_some() {
+            self.cancel_plan(reg, out);
+        }
+        let cfg = program(reg, &req.plan)?;
+        let c = reg.step_hits()?;
+        let p = &req.plan;
+        let msg = if p.open_ended() {
+            format!("window opens at step {} and runs until `stop`", cfg.start)
+        } else {
+            let first = cfg.start + p.warmup;
+            let mut m = format!("window records steps {}..{}", first, first + p.active - 1);
+            if p.warmup > 0 {
+                m.push_str(&format!(" (warmup from step {})", cfg.start));
+            }
+            if p.repeat > 0 {
+                m.push_str(&format!(
+                    ", {} more time(s) every {} steps",
+                    p.repeat, cfg.period
+                ));
+            }
+            if p.start_step > 0 && cfg.start != p.start_step as u64 {
+                m.push_str(&format!(" (step {} had already begun)", p.start_step));
+            }
+            m
+        };
+        let collect = req.collect.clone();
+        self.plan = Some(ActivePlan {
+            req,
+            cfg,
+            stop_last: None,
+            final_cycle: false,
+        });
+        if cfg.start <= c + lead {
+            out.push(Action::Arm { collect });
+        }
+        Ok(msg)
+    }
+
+    /// Drops the plan (kernel and all); the collectors go too unless a
+    /// window still needs them.
+    pub fn cancel_plan(&mut self, reg: &mut impl PlanRegister, out: &mut Vec<Action>) {
+        if self.plan.take().is_some()
+            && let Err(e) = disarm(reg)
+        {
+            log::warn!("disarming the kernel plan: {e:#}");
+        }
+        if self.window.is_none() {
+            out.push(Action::DisarmAll);
+        }
+    }
+
+    /// Closes the open window at the next boundary, or cancels a pending plan.
+    pub fn stop(&mut self, reg: &mut impl PlanRegister, out: &mut Vec<Action>) -> Result<String> {
+        self.deferred = None;
+        let Some(p) = &mut self.plan else {
+            return Ok("no window open or pending".into());
+        };
+        let Some(w) = &mut self.window else {
+            self.cancel_plan(reg, out);
+            return Ok("pending window cancelled".into());
+        };
+        let (cfg, last) = program_stop(reg, p.cfg)?;
+        p.cfg = cfg;
+        p.stop_last = Some(last);
+        p.final_cycle = true;
+        if last < w.last_recorded {
+            w.last_recorded = last;
+        }
+        Ok(format!(
+            "window {} closes at the next boundary (step {})",
+            w.id,
+            last + 1
+        ))
+    }
+
+    /// A console command other than `status` (which only reads).
+    pub fn console(
+        &mut self,
+        req: ConsoleRequest,
+        reg: &mut impl PlanRegister,
+        lead: u64,
+        out: &mut Vec<Action>,
+    ) -> Result<String> {
+        match req {
+            ConsoleRequest::Status => Ok(String::new()),
+            ConsoleRequest::Start | ConsoleRequest::Capture(_) => {
+                if let Some(w) = &self.window {
+                    return Ok(format!(
+                        "window {} is already open (since step {}); `stop` it first",
+                        w.id, w.first_step
+                    ));
+                }
+                if let Some(p) = &self.plan {
+                    return Ok(format!(
+                        "a window is already pending (opens at step {}); `stop` cancels it",
+                        p.cfg.start
+                    ));
+                }
+                let plan = match req {
+                    ConsoleRequest::Capture(p) => p,
+                    _ => Plan {
+                        start_step: -1,
+                        warmup: 0,
+                        active: UNTIL_STOP,
+                        repeat: 0,
+                        gap: 0,
+                    },
+                };
+                self.submit(PlanRequest::new(plan, Source::Console), reg, lead, out)
+            }
+            ConsoleRequest::Stop => self.stop(reg, out),
+            ConsoleRequest::Quit => {
+                self.quit = true;
+                if self.window.is_some() {
+                    let m = self.stop(reg, out)?;
+                    Ok(format!("{m}; detaching after it is written"))
+                } else {
+                    self.cancel_plan(reg, out);
+                    self.done = true;
+                    Ok("detaching; the target keeps running".into())
+                }
+            }
+        }
+    }
+
+    /// A step boundary of the step marker.
+    pub fn on_step(&mut self, b: Boundary, reg: &mut impl PlanRegister, out: &mut Vec<Action>) {
+        let k = b.k;
+        // 1. the open window: keep the step that just ended, then close.
+        let mut close = false;
+        if let Some(w) = &mut self.window {
+            if let Some(c) = b.completed
+                && c >= w.first_recorded
+                && c <= w.last_recorded
+            {
+                out.push(Action::Record);
+            }
+            if k >= w.first_step {
+                out.push(Action::Boundary);
+            }
+            if k > w.last_recorded || (!b.gate && k > w.first_step) {
+                if k <= w.last_recorded {
+                    // The kernel closed the gate earlier than planned (stop).
+                    w.last_recorded = k.saturating_sub(1);
+                }
+                close = true;
+            } else if k >= w.first_recorded && !w.hooks_started {
+                w.hooks_started = true;
+                out.push(Action::StartHooks);
+            }
+        }
+        if close {
+            self.close(true, None, b.ts_ns, b, reg, out);
+        }
+        // 2. a new window opens where the kernel opened the gate.
+        if self.window.is_none()
+            && b.gate
+            && let Some(p) = &self.plan
+        {
+            let cfg = p.cfg;
+            // Before `start`: a stale plan write opened the gate early.
+            if k >= cfg.start && k < cfg.end && (k - cfg.start) % cfg.period < cfg.span {
+                let cycle = (k - cfg.start) / cfg.period;
+                let base = cfg.start + cycle * cfg.period;
+                let first_recorded = base + p.req.plan.warmup;
+                let last_recorded = match p.stop_last {
+                    Some(l) => l,
+                    None if p.req.plan.open_ended() => u64::MAX,
+                    None => first_recorded + p.req.plan.active - 1,
+                };
+                let id = WindowId(self.next_id);
+                self.next_id += 1;
+                let steps = OpenSteps {
+                    id,
+                    cycle,
+                    first_step: base,
+                    first_recorded,
+                    last_recorded,
+                    hooks_started: k >= first_recorded,
+                };
+                // Make sure collectors are armed (a window at the next boundary).
+                out.push(Action::Arm {
+                    collect: p.req.collect.clone(),
+                });
+                out.push(Action::Open {
+                    steps: steps.clone(),
+                    req: Box::new(p.req.clone()),
+                    start_hooks: steps.hooks_started,
+                });
+                self.window = Some(steps);
+            }
+        }
+        // 3. arm ahead of the next window.
+        if self.window.is_none()
+            && let Some(p) = &self.plan
+        {
+            let next = ((k.saturating_sub(p.cfg.start)) / p.cfg.period
+                + u64::from(k >= p.cfg.start))
+            .min(p.cycles());
+            if next < p.cycles() && p.cycle_start(next) <= k + b.lead {
+                out.push(Action::Arm {
+                    collect: p.req.collect.clone(),
+                });
+            }
+        }
+    }
+
+    /// The scheduler could not create the window [`Action::Open`] asked
+    /// for (e.g. an unwritable output directory): give up the plan, keep the
+    /// session (and other triggers) alive.
+    pub fn open_failed(&mut self, reg: &mut impl PlanRegister, out: &mut Vec<Action>) {
+        self.window = None;
+        self.cancel_plan(reg, out);
+        if self.exit_when_done {
+            self.done = true;
+        }
+    }
+
+    /// The session ends (detach, interrupt, target exit, limits): an open
+    /// window is closed incomplete with `reason`; a pending one is reported
+    /// as never reached (`why`).
+    pub fn finish(
+        &mut self,
+        reason: String,
+        why: &str,
+        now: u64,
+        reg: &mut impl PlanRegister,
+        out: &mut Vec<Action>,
+    ) {
+        if self.window.is_some() {
+            // No cycle follows: the window's probes go as soon as it closes.
+            if let Some(p) = &mut self.plan {
+                p.final_cycle = true;
+            }
+            let b = Boundary {
+                k: now,
+                ts_ns: 0,
+                gate: false,
+                completed: None,
+                lead: 0,
+                now,
+            };
+            self.close(false, Some(reason), 0, b, reg, out);
+        } else if let Some(p) = &self.plan {
+            out.push(Action::Notice(format!(
+                "the planned window (step {}) was never reached: {why}",
+                p.cfg.start
+            )));
+        }
+        self.plan = None;
+        let _ = disarm(reg);
+        out.push(Action::DisarmAll);
+    }
+
+    fn close(
+        &mut self,
+        complete: bool,
+        reason: Option<String>,
+        end_ts_ns: u64,
+        b: Boundary,
+        reg: &mut impl PlanRegister,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(w) = self.window.take() else {
+            return;
+        };
+        let plan_done = self
+            .plan
+            .as_ref()
+            .is_none_or(|p| p.final_cycle || w.cycle + 1 >= p.cycles());
+        // The kernel gate is already closed. The probes are detached unless
+        // the next cycle is too close to re-attach.
+        let (disarm, kernel) = match &self.plan {
+            _ if plan_done => (true, None),
+            Some(p) => (p.cycle_start(w.cycle + 1) > b.now + b.lead + 1, Some(p.cfg)),
+            None => (true, None),
+        };
+        if plan_done {
+            self.plan = None;
+        }
+        out.push(Action::Close {
+            steps: w,
+            complete,
+            reason,
+            end_ts_ns,
+            disarm,
+            kernel,
+        });
+        if !plan_done {
+            return;
+        }
+        // A change that arrived during the window applies now (last one wins).
+        if let Some(req) = self.deferred.take() {
+            let change = req.change;
+            let r = self.program_now(req, reg, b.lead, out);
+            let (ok, msg) = match &r {
+                Ok(m) => (true, format!("deferred plan applied: {m}")),
+                Err(e) => (false, format!("deferred plan refused: {e:#}")),
+            };
+            out.push(Action::Answered { change, ok, msg });
+        } else if self.exit_when_done || self.quit {
+            self.done = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel's step counter and plan slot, in memory.
+    #[derive(Default)]
+    struct Counter {
+        hits: u64,
+        plan: Option<PlanConfig>,
+    }
+
+    impl PlanRegister for Counter {
+        fn step_hits(&mut self) -> Result<u64> {
+            Ok(self.hits)
+        }
+        fn set_plan(&mut self, cfg: PlanConfig) -> Result<()> {
+            self.plan = Some(cfg);
+            Ok(())
+        }
+    }
+
+    /// A session: the counter, the state machine, and every action so far.
+    struct Run {
+        reg: Counter,
+        st: WindowState,
+        log: Vec<Action>,
+    }
+
+    impl Run {
+        fn new(exit_when_done: bool) -> Self {
+            Self {
+                reg: Counter::default(),
+                st: WindowState::new(exit_when_done),
+                log: Vec::new(),
+            }
+        }
+
+        fn submit(&mut self, plan: Plan, source: Source) -> String {
+            let mut out = Vec::new();
+            let m = self
+                .st
+                .submit(PlanRequest::new(plan, source), &mut self.reg, 2, &mut out)
+                .unwrap();
+            self.log.extend(out);
+            m
+        }
+
+        /// The next boundary, with the gate as the kernel decides it from
+        /// the programmed plan.
+        fn step(&mut self) -> Vec<Action> {
+            self.reg.hits += 1;
+            let k = self.reg.hits;
+            let gate = self.reg.plan.is_some_and(|c| c.gate(k));
+            let mut out = Vec::new();
+            self.st.on_step(
+                Boundary {
+                    k,
+                    ts_ns: k * 1000,
+                    gate,
+                    completed: (k > 1).then_some(k - 1),
+                    lead: 2,
+                    now: k,
+                },
+                &mut self.reg,
+                &mut out,
+            );
+            self.log.extend(out.clone());
+            out
+        }
+
+        /// Each closed window: (first recorded, last recorded, complete).
+        fn windows(&self) -> Vec<(u64, u64, bool)> {
+            self.log
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Close {
+                        steps, complete, ..
+                    } => Some((steps.first_recorded, steps.last_recorded, *complete)),
+                    _ => None,
+                })
+                .collect()
+        }
+
+        fn opens(&self) -> Vec<(u64, u64, u64)> {
+            self.log
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Open { steps, .. } => {
+                        Some((steps.first_step, steps.first_recorded, steps.last_recorded))
+                    }
+                    _ => None,
+                })
+                .collect()
+        }
+    }
+
+    fn plan(start: i64, warmup: u64, active: u64, repeat: u64, gap: u64) -> Plan {
+        Plan {
+            start_step: start,
+            warmup,
+            active,
+            repeat,
+            gap,
+        }
+    }
+
+    #[test]
+    fn start_warmup_active_records_exactly_those_steps() {
+        let mut r = Run::new(true);
+        let msg = r.submit(plan(5, 1, 3, 0, 0), Source::Flags);
+        assert_eq!(msg, "window records steps 6..8 (warmup from step 5)");
+        let mut recorded = Vec::new();
+        let mut hooks_at = Vec::new();
+        for _ in 0..12 {
+            let k = r.reg.hits + 1;
+            for a in r.step() {
+                match a {
+                    Action::Record => recorded.push(k - 1),
+                    Action::StartHooks => hooks_at.push(k),
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(r.opens(), vec![(5, 6, 8)]);
+        assert_eq!(recorded, vec![6, 7, 8]);
+        assert_eq!(hooks_at, vec![6]);
+        assert_eq!(r.windows(), vec![(6, 8, true)]);
+        assert!(r.st.done(), "flags mode ends when the plan is done");
+        assert!(r.st.plan().is_none());
+        // Armed ahead (two steps before 5, the lead), never after the close.
+        let first_arm = r
+            .log
+            .iter()
+            .position(|a| matches!(a, Action::Arm { .. }))
+            .unwrap();
+        let open = r
+            .log
+            .iter()
+            .position(|a| matches!(a, Action::Open { .. }))
+            .unwrap();
+        assert!(first_arm < open);
+        assert!(r.log.iter().any(|a| matches!(
+            a,
+            Action::Close {
+                disarm: true,
+                kernel: None,
+                ..
+            }
+        )));
+    }
+
+    #[test]
+    fn start_minus_one_opens_at_the_next_boundary() {
+        let mut r = Run::new(true);
+        for _ in 0..7 {
+            r.step();
+        }
+        let msg = r.submit(plan(-1, 0, 2, 0, 0), Source::Flags);
+        assert_eq!(msg, "window records steps 8..9");
+        // Next boundary is close: armed at once.
+        assert!(matches!(r.log.last(), Some(Action::Arm { collect: None })));
+        let out = r.step();
+        assert!(out.iter().any(|a| matches!(
+            a,
+            Action::Open {
+                start_hooks: true,
+                ..
+            }
+        )));
+        r.step();
+        r.step();
+        assert_eq!(r.opens(), vec![(8, 8, 9)]);
+        assert_eq!(r.windows(), vec![(8, 9, true)]);
+    }
+
+    #[test]
+    fn a_start_step_already_begun_moves_to_the_next_boundary() {
+        let mut r = Run::new(true);
+        for _ in 0..10 {
+            r.step();
+        }
+        let msg = r.submit(plan(4, 0, 1, 0, 0), Source::Flags);
+        assert_eq!(
+            msg,
+            "window records steps 11..11 (step 4 had already begun)"
+        );
+    }
+
+    #[test]
+    fn repeat_with_gap_opens_each_cycle() {
+        let mut r = Run::new(true);
+        r.submit(plan(3, 1, 2, 2, 1), Source::Flags);
+        for _ in 0..20 {
+            r.step();
+        }
+        // span 3 + gap 1 = period 4: cycles start at 3, 7, 11.
+        assert_eq!(r.opens(), vec![(3, 4, 5), (7, 8, 9), (11, 12, 13)]);
+        assert_eq!(
+            r.windows(),
+            vec![(4, 5, true), (8, 9, true), (12, 13, true)]
+        );
+        // Between cycles one step apart the collectors stay attached; the
+        // last window detaches them.
+        let disarms: Vec<bool> = r
+            .log
+            .iter()
+            .filter_map(|a| match a {
+                Action::Close { disarm, .. } => Some(*disarm),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(disarms, vec![false, false, true]);
+        assert!(r.st.done());
+    }
+
+    #[test]
+    fn stop_closes_an_open_ended_window_at_the_next_boundary() {
+        let mut r = Run::new(false);
+        let mut out = Vec::new();
+        let m =
+            r.st.console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
+                .unwrap();
+        assert_eq!(m, "window opens at step 1 and runs until `stop`");
+        for _ in 0..4 {
+            r.step();
+        }
+        assert_eq!(r.opens(), vec![(1, 1, u64::MAX)]);
+        let m = r.st.stop(&mut r.reg, &mut out).unwrap();
+        assert_eq!(m, "window 1 closes at the next boundary (step 5)");
+        r.step();
+        assert_eq!(r.windows(), vec![(1, 4, true)]);
+        assert!(r.st.plan().is_none() && r.st.window().is_none());
+        assert!(!r.st.done(), "the console stays after a window");
+    }
+
+    #[test]
+    fn quit_with_a_window_open_detaches_after_it() {
+        let mut r = Run::new(false);
+        let mut out = Vec::new();
+        r.st.console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
+            .unwrap();
+        r.step();
+        r.step();
+        let m =
+            r.st.console(ConsoleRequest::Quit, &mut r.reg, 2, &mut out)
+                .unwrap();
+        assert_eq!(
+            m,
+            "window 1 closes at the next boundary (step 3); detaching after it is written"
+        );
+        assert!(!r.st.done());
+        r.step();
+        assert_eq!(r.windows(), vec![(1, 2, true)]);
+        assert!(r.st.done());
+    }
+
+    #[test]
+    fn interrupt_closes_the_open_window_incomplete() {
+        let mut r = Run::new(true);
+        r.submit(plan(2, 0, 10, 3, 0), Source::Flags);
+        for _ in 0..5 {
+            r.step();
+        }
+        let mut out = Vec::new();
+        r.st.finish("interrupted".into(), "interrupted", 5, &mut r.reg, &mut out);
+        let closes: Vec<_> = out
+            .iter()
+            .filter_map(|a| match a {
+                Action::Close {
+                    steps,
+                    complete,
+                    reason,
+                    disarm,
+                    ..
+                } => Some((steps.first_recorded, *complete, reason.clone(), *disarm)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            closes,
+            vec![(2, false, Some("interrupted".to_string()), true)],
+            "no further cycle after an interrupt"
+        );
+        assert_eq!(out.last(), Some(&Action::DisarmAll));
+        assert_eq!(r.reg.plan, Some(PlanConfig::DISARMED));
+        assert!(r.st.plan().is_none());
+    }
+
+    #[test]
+    fn target_exit_before_the_window_reports_it_never_reached() {
+        let mut r = Run::new(true);
+        r.submit(plan(50, 0, 1, 0, 0), Source::Flags);
+        r.step();
+        let mut out = Vec::new();
+        r.st.finish(
+            "target exited".into(),
+            "the target exited",
+            1,
+            &mut r.reg,
+            &mut out,
+        );
+        assert_eq!(
+            out,
+            vec![
+                Action::Notice(
+                    "the planned window (step 50) was never reached: the target exited".into()
+                ),
+                Action::DisarmAll
+            ]
+        );
+        assert_eq!(r.reg.plan, Some(PlanConfig::DISARMED));
+    }
+
+    #[test]
+    fn a_request_during_a_window_is_deferred_and_the_last_one_wins() {
+        let mut r = Run::new(false);
+        r.submit(plan(2, 0, 3, 0, 0), Source::ConfigFile);
+        r.step();
+        r.step();
+        assert_eq!(r.opens().len(), 1);
+        let m = r.submit(plan(20, 0, 1, 0, 0), Source::ConfigFile);
+        assert_eq!(
+            m,
+            "window 1 is open; the new plan (start step 20, warmup 0, active 1) starts when it ends (a later change replaces it)"
+        );
+        r.submit(plan(-1, 1, 2, 0, 0), Source::ConfigFile);
+        assert_eq!(r.st.deferred().map(|d| d.plan.warmup), Some(1));
+        // The open window is untouched by the deferred requests.
+        for _ in 0..3 {
+            r.step();
+        }
+        assert_eq!(r.windows(), vec![(2, 4, true)]);
+        // The last request was programmed when the window closed (at step
+        // 5: the next boundary is 6, warmup 1).
+        let answered: Vec<_> = r
+            .log
+            .iter()
+            .filter_map(|a| match a {
+                Action::Answered { ok, msg, .. } => Some((*ok, msg.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            answered,
+            vec![(
+                true,
+                "deferred plan applied: window records steps 7..8 (warmup from step 6)".into()
+            )]
+        );
+        for _ in 0..5 {
+            r.step();
+        }
+        assert_eq!(r.opens(), vec![(2, 2, 4), (6, 7, 8)]);
+        assert!(r.st.deferred().is_none());
+    }
+
+    #[test]
+    fn start_step_zero_cancels_a_pending_plan() {
+        let mut r = Run::new(false);
+        r.submit(plan(10, 0, 1, 0, 0), Source::Console);
+        let m = r.submit(plan(0, 0, 1, 0, 0), Source::Console);
+        assert_eq!(m, "start_step 0: no collection planned");
+        assert!(r.st.plan().is_none());
+        assert_eq!(r.reg.plan, Some(PlanConfig::DISARMED));
+        for _ in 0..12 {
+            r.step();
+        }
+        assert!(r.opens().is_empty());
+    }
+
+    #[test]
+    fn an_unopenable_window_cancels_its_plan() {
+        let mut r = Run::new(true);
+        r.submit(plan(2, 0, 1, 5, 0), Source::Flags);
+        r.step();
+        let out = r.step();
+        assert!(out.iter().any(|a| matches!(a, Action::Open { .. })));
+        let mut out = Vec::new();
+        r.st.open_failed(&mut r.reg, &mut out);
+        assert_eq!(out, vec![Action::DisarmAll]);
+        assert!(r.st.plan().is_none() && r.st.window().is_none());
+        assert!(r.st.done());
+    }
+
+    #[test]
+    fn console_refuses_a_second_window() {
+        let mut r = Run::new(false);
+        let mut out = Vec::new();
+        r.st.console(
+            ConsoleRequest::Capture(plan(5, 0, 1, 0, 0)),
+            &mut r.reg,
+            2,
+            &mut out,
+        )
+        .unwrap();
+        let m =
+            r.st.console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
+                .unwrap();
+        assert_eq!(
+            m,
+            "a window is already pending (opens at step 5); `stop` cancels it"
+        );
+        let m = r.st.stop(&mut r.reg, &mut out).unwrap();
+        assert_eq!(m, "pending window cancelled");
+    }
+}
