@@ -21,6 +21,11 @@ pub mod ringbuf {
 pub const MAX_MARKERS: u32 = 64;
 /// Runtime APIs the `api` collector can trace at once.
 pub const MAX_APIS: u32 = 512;
+/// Runtime probe addresses (markers and APIs, each) the no-cookie program
+/// variants can tell apart; a library mapped twice counts twice.
+pub const MAX_PROBE_ADDRS: u32 = 4096;
+/// API calls in flight per thread that the no-cookie API programs record.
+pub const API_STACK_DEPTH: usize = 8;
 /// Longest string-argument prefix the kernel compares.
 pub const PREFIX_LEN: usize = 64;
 
@@ -66,6 +71,9 @@ pub mod drop_slot {
     pub const CPU_STACK: u32 = 4;
     pub const OFFCPU_STACK: u32 = 5;
     pub const API_NESTING: u32 = 6;
+    /// A no-cookie program hit at an address user space did not register
+    /// (a library mapped after attach).
+    pub const UNKNOWN_ADDR: u32 = 7;
     pub const COUNT: u32 = 8;
 }
 
@@ -89,6 +97,8 @@ pub mod reg {
     pub const RSI: u32 = 13;
     pub const RDI: u32 = 14;
     pub const RIP: u32 = 16;
+    /// The instruction pointer, which a uprobe handler sees at the probe.
+    pub const IP: u32 = RIP;
     pub const RSP: u32 = 19;
     /// Words in `struct pt_regs`.
     pub const COUNT: u32 = 21;
@@ -300,6 +310,27 @@ pub struct ApiKey {
     pub api: u32,
 }
 
+/// One API call in flight ([`ApiStack`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApiFrame {
+    pub api: u32,
+    /// 1 when the call began with the window gate open.
+    pub in_window: u32,
+    pub ts_ns: u64,
+}
+
+/// A thread's API calls in flight, for kernels without attach cookies.
+/// `depth` may exceed [`API_STACK_DEPTH`]: the calls beyond it are not
+/// stored but still counted, so returns keep matching their entries.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApiStack {
+    pub depth: u32,
+    pub _pad: u32,
+    pub frames: [ApiFrame; API_STACK_DEPTH],
+}
+
 /// Switch-out record kept per thread until it runs again.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -316,4 +347,5 @@ mod pod {
     unsafe impl aya::Pod for PlanConfig {}
     unsafe impl aya::Pod for KernelState {}
     unsafe impl aya::Pod for OffCpuStart {}
+    unsafe impl aya::Pod for ApiStack {}
 }

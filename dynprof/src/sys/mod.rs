@@ -11,11 +11,13 @@
 //! | `caps` | dynprof's own capabilities: check, and drop after attach |
 //! | `targetdir` | make, check and list directories in a target's world, through `rootfs` |
 //! | `uprobe` | uprobe perf events with kernel-owned USDT semaphores; the /proc/PID/mem fallback |
+//! | `kernel` | probe the running kernel's BPF features (helpers, map types, PMU formats) |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 pub mod caps;
 pub mod creds;
 pub mod exec;
 pub mod hostfs;
+pub mod kernel;
 pub mod memory;
 pub mod rootfs;
 pub mod targetdir;

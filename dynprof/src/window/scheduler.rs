@@ -841,6 +841,8 @@ impl Scheduler {
         // Who held the USDT semaphores (kernel or the /proc/PID/mem fallback).
         meta["usdt_semaphores"] =
             serde_json::to_value(ctx.kernel.semaphore_report()).unwrap_or_default();
+        // The kernel's release and the paths taken on it (docs/portability.md).
+        meta["kernel"] = serde_json::to_value(ctx.kernel.paths()).unwrap_or_default();
         // Files are written off the event loop; the notice follows on a tick.
         let job = WriteJob {
             id: w.id,
