@@ -277,7 +277,7 @@ pub fn cargo_fuzz() -> Result<()> {
     Ok(())
 }
 
-fn dpkg_installed(pkg: &str) -> Result<bool> {
+pub fn dpkg_installed(pkg: &str) -> Result<bool> {
     let out = try_output(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))?
         .context("dpkg-query not found")?;
     Ok(out.status.success()
@@ -285,7 +285,12 @@ fn dpkg_installed(pkg: &str) -> Result<bool> {
 }
 
 fn debian_packages() -> Result<()> {
-    let names: Vec<&str> = DEBIAN_PACKAGES.iter().map(|(p, _)| *p).collect();
+    ensure_packages(DEBIAN_PACKAGES)
+}
+
+/// Installs the missing ones of `packages` (name, why) with apt-get.
+pub fn ensure_packages(packages: &[(&str, &str)]) -> Result<()> {
+    let names: Vec<&str> = packages.iter().map(|(p, _)| *p).collect();
     if try_output(Command::new("dpkg-query").arg("--version"))?.is_none() {
         bail!(
             "this is not a Debian-based system (no dpkg-query); install the equivalents of these \
@@ -294,7 +299,7 @@ fn debian_packages() -> Result<()> {
         );
     }
     let mut missing = Vec::new();
-    for (pkg, why) in DEBIAN_PACKAGES {
+    for (pkg, why) in packages {
         if dpkg_installed(pkg)? {
             say(&format!("package {pkg}"), "ok (already installed)");
         } else {
