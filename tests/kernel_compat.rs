@@ -159,10 +159,12 @@ fn kernel_compat_without_cookies_api_window_counts_every_call() {
         .args([
             "--calls-per-step",
             &calls_per_step.to_string(),
-            // 300 ms of host work per step: the scheduler arms the API
-            // probes in the lead-in step, which takes long in a TCG VM.
+            // 1 s of host work per step: the scheduler arms the API probes
+            // two steps ahead of the window, and arming takes long in a
+            // TCG VM (shorter steps there open the window before the
+            // probes exist, and the first calls go unseen).
             "--cpu-us",
-            "300000",
+            "1000000",
         ])
         .arg("--log")
         .arg(dir.join("trainer.log"))
@@ -178,7 +180,7 @@ fn kernel_compat_without_cookies_api_window_counts_every_call() {
             "exe:optimizer_step",
             "--json",
             "--start-step",
-            "5",
+            "3",
             "--active",
             "3",
             "--collect",
@@ -209,7 +211,8 @@ fn kernel_compat_without_cookies_api_window_counts_every_call() {
     assert_eq!(
         summary["api_calls"].as_u64(),
         Some(3 * (calls_per_step + 2)),
-        "{summary}\n{stderr}"
+        "{summary}\n{stderr}\n{}",
+        std::fs::read_to_string(prof[0].join("api_summary.csv")).unwrap_or_default()
     );
     assert_eq!(summary["drops"]["api"].as_u64(), Some(0), "{summary}");
     assert_eq!(meta["kernel"]["probe_identity"], "address", "{meta}");

@@ -80,7 +80,7 @@ pub mod drop_slot {
 /// x86-64 registers a marker argument can live in, as word indices into the
 /// kernel's `struct pt_regs` (arch/x86/include/asm/ptrace.h). Function
 /// arguments 0..5 are the SysV registers; USDT operands may name any of them.
-pub mod reg {
+pub mod reg_x86_64 {
     pub const R15: u32 = 0;
     pub const R14: u32 = 1;
     pub const R13: u32 = 2;
@@ -97,12 +97,43 @@ pub mod reg {
     pub const RSI: u32 = 13;
     pub const RDI: u32 = 14;
     pub const RIP: u32 = 16;
+    pub const RSP: u32 = 19;
     /// The instruction pointer, which a uprobe handler sees at the probe.
     pub const IP: u32 = RIP;
-    pub const RSP: u32 = 19;
+    /// Integer argument registers of the SysV ABI, in order.
+    pub const ARGS: [u32; 6] = [RDI, RSI, RDX, RCX, R8, R9];
     /// Words in `struct pt_regs`.
     pub const COUNT: u32 = 21;
 }
+
+/// arm64 registers as word indices into the kernel's `struct pt_regs`,
+/// whose head is `struct user_pt_regs` (arch/arm64/include/uapi/asm/ptrace.h):
+/// `regs[31]` (x0..x30), `sp`, `pc`, `pstate`.
+pub mod reg_aarch64 {
+    /// `xN` (and its 32-bit view `wN`) for N in 0..=30.
+    pub const fn x(n: u32) -> u32 {
+        n
+    }
+    /// The frame pointer, x29.
+    pub const FP: u32 = 29;
+    /// The link register, x30.
+    pub const LR: u32 = 30;
+    pub const SP: u32 = 31;
+    pub const PC: u32 = 32;
+    /// The instruction pointer, which a uprobe handler sees at the probe.
+    pub const IP: u32 = PC;
+    /// Integer argument registers of AAPCS64 (x0..x7), in order.
+    pub const ARGS: [u32; 8] = [0, 1, 2, 3, 4, 5, 6, 7];
+    /// Words of `struct user_pt_regs` (x0..x30, sp, pc, pstate).
+    pub const COUNT: u32 = 34;
+}
+
+/// The registers of the architecture being built: the eBPF object is built
+/// per target (aya-build passes `bpf_target_arch`), user space per host.
+#[cfg(any(bpf_target_arch = "aarch64", target_arch = "aarch64"))]
+pub use reg_aarch64 as reg;
+#[cfg(not(any(bpf_target_arch = "aarch64", target_arch = "aarch64")))]
+pub use reg_x86_64 as reg;
 
 /// Per-marker configuration, written by user space into `MARKERS[cookie]`.
 #[repr(C)]

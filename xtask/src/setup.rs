@@ -26,7 +26,19 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
         "bpftool",
         "the attach/detach leak test lists loaded eBPF programs, links and maps",
     ),
+    (
+        "gcc-aarch64-linux-gnu",
+        "the aarch64 cross build (linker for aarch64-unknown-linux-gnu; docs/portability.md)",
+    ),
+    (
+        "libc6-dev-arm64-cross",
+        "the aarch64 cross build (arm64 glibc to link against)",
+    ),
 ];
+
+/// The Rust target of the aarch64 cross build; its linker is set in
+/// .cargo/config.toml.
+pub const AARCH64_TARGET: &str = "aarch64-unknown-linux-gnu";
 
 fn say(what: &str, state: &str) {
     println!("[setup] {what}: {state}");
@@ -37,6 +49,7 @@ pub fn run() -> Result<()> {
     rust_src()?;
     bpf_linker()?;
     debian_packages()?;
+    aarch64_target()?;
     tracefs();
     cargo_fuzz()?;
     println!("[setup] done");
@@ -90,6 +103,25 @@ fn rust_src() -> Result<()> {
         "could not add rust-src; try: rustup component add rust-src --toolchain nightly",
     )?;
     say(what, "ok (installed)");
+    Ok(())
+}
+
+/// `rustup target add aarch64-unknown-linux-gnu` for the default toolchain
+/// (user space; the eBPF object is built by the nightly for `bpfel`).
+fn aarch64_target() -> Result<()> {
+    let what = format!("rust target {AARCH64_TARGET}");
+    let installed = stdout_of(rustup().args(["target", "list", "--installed"]))?;
+    if installed.lines().any(|l| l.trim() == AARCH64_TARGET) {
+        say(&what, "ok (already installed)");
+        return Ok(());
+    }
+    say(&what, "missing, installing");
+    util::run(rustup().args(["target", "add", AARCH64_TARGET])).with_context(|| {
+        format!(
+            "could not add the {AARCH64_TARGET} target; try: rustup target add {AARCH64_TARGET}"
+        )
+    })?;
+    say(&what, "ok (installed)");
     Ok(())
 }
 

@@ -92,6 +92,28 @@ pub struct Options {
     pub only: Vec<String>,
 }
 
+/// The tests run in the arm64 VM: the host root's tools (make, python3,
+/// flock) are x86-64 there, so only tests whose targets are the fixtures,
+/// prebuilt for arm64 on the host, can run.
+const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
+    ("kernel_compat", &[]),
+    (
+        "attach_trainer",
+        &["attach_trainer_one_event_per_optimizer_step_inside_its_call"],
+    ),
+    (
+        "usdt_attach",
+        &[
+            "usdt_native_trainer_probe_by_exe",
+            "usdt_native_trainer_probe_by_path_with_string_filter",
+        ],
+    ),
+    (
+        "windows",
+        &["windows_plan_records_exactly_the_planned_steps"],
+    ),
+];
+
 /// The tests run in the VM: (test binary, exact test names; empty = all).
 /// Chosen to cover what differs between kernels: marker attach (native
 /// and USDT, with and without kernel-owned semaphores), exact windows, and
@@ -110,7 +132,8 @@ const VM_TESTS: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// Kernel modules the initramfs loads, in order, to mount the host's root.
+/// Kernel modules the initramfs loads (after their dependencies) to mount
+/// the host's root.
 const MODULES: &[&str] = &[
     "virtio",
     "virtio_ring",
@@ -146,6 +169,9 @@ pub fn run(o: &Options) -> Result<()> {
         (o.arch.qemu_package(), "QEMU for vm-test"),
         ("busybox-static", "the VM's initramfs"),
     ])?;
+    if o.arch == Arch::Aarch64 {
+        arm64_runtime()?;
+    }
     let cache = cache_dir();
     let kdir = kernel_package(&cache, suite, &o.kernel, o.arch)?;
     let release = format!("{}-{}", o.kernel, o.arch.deb());
@@ -155,14 +181,23 @@ pub fn run(o: &Options) -> Result<()> {
 
     say("building the test binaries and fixtures on the host");
     let tests = build_tests(o.arch, &o.only)?;
-    fixtures::build()?;
+    let fixtures_dir = match o.arch {
+        Arch::X86_64 => {
+            fixtures::build()?;
+            None
+        }
+        Arch::Aarch64 => Some(cross_fixtures()?),
+    };
 
     let run_dir = cache
         .join("runs")
         .join(format!("{}-{release}", std::process::id()));
     let _ = std::fs::remove_dir_all(&run_dir);
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
-    std::fs::write(run_dir.join("cmd.sh"), script(&tests))?;
+    std::fs::write(
+        run_dir.join("cmd.sh"),
+        script(&tests, fixtures_dir.as_deref()),
+    )?;
 
     say(&format!(
         "booting Debian {suite}'s {release} under {} (TCG)",
@@ -352,11 +387,26 @@ fn initramfs(
     std::fs::copy(busybox, root.join("bin/busybox"))
         .with_context(|| format!("copying {}", busybox.display()))?;
     let moddir = kdir.join("lib/modules").join(release);
-    for m in MODULES {
-        let found = find_module(&moddir, m)?
+    let index = module_index(&moddir)?;
+    // A module the package does not ship is built into the kernel.
+    let wanted: Vec<&str> = MODULES
+        .iter()
+        .copied()
+        .filter(|m| index.contains_key(*m))
+        .collect();
+    let order = load_order(&wanted, |m| {
+        let p = index
+            .get(m)
             .with_context(|| format!("module {m}.ko not in {} ({arch:?})", moddir.display()))?;
-        std::fs::copy(&found, root.join("modules").join(format!("{m}.ko")))?;
+        module_depends(p)
+    })?;
+    for m in &order {
+        std::fs::copy(
+            &index[m.as_str()],
+            root.join("modules").join(format!("{m}.ko")),
+        )?;
     }
+    std::fs::write(root.join("modules/order"), order.join("\n") + "\n")?;
     let init_path = root.join("init");
     std::fs::write(&init_path, &init)?;
     std::fs::set_permissions(
@@ -374,8 +424,9 @@ fn initramfs(
     Ok(out)
 }
 
-fn find_module(dir: &Path, name: &str) -> Result<Option<PathBuf>> {
-    let want = format!("{name}.ko");
+/// Every `.ko` under `dir` by module name (`-` and `_` are the same).
+fn module_index(dir: &Path) -> Result<BTreeMap<String, PathBuf>> {
+    let mut out = BTreeMap::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).with_context(|| format!("reading {}", d.display()))? {
@@ -383,24 +434,73 @@ fn find_module(dir: &Path, name: &str) -> Result<Option<PathBuf>> {
             let p = e.path();
             if e.file_type()?.is_dir() {
                 stack.push(p);
-            } else if p.file_name().is_some_and(|f| f == want.as_str()) {
-                return Ok(Some(p));
+            } else if let Some(n) = p.file_name().and_then(|f| f.to_str())
+                && let Some(stem) = n.strip_suffix(".ko")
+            {
+                out.insert(stem.replace('-', "_"), p);
             }
         }
     }
-    Ok(None)
+    Ok(out)
+}
+
+/// The `depends=` list of a module's `.modinfo` (what depmod reads).
+fn module_depends(ko: &Path) -> Result<Vec<String>> {
+    let data = std::fs::read(ko).with_context(|| format!("reading {}", ko.display()))?;
+    Ok(depends_in(&data))
+}
+
+fn depends_in(data: &[u8]) -> Vec<String> {
+    const KEY: &[u8] = b"\0depends=";
+    let Some(at) = data.windows(KEY.len()).position(|w| w == KEY) else {
+        return Vec::new();
+    };
+    let rest = &data[at + KEY.len()..];
+    let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+    String::from_utf8_lossy(&rest[..end])
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.replace('-', "_"))
+        .collect()
+}
+
+/// `wanted` with their dependencies, each after what it depends on.
+fn load_order(
+    wanted: &[&str],
+    mut depends: impl FnMut(&str) -> Result<Vec<String>>,
+) -> Result<Vec<String>> {
+    fn visit(
+        m: &str,
+        depends: &mut dyn FnMut(&str) -> Result<Vec<String>>,
+        seen: &mut Vec<String>,
+        out: &mut Vec<String>,
+    ) -> Result<()> {
+        if seen.iter().any(|s| s == m) {
+            return Ok(());
+        }
+        seen.push(m.to_string());
+        for d in depends(m)? {
+            visit(&d, depends, seen, out)?;
+        }
+        out.push(m.to_string());
+        Ok(())
+    }
+    let (mut seen, mut out) = (Vec::new(), Vec::new());
+    for m in wanted {
+        visit(m, &mut depends, &mut seen, &mut out)?;
+    }
+    Ok(out)
 }
 
 /// `/init`: mount the host root read-only with a tmpfs overlay, the result
 /// share at /vm-out, and run /vm-out/cmd.sh with the VM's own busybox (the
 /// host's /bin/sh may be of another architecture).
 fn init_script() -> String {
-    let mods = MODULES.join(" ");
     format!(
         r#"#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-for m in {mods}; do insmod /modules/$m.ko || echo "VM-ERROR insmod $m"; done
+for m in $(cat /modules/order); do insmod /modules/$m.ko || echo "VM-ERROR insmod $m"; done
 mkdir -p /lower /rw /out
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144,cache=loose hostroot /lower || echo "VM-ERROR 9p hostroot"
 mount -t tmpfs -o size=75% tmpfs /rw; mkdir -p /rw/up /rw/work
@@ -423,12 +523,15 @@ poweroff -f
 }
 
 /// The script run inside: each test binary with its exact test names.
-fn script(tests: &[(PathBuf, &[&str])]) -> String {
+fn script(tests: &[(PathBuf, &[&str])], fixtures_dir: Option<&Path>) -> String {
     let mut s = format!(
         "cd '{}'\nexport PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root\n\
          fail=0\nread up _ < /proc/uptime; echo \"TESTS-START $up\"\n",
         util::workspace_root().display()
     );
+    if let Some(d) = fixtures_dir {
+        s.push_str(&format!("export DYNPROF_FIXTURES_DIR='{}'\n", d.display()));
+    }
     for (bin, names) in tests {
         s.push_str(&format!("'{}' --test-threads=1", bin.display()));
         if !names.is_empty() {
@@ -445,14 +548,18 @@ fn script(tests: &[(PathBuf, &[&str])]) -> String {
 
 /// Builds the VM's test binaries; returns them with their test names.
 fn build_tests(arch: Arch, only: &[String]) -> Result<Vec<(PathBuf, &'static [&'static str])>> {
-    let chosen: Vec<&(&str, &[&str])> = VM_TESTS
+    let all = match arch {
+        Arch::X86_64 => VM_TESTS,
+        Arch::Aarch64 => VM_TESTS_AARCH64,
+    };
+    let chosen: Vec<&(&str, &[&str])> = all
         .iter()
         .filter(|(n, _)| only.is_empty() || only.iter().any(|o| o == n))
         .collect();
     if chosen.is_empty() {
         bail!(
             "--only matches none of the VM's test binaries: {}",
-            VM_TESTS.iter().map(|t| t.0).collect::<Vec<_>>().join(", ")
+            all.iter().map(|t| t.0).collect::<Vec<_>>().join(", ")
         );
     }
     let mut cmd = util::cargo();
@@ -491,6 +598,56 @@ fn build_tests(arch: Arch, only: &[String]) -> Result<Vec<(PathBuf, &'static [&'
             Ok((exe.clone(), *names))
         })
         .collect()
+}
+
+/// The fixtures built for arm64 with the cross compilers, in
+/// `<target>/aarch64-unknown-linux-gnu/fixtures`.
+fn cross_fixtures() -> Result<PathBuf> {
+    let dir = util::target_dir()
+        .join(setup::AARCH64_TARGET)
+        .join("fixtures");
+    std::fs::create_dir_all(&dir)?;
+    util::run(
+        Command::new("make")
+            .arg("--no-print-directory")
+            .arg("-C")
+            .arg(util::workspace_root().join("tests/fixtures"))
+            .arg(format!("OUT={}", dir.display()))
+            .arg("CC=aarch64-linux-gnu-gcc")
+            .arg("CXX=aarch64-linux-gnu-g++"),
+    )
+    .context("cross-building the fixtures for arm64 (needs gcc/g++-aarch64-linux-gnu)")?;
+    Ok(dir)
+}
+
+/// What arm64 binaries need on the shared host root: the cross C++
+/// compiler for the fixtures and, to run at all, arm64 glibc
+/// (`/lib/ld-linux-aarch64.so.1`, from libc6:arm64 through dpkg multiarch).
+fn arm64_runtime() -> Result<()> {
+    setup::ensure_packages(&[(
+        "g++-aarch64-linux-gnu",
+        "the C++ fixtures, cross-built for the arm64 VM",
+    )])?;
+    if setup::dpkg_installed("libc6:arm64")? {
+        return Ok(());
+    }
+    let archs = util::stdout_of(Command::new("dpkg").arg("--print-foreign-architectures"))?;
+    if !archs.lines().any(|a| a.trim() == "arm64") {
+        say("dpkg --add-architecture arm64 (for libc6:arm64)");
+        util::run(Command::new("dpkg").args(["--add-architecture", "arm64"]))?;
+        util::run(
+            Command::new("apt-get")
+                .args(["update", "-q"])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )?;
+    }
+    setup::ensure_packages(&[
+        (
+            "libc6:arm64",
+            "arm64 glibc for the binaries run in the arm64 VM",
+        ),
+        ("libstdc++6:arm64", "the C++ fixtures in the arm64 VM"),
+    ])
 }
 
 /// Runs the VM to its end (or the timeout), echoing the console; returns it.
@@ -558,6 +715,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn modules_load_after_their_dependencies() {
+        let deps = |m: &str| -> Result<Vec<String>> {
+            Ok(match m {
+                "9p" => vec!["9pnet".into(), "netfs".into()],
+                "9pnet_virtio" => vec!["9pnet".into(), "virtio_ring".into()],
+                "virtio_pci" => vec!["virtio_pci_modern_dev".into(), "virtio".into()],
+                _ => vec![],
+            })
+        };
+        let order = load_order(&["virtio_pci", "9pnet_virtio", "9p"], deps).unwrap();
+        assert_eq!(
+            order,
+            [
+                "virtio_pci_modern_dev",
+                "virtio",
+                "virtio_pci",
+                "9pnet",
+                "virtio_ring",
+                "9pnet_virtio",
+                "netfs",
+                "9p"
+            ]
+        );
+        let modinfo = b"\0license=GPL\0depends=9pnet,netfs,fscache\0vermagic=6.1\0";
+        assert_eq!(depends_in(modinfo), ["9pnet", "netfs", "fscache"]);
+        assert!(depends_in(b"\0depends=\0x").is_empty());
+    }
+
+    #[test]
     fn suites_of_kernel_versions() {
         assert_eq!(suite_of("5.10.0-30").unwrap(), "bullseye");
         assert_eq!(suite_of("6.1.0-28").unwrap(), "bookworm");
@@ -571,10 +757,14 @@ mod tests {
 
     #[test]
     fn script_runs_each_binary_with_its_exact_names() {
-        let s = script(&[
-            (PathBuf::from("/t/a-1"), &["x", "y"][..]),
-            (PathBuf::from("/t/b-2"), &[][..]),
-        ]);
+        let s = script(
+            &[
+                (PathBuf::from("/t/a-1"), &["x", "y"][..]),
+                (PathBuf::from("/t/b-2"), &[][..]),
+            ],
+            Some(Path::new("/f")),
+        );
+        assert!(s.contains("export DYNPROF_FIXTURES_DIR='/f'\n"), "{s}");
         assert!(
             s.contains("'/t/a-1' --test-threads=1 --exact 'x' 'y' || fail=1\n"),
             "{s}"
