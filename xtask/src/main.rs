@@ -40,7 +40,8 @@ enum Cmd {
     /// Install/verify everything the build and the tests need (idempotent).
     Setup,
     /// Run setup, build the workspace, then run every test (unit + privileged
-    /// integration), then each fuzz target for 20 s.
+    /// integration), then each fuzz target for 20 s, then the VM kernel
+    /// matrix (`vm-test` on x86-64 5.10 and 6.1).
     ///
     /// Arguments after `--` go to `cargo test`; a second `--` passes the rest
     /// to the test harness, e.g. `cargo xtask test -- -p dynprof --test fixtures_smoke -- --nocapture`.
@@ -49,6 +50,9 @@ enum Cmd {
         /// Do not run the fuzz targets.
         #[arg(long)]
         no_fuzz: bool,
+        /// Do not run the kernel matrix in QEMU (`vm-test`, about 5 min).
+        #[arg(long)]
+        no_vm: bool,
         /// Extra arguments for `cargo test`.
         #[arg(last = true)]
         args: Vec<String>,
@@ -90,7 +94,15 @@ fn main() {
     let cli = Cli::parse();
     let result: Result<()> = match cli.cmd {
         Cmd::Setup => setup::run_with_torch2(),
-        Cmd::Test { no_fuzz, args } => test::run(&args, !no_fuzz && args.is_empty()),
+        Cmd::Test {
+            no_fuzz,
+            no_vm,
+            args,
+        } => test::run(
+            &args,
+            !no_fuzz && args.is_empty(),
+            !no_vm && args.is_empty(),
+        ),
         Cmd::Demo => demo::run(),
         Cmd::Bench { args } => bench::run(&args),
         Cmd::Fuzz { args } => fuzz::run(&args),
