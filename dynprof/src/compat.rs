@@ -86,18 +86,6 @@ pub const ATTACH_COOKIE: Requirement = Requirement {
               in a map; APIs' returns are paired with entries on a per-thread stack",
 };
 
-/// Every requirement, in the order of docs/portability.md.
-pub const REQUIREMENTS: &[&Requirement] = &[
-    &UPROBE_PMU,
-    &URETPROBE_PMU,
-    &REF_CTR_OFFSET,
-    &GLOBAL_DATA,
-    &BTF,
-    &PROBE_READ_KERNEL,
-    &RINGBUF,
-    &ATTACH_COOKIE,
-];
-
 /// How a program knows which marker or API fired.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
