@@ -21,6 +21,11 @@ pub mod ringbuf {
 pub const MAX_MARKERS: u32 = 64;
 /// Runtime APIs the `api` collector can trace at once.
 pub const MAX_APIS: u32 = 512;
+/// Runtime probe addresses (markers and APIs, each) the no-cookie program
+/// variants can tell apart; a library mapped twice counts twice.
+pub const MAX_PROBE_ADDRS: u32 = 4096;
+/// API calls in flight per thread that the no-cookie API programs record.
+pub const API_STACK_DEPTH: usize = 8;
 /// Longest string-argument prefix the kernel compares.
 pub const PREFIX_LEN: usize = 64;
 
@@ -66,13 +71,16 @@ pub mod drop_slot {
     pub const CPU_STACK: u32 = 4;
     pub const OFFCPU_STACK: u32 = 5;
     pub const API_NESTING: u32 = 6;
+    /// A no-cookie program hit at an address user space did not register
+    /// (a library mapped after attach).
+    pub const UNKNOWN_ADDR: u32 = 7;
     pub const COUNT: u32 = 8;
 }
 
 /// x86-64 registers a marker argument can live in, as word indices into the
 /// kernel's `struct pt_regs` (arch/x86/include/asm/ptrace.h). Function
 /// arguments 0..5 are the SysV registers; USDT operands may name any of them.
-pub mod reg {
+pub mod reg_x86_64 {
     pub const R15: u32 = 0;
     pub const R14: u32 = 1;
     pub const R13: u32 = 2;
@@ -90,9 +98,42 @@ pub mod reg {
     pub const RDI: u32 = 14;
     pub const RIP: u32 = 16;
     pub const RSP: u32 = 19;
+    /// The instruction pointer, which a uprobe handler sees at the probe.
+    pub const IP: u32 = RIP;
+    /// Integer argument registers of the SysV ABI, in order.
+    pub const ARGS: [u32; 6] = [RDI, RSI, RDX, RCX, R8, R9];
     /// Words in `struct pt_regs`.
     pub const COUNT: u32 = 21;
 }
+
+/// arm64 registers as word indices into the kernel's `struct pt_regs`,
+/// whose head is `struct user_pt_regs` (arch/arm64/include/uapi/asm/ptrace.h):
+/// `regs[31]` (x0..x30), `sp`, `pc`, `pstate`.
+pub mod reg_aarch64 {
+    /// `xN` (and its 32-bit view `wN`) for N in 0..=30.
+    pub const fn x(n: u32) -> u32 {
+        n
+    }
+    /// The frame pointer, x29.
+    pub const FP: u32 = 29;
+    /// The link register, x30.
+    pub const LR: u32 = 30;
+    pub const SP: u32 = 31;
+    pub const PC: u32 = 32;
+    /// The instruction pointer, which a uprobe handler sees at the probe.
+    pub const IP: u32 = PC;
+    /// Integer argument registers of AAPCS64 (x0..x7), in order.
+    pub const ARGS: [u32; 8] = [0, 1, 2, 3, 4, 5, 6, 7];
+    /// Words of `struct user_pt_regs` (x0..x30, sp, pc, pstate).
+    pub const COUNT: u32 = 34;
+}
+
+/// The registers of the architecture being built: the eBPF object is built
+/// per target (aya-build passes `bpf_target_arch`), user space per host.
+#[cfg(any(bpf_target_arch = "aarch64", target_arch = "aarch64"))]
+pub use reg_aarch64 as reg;
+#[cfg(not(any(bpf_target_arch = "aarch64", target_arch = "aarch64")))]
+pub use reg_x86_64 as reg;
 
 /// Per-marker configuration, written by user space into `MARKERS[cookie]`.
 #[repr(C)]
@@ -300,6 +341,27 @@ pub struct ApiKey {
     pub api: u32,
 }
 
+/// One API call in flight ([`ApiStack`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApiFrame {
+    pub api: u32,
+    /// 1 when the call began with the window gate open.
+    pub in_window: u32,
+    pub ts_ns: u64,
+}
+
+/// A thread's API calls in flight, for kernels without attach cookies.
+/// `depth` may exceed [`API_STACK_DEPTH`]: the calls beyond it are not
+/// stored but still counted, so returns keep matching their entries.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApiStack {
+    pub depth: u32,
+    pub _pad: u32,
+    pub frames: [ApiFrame; API_STACK_DEPTH],
+}
+
 /// Switch-out record kept per thread until it runs again.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -316,4 +378,5 @@ mod pod {
     unsafe impl aya::Pod for PlanConfig {}
     unsafe impl aya::Pod for KernelState {}
     unsafe impl aya::Pod for OffCpuStart {}
+    unsafe impl aya::Pod for ApiStack {}
 }

@@ -30,9 +30,9 @@ use aya_ebpf::{
     },
 };
 use dynprof_common::{
-    ApiEvent, ApiKey, EventHeader, KernelState, MAX_APIS, MAX_MARKERS, MarkerConfig, OffCpuEvent,
-    OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY, SampleEvent, StepEvent, arg_mode, drop_slot,
-    kind, reg, ringbuf, role,
+    API_STACK_DEPTH, ApiEvent, ApiKey, ApiStack, EventHeader, KernelState, MAX_APIS, MAX_MARKERS,
+    MAX_PROBE_ADDRS, MarkerConfig, OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY,
+    SampleEvent, StepEvent, arg_mode, drop_slot, kind, reg, ringbuf, role,
 };
 
 /// Host tgid of the target, set by user space before load.
@@ -65,6 +65,29 @@ static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
 static API_START: HashMap<ApiKey, u64> = HashMap::with_max_entries(16384, 0);
 #[map]
 static OFFCPU_START: HashMap<u32, OffCpuStart> = HashMap::with_max_entries(16384, 0);
+
+// Kernels without attach cookies (bpf_get_attach_cookie and perf links
+// came in 5.15) load the `*_ip` program variants instead: they find the
+// marker or API by the probed address, which is the instruction pointer a
+// uprobe handler sees (kernel/events/uprobes.c, handle_swbp: "change it in
+// advance for ->handler()"). User space fills these maps with every runtime
+// address of each probe in the target.
+/// Runtime probe address -> marker index.
+#[map]
+static MARKER_BY_IP: HashMap<u64, u32> = HashMap::with_max_entries(MAX_PROBE_ADDRS, 0);
+/// Runtime probe address -> API index.
+#[map]
+static API_BY_IP: HashMap<u64, u32> = HashMap::with_max_entries(MAX_PROBE_ADDRS, 0);
+/// Per-thread stack of API calls in flight, for the return probe, which
+/// sees the caller's return address instead of the API's: returns come
+/// back in the reverse order of entries, so the top frame is the call that
+/// returns.
+#[map]
+static API_STACK: HashMap<u32, ApiStack> = HashMap::with_max_entries(16384, 0);
+/// One all-zero `ApiStack`, never written: the initial value of a thread's
+/// stack (a zeroed local would compile to a memset call BPF cannot make).
+#[map]
+static ZERO_STACK: Array<ApiStack> = Array::with_max_entries(1, 0);
 
 #[inline(always)]
 fn target_tid() -> Option<u32> {
@@ -184,10 +207,30 @@ fn prefix_matches(regs: *const pt_regs, cfg: &MarkerConfig) -> bool {
 pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let marker = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    marker_hit(ctx.regs, tid, marker)
+}
+
+/// [`dynprof_marker`] for kernels without attach cookies: the marker is
+/// found by the probed address.
+#[uprobe]
+pub fn dynprof_marker_ip(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let Some(ip) = read_reg(ctx.regs, reg::IP) else {
+        return 0;
+    };
+    let Some(marker) = (unsafe { MARKER_BY_IP.get(&ip) }).copied() else {
+        count_drop(drop_slot::UNKNOWN_ADDR);
+        return 0;
+    };
+    marker_hit(ctx.regs, tid, marker)
+}
+
+#[inline(always)]
+fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
     let Some(cfg) = MARKERS.get(marker) else {
         return 0;
     };
-    if cfg.arg_mode != arg_mode::NONE && !prefix_matches(ctx.regs, cfg) {
+    if cfg.arg_mode != arg_mode::NONE && !prefix_matches(regs, cfg) {
         return 0;
     }
     let ts_ns = unsafe { bpf_ktime_get_ns() };
@@ -288,6 +331,98 @@ pub fn dynprof_api_exit(ctx: RetProbeContext) -> u32 {
             api,
             _pad: 0,
             dur_ns: now.saturating_sub(start),
+            ret,
+        },
+        drop_slot::API,
+        batched(),
+    );
+    0
+}
+
+/// [`dynprof_api_enter`] for kernels without attach cookies: the API is
+/// found by the probed address, and every call is pushed on the thread's
+/// [`ApiStack`] (in the window or not) so that [`dynprof_api_exit_stack`]
+/// pairs each return with its entry.
+#[uprobe]
+pub fn dynprof_api_enter_ip(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let Some(ip) = read_reg(ctx.regs, reg::IP) else {
+        return 0;
+    };
+    let Some(api) = (unsafe { API_BY_IP.get(&ip) }).copied() else {
+        count_drop(drop_slot::UNKNOWN_ADDR);
+        return 0;
+    };
+    let in_window = gate_open();
+    let ts = unsafe { bpf_ktime_get_ns() };
+    let st = match API_STACK.get_ptr_mut(&tid) {
+        Some(p) => p,
+        None => {
+            let Some(zero) = ZERO_STACK.get(0) else {
+                return 0;
+            };
+            if API_STACK.insert(&tid, zero, 0).is_err() {
+                count_drop(drop_slot::API_NESTING);
+                return 0;
+            }
+            match API_STACK.get_ptr_mut(&tid) {
+                Some(p) => p,
+                None => return 0,
+            }
+        }
+    };
+    let depth = unsafe { (*st).depth };
+    // Deeper calls than the stack holds are counted, not stored, so that
+    // the returns still pop the right frames.
+    if (depth as usize) < API_STACK_DEPTH {
+        // SAFETY: depth < API_STACK_DEPTH, the length of `frames`.
+        let f = unsafe { (*st).frames.as_mut_ptr().add(depth as usize) };
+        unsafe {
+            (*f).api = api;
+            (*f).in_window = in_window as u32;
+            (*f).ts_ns = ts;
+        }
+    } else if in_window {
+        count_drop(drop_slot::API_NESTING);
+    }
+    unsafe { (*st).depth = depth + 1 };
+    0
+}
+
+/// [`dynprof_api_exit`] for kernels without attach cookies: pops the
+/// thread's top [`ApiStack`] frame, and emits it if it began in a window.
+#[uretprobe]
+pub fn dynprof_api_exit_stack(ctx: RetProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let Some(st) = API_STACK.get_ptr_mut(&tid) else {
+        return 0;
+    };
+    let depth = unsafe { (*st).depth };
+    if depth == 0 {
+        return 0;
+    }
+    let top = depth - 1;
+    unsafe { (*st).depth = top };
+    if (top as usize) >= API_STACK_DEPTH {
+        return 0;
+    }
+    // SAFETY: top < API_STACK_DEPTH, the length of `frames`.
+    let f = unsafe { *(*st).frames.as_ptr().add(top as usize) };
+    if f.in_window == 0 {
+        return 0;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    let ret: i64 = ctx.ret();
+    emit(
+        ApiEvent {
+            hdr: EventHeader {
+                kind: kind::API,
+                tid,
+                ts_ns: f.ts_ns,
+            },
+            api: f.api,
+            _pad: 0,
+            dur_ns: now.saturating_sub(f.ts_ns),
             ret,
         },
         drop_slot::API,

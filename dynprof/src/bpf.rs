@@ -17,9 +17,12 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
-use dynprof_common::{KernelState, MAX_MARKERS, MarkerConfig, OffCpuStart, PlanConfig, drop_slot};
+use dynprof_common::{
+    KernelState, MAX_MARKERS, MAX_PROBE_ADDRS, MarkerConfig, OffCpuStart, PlanConfig, drop_slot,
+};
 
 use crate::{
+    compat::{self, KernelPaths, ProbeIdentity},
     output::model::Drops,
     probes::{
         ResolvedProbe,
@@ -32,6 +35,10 @@ use crate::{
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dynprof"));
 
 pub const MARKER_PROG: &str = "dynprof_marker";
+/// The marker program for kernels without attach cookies (< 5.15).
+pub const MARKER_IP_PROG: &str = "dynprof_marker_ip";
+pub const API_ENTER_IP_PROG: &str = "dynprof_api_enter_ip";
+pub const API_EXIT_STACK_PROG: &str = "dynprof_api_exit_stack";
 pub const EMPTY_PROG: &str = "dynprof_empty";
 pub const API_ENTER_PROG: &str = "dynprof_api_enter";
 pub const API_EXIT_PROG: &str = "dynprof_api_exit";
@@ -128,7 +135,14 @@ pub struct Kernel {
     /// kernel could own the semaphore (tests; a site another tool already
     /// probes without the offset).
     forced_proc_mem: bool,
+    /// The kernel's features and the paths chosen for them.
+    paths: KernelPaths,
     api_links: Vec<(bool, UProbeLinkId)>,
+    /// API probes of the no-cookie path, opened by `sys::uprobe`.
+    api_attachments: Vec<PerfAttachment>,
+    /// Addresses registered in `MARKER_BY_IP` / `API_BY_IP`.
+    marker_addrs: usize,
+    api_addrs: Vec<u64>,
     cpu_links: Vec<PerfEventLinkId>,
     sched_link: Option<TracePointLinkId>,
 }
@@ -140,6 +154,16 @@ impl Kernel {
     /// hits of `PlanConfig::wakes` do).
     pub fn load(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
         preflight()?;
+        let mut features = crate::sys::kernel::probe();
+        let forced = match std::env::var(compat::FEATURES_ENV) {
+            Ok(v) => compat::apply_override(&mut features, &v)?,
+            Err(_) => None,
+        };
+        let mut paths = compat::choose(&features)?;
+        paths.fallbacks.extend(forced);
+        for f in &paths.fallbacks {
+            log::info!("kernel {}: {f}", paths.release);
+        }
         let tgid = pid.0;
         let ebpf = EbpfLoader::new()
             .override_global("TARGET_TGID", &tgid, true)
@@ -153,20 +177,81 @@ impl Kernel {
             markers: Vec::new(),
             ledger: None,
             semaphores: SemaphoreReport {
-                kernel_owned_supported: sys_uprobe::kernel_owns_semaphores(),
+                kernel_owned_supported: paths.semaphores == compat::SemaphorePath::Kernel,
                 ..Default::default()
             },
             forced_proc_mem: std::env::var_os(SEMAPHORE_ENV).is_some_and(|v| v == "proc_mem"),
+            paths,
             api_links: Vec::new(),
+            api_attachments: Vec::new(),
+            marker_addrs: 0,
+            api_addrs: Vec::new(),
             cpu_links: Vec::new(),
             sched_link: None,
         };
-        for name in [MARKER_PROG, API_ENTER_PROG, API_EXIT_PROG] {
+        for name in k.uprobe_programs() {
             k.uprobe(name)?
                 .load()
                 .with_context(|| format!("verifying eBPF program {name}"))?;
         }
         Ok(k)
+    }
+
+    /// The marker, API entry and API return programs for this kernel.
+    fn uprobe_programs(&self) -> [&'static str; 3] {
+        match self.paths.probe_identity {
+            ProbeIdentity::Cookie => [MARKER_PROG, API_ENTER_PROG, API_EXIT_PROG],
+            ProbeIdentity::Address => [MARKER_IP_PROG, API_ENTER_IP_PROG, API_EXIT_STACK_PROG],
+        }
+    }
+
+    /// The kernel's release and the paths dynprof takes on it, for the
+    /// `attached` event and meta.json.
+    pub fn paths(&self) -> &KernelPaths {
+        &self.paths
+    }
+
+    /// Hits of a no-cookie program at an address user space never
+    /// registered (a library mapped after the probe was attached).
+    pub fn unknown_address_hits(&self) -> u64 {
+        let Some(Ok(a)) = self.ebpf.map("DROPS").map(PerCpuArray::<_, u64>::try_from) else {
+            return 0;
+        };
+        a.get(&drop_slot::UNKNOWN_ADDR, 0)
+            .map(|v| v.iter().sum())
+            .unwrap_or(0)
+    }
+
+    /// Registers every runtime address of a probe in `map` (no-cookie
+    /// path), before the probe is attached so its first hit is known.
+    fn register_addresses(
+        &mut self,
+        map: &str,
+        path: &Path,
+        object: &str,
+        file_offset: u64,
+        index: u32,
+        registered: usize,
+    ) -> Result<Vec<u64>> {
+        let addrs = sys_uprobe::probe_addresses(self.pid, path, object, file_offset)?;
+        if addrs.is_empty() {
+            bail!(
+                "{} (offset {file_offset:#x}) is not mapped in PID {}: without attach cookies \
+                 (Linux < 5.15) dynprof identifies a probe by its runtime address",
+                path.display(),
+                self.pid
+            );
+        }
+        if registered + addrs.len() > MAX_PROBE_ADDRS as usize {
+            bail!("too many probe addresses (at most {MAX_PROBE_ADDRS} without attach cookies)");
+        }
+        let mut m: BpfHashMap<_, u64, u32> =
+            BpfHashMap::try_from(self.ebpf.map_mut(map).expect("address map"))?;
+        for a in &addrs {
+            m.insert(a, index, 0)
+                .with_context(|| format!("registering probe address {a:#x} in {map}"))?;
+        }
+        Ok(addrs)
     }
 
     fn uprobe(&mut self, name: &str) -> Result<&mut UProbe> {
@@ -262,12 +347,28 @@ impl Kernel {
             None => sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
                 .with_context(what)?,
         };
-        let prog = self.uprobe(MARKER_PROG)?.fd()?.as_fd();
+        let [marker_prog, _, _] = self.uprobe_programs();
+        if self.paths.probe_identity == ProbeIdentity::Address {
+            let n = self
+                .register_addresses(
+                    "MARKER_BY_IP",
+                    &p.attach_path,
+                    &p.object,
+                    p.file_offset,
+                    p.index,
+                    self.marker_addrs,
+                )
+                .with_context(what)?
+                .len();
+            self.marker_addrs += n;
+        }
+        let prog = self.uprobe(marker_prog)?.fd()?.as_fd();
         let attachment =
             sys_uprobe::attach_program(prog, event, p.index as u64).with_context(what)?;
-        if !attachment.cookie_delivered {
+        if self.paths.probe_identity == ProbeIdentity::Cookie && !attachment.cookie_delivered {
             bail!(
-                "{}: this kernel cannot pass the marker's attach cookie (bpf perf links need Linux 5.15+)",
+                "{}: the kernel took the marker program without its attach cookie although it \
+                 reported bpf perf links (Linux 5.15+)",
                 what()
             );
         }
@@ -314,7 +415,17 @@ impl Kernel {
     }
 
     /// Attaches entry and return probes of one runtime API (`api` = cookie).
-    pub fn attach_api(&mut self, api: u32, path: &Path, file_offset: u64) -> Result<()> {
+    /// `object` is the library's path as the target sees it.
+    pub fn attach_api(
+        &mut self,
+        api: u32,
+        path: &Path,
+        object: &str,
+        file_offset: u64,
+    ) -> Result<()> {
+        if self.paths.probe_identity == ProbeIdentity::Address {
+            return self.attach_api_by_address(api, path, object, file_offset);
+        }
         let pid = NonZeroU32::new(self.pid.0).expect("non-zero pid");
         for (ret, name) in [(false, API_ENTER_PROG), (true, API_EXIT_PROG)] {
             let link = self.uprobe(name)?.attach(
@@ -330,7 +441,61 @@ impl Kernel {
         Ok(())
     }
 
+    /// [`Kernel::attach_api`] without attach cookies: the entry program
+    /// finds the API by address, the return program pairs returns with
+    /// entries on a per-thread stack.
+    fn attach_api_by_address(
+        &mut self,
+        api: u32,
+        path: &Path,
+        object: &str,
+        file_offset: u64,
+    ) -> Result<()> {
+        let addrs = self.register_addresses(
+            "API_BY_IP",
+            path,
+            object,
+            file_offset,
+            api,
+            self.api_addrs.len(),
+        )?;
+        self.api_addrs.extend(addrs);
+        let entry = sys_uprobe::open_uprobe(path, file_offset, None, self.pid)?;
+        let ret = sys_uprobe::open_uretprobe(path, file_offset, self.pid)?;
+        let enter = self.uprobe(API_ENTER_IP_PROG)?.fd()?.as_fd();
+        let a = sys_uprobe::attach_program(enter, entry, api as u64)?;
+        self.api_attachments.push(a);
+        let exit = self.uprobe(API_EXIT_STACK_PROG)?.fd()?.as_fd();
+        let a = sys_uprobe::attach_program(exit, ret, api as u64)?;
+        self.api_attachments.push(a);
+        Ok(())
+    }
+
     pub fn detach_apis(&mut self) {
+        // Returns after this see no probe; stacks left by calls in flight
+        // are emptied so that the next window starts clean.
+        self.api_attachments.clear();
+        if !self.api_addrs.is_empty() {
+            if let Some(Ok(mut m)) = self
+                .ebpf
+                .map_mut("API_BY_IP")
+                .map(BpfHashMap::<_, u64, u32>::try_from)
+            {
+                for a in std::mem::take(&mut self.api_addrs) {
+                    let _ = m.remove(&a);
+                }
+            }
+            if let Some(Ok(mut m)) = self
+                .ebpf
+                .map_mut("API_STACK")
+                .map(BpfHashMap::<_, u32, dynprof_common::ApiStack>::try_from)
+            {
+                let tids: Vec<u32> = m.keys().filter_map(|k| k.ok()).collect();
+                for t in tids {
+                    let _ = m.remove(&t);
+                }
+            }
+        }
         for (ret, link) in std::mem::take(&mut self.api_links) {
             let name = if ret { API_EXIT_PROG } else { API_ENTER_PROG };
             if let Ok(p) = self.uprobe(name) {
@@ -496,6 +661,15 @@ impl Kernel {
     /// Detaches every marker and lowers the semaphores we raised. Dropping
     /// the `Kernel` afterwards unloads all programs and maps.
     pub fn detach_all(&mut self) {
+        let unknown = self.unknown_address_hits();
+        if unknown > 0 {
+            log::warn!(
+                "{unknown} probe hits in PID {} came from addresses dynprof had not registered \
+                 (a library mapped after attach); without attach cookies (Linux < 5.15) they \
+                 were not counted",
+                self.pid
+            );
+        }
         self.detach_apis();
         self.detach_cpu_sampler();
         self.detach_offcpu();

@@ -13,6 +13,7 @@ pub mod cli;
 pub mod collect;
 pub mod commands;
 pub mod discover;
+pub mod compat;
 pub mod output;
 pub mod probes;
 pub mod report;

@@ -110,6 +110,11 @@ pub fn fixtures() -> &'static Fixtures {
 
 fn build_fixtures() -> Result<Fixtures> {
     let src_dir = workspace_root().join("tests/fixtures");
+    // `cargo xtask vm-test --arch aarch64` builds them for arm64 on the host
+    // (the VM has no arm64 compiler) and points here.
+    if let Some(dir) = std::env::var_os("DYNPROF_FIXTURES_DIR") {
+        return fixtures_in(PathBuf::from(dir), src_dir);
+    }
     let dir = target_dir().join("fixtures");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
 
@@ -146,6 +151,10 @@ fn build_fixtures() -> Result<Fixtures> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    fixtures_in(dir, src_dir)
+}
+
+fn fixtures_in(dir: PathBuf, src_dir: PathBuf) -> Result<Fixtures> {
     let f = Fixtures {
         trainer: dir.join("trainer"),
         libfixture_backward: dir.join("libfixture_backward.so"),

@@ -9,6 +9,8 @@
 //! - `bench`: overhead, trigger precision, attach time, throughput and
 //!   footprint, side by side with the alternatives (`bench --quick` < 5 min).
 //! - `fuzz`:  the libFuzzer targets for parsers of target-controlled input.
+//! - `vm-test`: boot a Debian kernel (5.10, 6.1; x86-64 or aarch64) under
+//!   QEMU and run the kernel-sensitive integration tests in it.
 
 mod bench;
 mod demo;
@@ -17,6 +19,7 @@ mod fuzz;
 mod setup;
 mod test;
 mod util;
+mod vm;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -37,7 +40,8 @@ enum Cmd {
     /// Install/verify everything the build and the tests need (idempotent).
     Setup,
     /// Run setup, build the workspace, then run every test (unit + privileged
-    /// integration), then each fuzz target for 20 s.
+    /// integration), then each fuzz target for 20 s, then the VM kernel
+    /// matrix (`vm-test` on x86-64 5.10 and 6.1).
     ///
     /// Arguments after `--` go to `cargo test`; a second `--` passes the rest
     /// to the test harness, e.g. `cargo xtask test -- -p dynprof --test fixtures_smoke -- --nocapture`.
@@ -46,6 +50,9 @@ enum Cmd {
         /// Do not run the fuzz targets.
         #[arg(long)]
         no_fuzz: bool,
+        /// Do not run the kernel matrix in QEMU (`vm-test`, about 5 min).
+        #[arg(long)]
+        no_vm: bool,
         /// Extra arguments for `cargo test`.
         #[arg(last = true)]
         args: Vec<String>,
@@ -65,16 +72,51 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Boot a Debian kernel package under QEMU (TCG) with the host's root
+    /// over 9p and run the kernel-sensitive integration tests inside
+    /// (docs/portability.md). Kernels are cached in /var/cache/dynprof/vm.
+    VmTest {
+        #[arg(long, value_enum, default_value = "x86_64")]
+        arch: vm::Arch,
+        /// Debian kernel ABI version: 5.10.0-N (bullseye) or 6.1.0-N (bookworm).
+        #[arg(long, default_value = "5.10.0-30")]
+        kernel: String,
+        /// Stop the VM after this many minutes.
+        #[arg(long, default_value_t = 30)]
+        timeout_min: u64,
+        /// Run only this test binary (repeatable), e.g. `--only kernel_compat`.
+        #[arg(long)]
+        only: Vec<String>,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
     let result: Result<()> = match cli.cmd {
         Cmd::Setup => setup::run_with_torch2(),
-        Cmd::Test { no_fuzz, args } => test::run(&args, !no_fuzz && args.is_empty()),
+        Cmd::Test {
+            no_fuzz,
+            no_vm,
+            args,
+        } => test::run(
+            &args,
+            !no_fuzz && args.is_empty(),
+            !no_vm && args.is_empty(),
+        ),
         Cmd::Demo => demo::run(),
         Cmd::Bench { args } => bench::run(&args),
         Cmd::Fuzz { args } => fuzz::run(&args),
+        Cmd::VmTest {
+            arch,
+            kernel,
+            timeout_min,
+            only,
+        } => vm::run(&vm::Options {
+            arch,
+            kernel,
+            timeout: std::time::Duration::from_secs(timeout_min * 60),
+            only,
+        }),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

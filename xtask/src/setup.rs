@@ -26,7 +26,19 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
         "bpftool",
         "the attach/detach leak test lists loaded eBPF programs, links and maps",
     ),
+    (
+        "gcc-aarch64-linux-gnu",
+        "the aarch64 cross build (linker for aarch64-unknown-linux-gnu; docs/portability.md)",
+    ),
+    (
+        "libc6-dev-arm64-cross",
+        "the aarch64 cross build (arm64 glibc to link against)",
+    ),
 ];
+
+/// The Rust target of the aarch64 cross build; its linker is set in
+/// .cargo/config.toml.
+pub const AARCH64_TARGET: &str = "aarch64-unknown-linux-gnu";
 
 fn say(what: &str, state: &str) {
     println!("[setup] {what}: {state}");
@@ -37,6 +49,7 @@ pub fn run() -> Result<()> {
     rust_src()?;
     bpf_linker()?;
     debian_packages()?;
+    aarch64_target()?;
     tracefs();
     cargo_fuzz()?;
     println!("[setup] done");
@@ -90,6 +103,25 @@ fn rust_src() -> Result<()> {
         "could not add rust-src; try: rustup component add rust-src --toolchain nightly",
     )?;
     say(what, "ok (installed)");
+    Ok(())
+}
+
+/// `rustup target add aarch64-unknown-linux-gnu` for the default toolchain
+/// (user space; the eBPF object is built by the nightly for `bpfel`).
+fn aarch64_target() -> Result<()> {
+    let what = format!("rust target {AARCH64_TARGET}");
+    let installed = stdout_of(rustup().args(["target", "list", "--installed"]))?;
+    if installed.lines().any(|l| l.trim() == AARCH64_TARGET) {
+        say(&what, "ok (already installed)");
+        return Ok(());
+    }
+    say(&what, "missing, installing");
+    util::run(rustup().args(["target", "add", AARCH64_TARGET])).with_context(|| {
+        format!(
+            "could not add the {AARCH64_TARGET} target; try: rustup target add {AARCH64_TARGET}"
+        )
+    })?;
+    say(&what, "ok (installed)");
     Ok(())
 }
 
@@ -277,7 +309,7 @@ pub fn cargo_fuzz() -> Result<()> {
     Ok(())
 }
 
-fn dpkg_installed(pkg: &str) -> Result<bool> {
+pub fn dpkg_installed(pkg: &str) -> Result<bool> {
     let out = try_output(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))?
         .context("dpkg-query not found")?;
     Ok(out.status.success()
@@ -285,7 +317,12 @@ fn dpkg_installed(pkg: &str) -> Result<bool> {
 }
 
 fn debian_packages() -> Result<()> {
-    let names: Vec<&str> = DEBIAN_PACKAGES.iter().map(|(p, _)| *p).collect();
+    ensure_packages(DEBIAN_PACKAGES)
+}
+
+/// Installs the missing ones of `packages` (name, why) with apt-get.
+pub fn ensure_packages(packages: &[(&str, &str)]) -> Result<()> {
+    let names: Vec<&str> = packages.iter().map(|(p, _)| *p).collect();
     if try_output(Command::new("dpkg-query").arg("--version"))?.is_none() {
         bail!(
             "this is not a Debian-based system (no dpkg-query); install the equivalents of these \
@@ -294,7 +331,7 @@ fn debian_packages() -> Result<()> {
         );
     }
     let mut missing = Vec::new();
-    for (pkg, why) in DEBIAN_PACKAGES {
+    for (pkg, why) in packages {
         if dpkg_installed(pkg)? {
             say(&format!("package {pkg}"), "ok (already installed)");
         } else {

@@ -10,13 +10,13 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{fuzz, setup, util};
+use crate::{fuzz, setup, util, vm};
 
 /// The eBPF crate only builds for the BPF target (dynprof/build.rs builds it),
 /// so the host-side `--workspace` commands exclude it.
 const HOST_EXCLUDE: &[&str] = &["--exclude", "dynprof-ebpf"];
 
-pub fn run(extra: &[String], with_fuzz: bool) -> Result<()> {
+pub fn run(extra: &[String], with_fuzz: bool, with_vm: bool) -> Result<()> {
     setup::run_with_torch2()?;
     let_others_traverse_the_checkout()?;
 
@@ -117,11 +117,38 @@ pub fn run(extra: &[String], with_fuzz: bool) -> Result<()> {
         println!("[test] fuzz targets not run (--no-fuzz, or a selected test run)");
         None
     };
+    // The kernel matrix in QEMU (docs/portability.md), also after a failure.
+    let vms = if with_vm {
+        let mut failed = Vec::new();
+        for (arch, kernel) in vm::CI_KERNELS {
+            println!();
+            println!("[test] ---- vm-test --arch {arch:?} --kernel {kernel} ----");
+            let r = vm::run(&vm::Options {
+                arch: *arch,
+                kernel: kernel.to_string(),
+                timeout: std::time::Duration::from_secs(20 * 60),
+                only: Vec::new(),
+            });
+            if let Err(e) = r {
+                println!("[test] vm-test {arch:?} {kernel}: {e:#}");
+                failed.push(format!("{arch:?} {kernel}"));
+            }
+        }
+        Some(failed)
+    } else {
+        println!("[test] VM tests not run (--no-vm, or a selected test run)");
+        None
+    };
     if !status.success() {
         bail!("cargo test failed ({status})");
     }
     if let Some(Err(e)) = fuzzed {
         return Err(e.context("the fuzz targets found a failure"));
+    }
+    if let Some(failed) = vms
+        && !failed.is_empty()
+    {
+        bail!("vm-test failed on: {}", failed.join(", "));
     }
     println!("[test] all tests passed");
     Ok(())

@@ -72,7 +72,7 @@ impl Collector for ApiCollector {
         }
         let mut attached = 0;
         for a in &res.apis {
-            match kernel.attach_api(a.index, &a.attach_path, a.file_offset) {
+            match kernel.attach_api(a.index, &a.attach_path, &a.object, a.file_offset) {
                 Ok(()) => attached += 1,
                 Err(e) => log::warn!(
                     "api: attaching {} in {} (offset {:#x}): {e:#}",

@@ -411,10 +411,12 @@ pub async fn drive(
             .join(",")
     );
     let semaphores = kernel.semaphore_report().clone();
+    let kernel_paths = kernel.paths().clone();
     let mut session = Session::new(kernel, target, resolved);
     if d.json {
         let mut line = attached_json(&session.target, &session.probes);
         line["usdt_semaphores"] = serde_json::to_value(&semaphores).unwrap_or_default();
+        line["kernel"] = serde_json::to_value(&kernel_paths).unwrap_or_default();
         // Opt-in for `cargo xtask bench` (attach time, split by phase).
         if std::env::var_os("DYNPROF_ATTACH_TIMINGS").is_some_and(|v| v == "1") {
             line["timings_ms"] = serde_json::json!({"resolve_ms": resolve_ms, "load_ms": load_ms, "attach_ms": attach_ms});
@@ -426,6 +428,9 @@ pub async fn drive(
                 "dynprof: attached {} marker `{}` at {}+{:#x} ({})",
                 p.role, p.label, p.object, p.file_offset, p.symbol
             );
+        }
+        for f in &kernel_paths.fallbacks {
+            eprintln!("dynprof: kernel {}: {f}", kernel_paths.release);
         }
         if let Some(why) = &semaphores.fallback_reason {
             eprintln!("dynprof: USDT semaphore fallback: {why}");

@@ -15,8 +15,8 @@ use crate::{
     target::{Mapping, Target},
 };
 
-/// SysV x86-64 integer argument registers, in order.
-const ARG_REGS: [u32; 6] = [reg::RDI, reg::RSI, reg::RDX, reg::RCX, reg::R8, reg::R9];
+/// Integer argument registers of this architecture's C ABI, in order.
+const ARG_REGS: &[u32] = &reg::ARGS;
 
 /// A USDT semaphore to hold up while attached: the kernel does it from the
 /// file offset (`ref_ctr_offset`); the /proc/PID/mem fallback writes the

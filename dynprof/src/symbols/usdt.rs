@@ -4,7 +4,7 @@
 //! file offset and reads arguments by the operand spec in the note, as
 //! libbpf and bcc do.
 use anyhow::{Result, bail};
-use dynprof_common::{MAX_MARKERS, reg};
+use dynprof_common::{MAX_MARKERS, reg_aarch64, reg_x86_64};
 
 use super::ElfImage;
 
@@ -139,32 +139,131 @@ pub fn parse_notes(
     Ok(out)
 }
 
-/// Parses `8@%rdi -4@-20(%rbp) 4@$3` into sizes and locations.
+/// The instruction set whose operand syntax and registers a note uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    X86_64,
+    Aarch64,
+}
+
+impl Arch {
+    /// dynprof's own: a probe is read through this kernel's `pt_regs`.
+    pub const HOST: Arch = if cfg!(target_arch = "aarch64") {
+        Arch::Aarch64
+    } else {
+        Arch::X86_64
+    };
+}
+
+/// Parses the note's argument string for this machine (see [`parse_args_for`]).
 pub fn parse_args(spec: &str) -> Result<Vec<(i32, ArgLoc)>> {
-    spec.split_whitespace()
+    parse_args_for(Arch::HOST, spec)
+}
+
+/// Parses `8@%rdi -4@-20(%rbp) 4@$3` (x86-64) or `8@x0 -4@[sp, 16] 4@5`
+/// (arm64) into sizes and locations, with registers as word indices into
+/// that architecture's `pt_regs`.
+pub fn parse_args_for(arch: Arch, spec: &str) -> Result<Vec<(i32, ArgLoc)>> {
+    operands(spec)
+        .into_iter()
         .map(|a| {
             let (size, loc) = a.split_once('@').unwrap_or(("8", a));
             let size: i32 = size.parse().unwrap_or(8);
-            let loc = if let Some(imm) = loc.strip_prefix('$') {
-                ArgLoc::Const(imm.parse()?)
-            } else if let Some(r) = loc.strip_prefix('%') {
-                ArgLoc::Reg(register(r)?)
-            } else if let Some((off, rest)) = loc.split_once('(') {
-                let r = rest.trim_end_matches(')').trim_start_matches('%');
-                let offset = if off.is_empty() { 0 } else { off.parse()? };
-                ArgLoc::Mem {
-                    base: register(r)?,
-                    offset,
-                }
-            } else {
-                bail!("unsupported USDT argument operand `{a}`")
+            let loc = match arch {
+                Arch::X86_64 => x86_operand(a, loc)?,
+                Arch::Aarch64 => arm64_operand(a, loc)?,
             };
             Ok((size, loc))
         })
         .collect()
 }
 
-fn register(name: &str) -> Result<u32> {
+/// Splits at whitespace outside brackets: arm64 memory operands hold a
+/// space (`[sp, 16]`).
+fn operands(spec: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0i32, None);
+    for (i, c) in spec.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            c if c.is_whitespace() && depth <= 0 => {
+                if let Some(s) = start.take() {
+                    out.push(&spec[s..i]);
+                }
+                continue;
+            }
+            _ => {}
+        }
+        start.get_or_insert(i);
+    }
+    if let Some(s) = start {
+        out.push(&spec[s..]);
+    }
+    out
+}
+
+fn x86_operand(a: &str, loc: &str) -> Result<ArgLoc> {
+    Ok(if let Some(imm) = loc.strip_prefix('$') {
+        ArgLoc::Const(imm.parse()?)
+    } else if let Some(r) = loc.strip_prefix('%') {
+        ArgLoc::Reg(x86_register(r)?)
+    } else if let Some((off, rest)) = loc.split_once('(') {
+        let r = rest.trim_end_matches(')').trim_start_matches('%');
+        let offset = if off.is_empty() { 0 } else { off.parse()? };
+        ArgLoc::Mem {
+            base: x86_register(r)?,
+            offset,
+        }
+    } else {
+        bail!("unsupported USDT argument operand `{a}`")
+    })
+}
+
+/// arm64 operands as GCC's sys/sdt.h writes them: `x0`/`w0`, `sp`,
+/// `[x29]`, `[sp, 16]`, `[x1, -8]`, and immediates (`5`, `-1`).
+fn arm64_operand(a: &str, loc: &str) -> Result<ArgLoc> {
+    Ok(if let Some(inner) = loc.strip_prefix('[') {
+        let inner = inner
+            .strip_suffix(']')
+            .ok_or_else(|| anyhow::anyhow!("unsupported USDT argument operand `{a}`"))?;
+        let (r, off) = match inner.split_once(',') {
+            Some((r, off)) => (r.trim(), off.trim().trim_start_matches('#').parse()?),
+            None => (inner.trim(), 0),
+        };
+        ArgLoc::Mem {
+            base: arm64_register(r)?,
+            offset: off,
+        }
+    } else if loc.starts_with(|c: char| c.is_ascii_digit() || c == '-' || c == '#') {
+        ArgLoc::Const(loc.trim_start_matches('#').parse()?)
+    } else {
+        ArgLoc::Reg(arm64_register(loc)?)
+    })
+}
+
+fn arm64_register(name: &str) -> Result<u32> {
+    use reg_aarch64 as r;
+    if name == "sp" {
+        return Ok(r::SP);
+    }
+    if let Some(n) = name
+        .strip_prefix('x')
+        .or_else(|| name.strip_prefix('w'))
+        .and_then(|n| n.parse::<u32>().ok())
+        && n <= 30
+    {
+        return Ok(r::x(n));
+    }
+    match name {
+        "fp" => Ok(r::FP),
+        "lr" => Ok(r::LR),
+        other => bail!("unsupported USDT register {other} (arm64)"),
+    }
+}
+
+fn x86_register(name: &str) -> Result<u32> {
+    use reg_x86_64 as reg;
     Ok(match name {
         "rdi" | "edi" | "di" | "dil" => reg::RDI,
         "rsi" | "esi" | "si" | "sil" => reg::RSI,
@@ -192,8 +291,70 @@ mod tests {
     use super::*;
 
     #[test]
+    fn parses_arm64_operand_forms() {
+        use reg_aarch64 as r;
+        let a = parse_args_for(
+            Arch::Aarch64,
+            "8@x0 -4@w1 8@[sp, 16] -4@[x29, -8] 8@[x19] 4@5 -8@-1 8@sp 8@x30",
+        )
+        .unwrap();
+        assert_eq!(
+            a,
+            vec![
+                (8, ArgLoc::Reg(0)),
+                (-4, ArgLoc::Reg(1)),
+                (
+                    8,
+                    ArgLoc::Mem {
+                        base: r::SP,
+                        offset: 16
+                    }
+                ),
+                (
+                    -4,
+                    ArgLoc::Mem {
+                        base: 29,
+                        offset: -8
+                    }
+                ),
+                (
+                    8,
+                    ArgLoc::Mem {
+                        base: 19,
+                        offset: 0
+                    }
+                ),
+                (4, ArgLoc::Const(5)),
+                (-8, ArgLoc::Const(-1)),
+                (8, ArgLoc::Reg(r::SP)),
+                (8, ArgLoc::Reg(r::LR)),
+            ]
+        );
+        // pt_regs words: x0..x30, then sp, pc.
+        assert_eq!((r::SP, r::PC, r::COUNT), (31, 32, 34));
+        for bad in ["8@x31", "8@v0", "8@[x1, 16", "8@%rdi", "4@[q0]"] {
+            assert!(
+                parse_args_for(Arch::Aarch64, bad).is_err(),
+                "{bad} must be refused"
+            );
+        }
+        // The x86 parser refuses arm64 syntax instead of misreading it.
+        assert!(parse_args_for(Arch::X86_64, "8@x0").is_err());
+    }
+
+    #[test]
+    fn operands_split_outside_brackets_only() {
+        assert_eq!(
+            operands(" 8@[sp, 16]  -4@x1\t4@[x2,#8] "),
+            vec!["8@[sp, 16]", "-4@x1", "4@[x2,#8]"]
+        );
+        assert!(operands("").is_empty());
+    }
+
+    #[test]
     fn parses_operand_forms() {
-        let a = parse_args("8@%r14 -4@%eax 8@-24(%rbp) 4@$5 8@(%rbx)").unwrap();
+        use reg_x86_64 as reg;
+        let a = parse_args_for(Arch::X86_64, "8@%r14 -4@%eax 8@-24(%rbp) 4@$5 8@(%rbx)").unwrap();
         assert_eq!(a[0], (8, ArgLoc::Reg(reg::R14)));
         assert_eq!(a[1], (-4, ArgLoc::Reg(reg::RAX)));
         assert_eq!(
@@ -251,7 +412,7 @@ mod tests {
         let ps = parse_notes(&data, None, |p, n| p == b"py" && n == b"step", 64, Some).unwrap();
         assert_eq!(ps.len(), 1);
         assert_eq!((ps[0].provider.as_str(), ps[0].file_offset), ("py", 0x2000));
-        assert_eq!(ps[0].args, vec![(8, ArgLoc::Reg(reg::RDI))]);
+        assert_eq!(ps[0].args, vec![(8, ArgLoc::Reg(reg_x86_64::RDI))]);
         // 100,000 matching notes: refused at the 65th, with 64 probes built at most.
         let one = note("py", "step", 0x3000);
         let many = one.repeat(100_000);

@@ -13,6 +13,7 @@
 //! | `targetdir` | make, check and list directories in a target's world, through `rootfs` |
 //! | `uprobe` | uprobe perf events with kernel-owned USDT semaphores; the /proc/PID/mem fallback |
 //! | `lock` | one controller per target: the flock under /run/dynprof |
+//! | `kernel` | probe the running kernel's BPF features (helpers, map types, PMU formats) |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 pub mod caps;
 pub mod clock;
@@ -20,6 +21,7 @@ pub mod creds;
 pub mod exec;
 pub mod hostfs;
 pub mod lock;
+pub mod kernel;
 pub mod memory;
 pub mod rootfs;
 pub mod targetdir;

@@ -98,6 +98,47 @@ pub fn open_uprobe(
     ref_ctr_offset: Option<u64>,
     pid: HostPid,
 ) -> Result<OwnedFd> {
+    open_probe(path, offset, ref_ctr_offset, pid, false)
+}
+
+/// Opens a return uprobe (uretprobe) at `offset` of `path`, in `pid` only.
+pub fn open_uretprobe(path: &Path, offset: u64, pid: HostPid) -> Result<OwnedFd> {
+    open_probe(path, offset, None, pid, true)
+}
+
+/// The `config` bit that makes a uprobe PMU event a return probe, from the
+/// PMU's `format/retprobe` (`config:0` on every kernel so far).
+fn retprobe_bit() -> Result<u64> {
+    let p = Path::new(UPROBE_PMU).join("format/retprobe");
+    let s = std::fs::read_to_string(&p).with_context(|| {
+        format!(
+            "reading {} (return uprobes through perf_event_open need Linux 4.17+)",
+            p.display()
+        )
+    })?;
+    parse_config_bit(&s).with_context(|| format!("parsing {} ({s:?})", p.display()))
+}
+
+/// `config:N` -> `1 << N`.
+fn parse_config_bit(format: &str) -> Result<u64> {
+    let bit: u32 = format
+        .trim()
+        .strip_prefix("config:")
+        .ok_or_else(|| anyhow!("not a config bit"))?
+        .parse()?;
+    if bit >= REF_CTR_OFFSET_SHIFT {
+        bail!("bit {bit} collides with ref_ctr_offset");
+    }
+    Ok(1 << bit)
+}
+
+fn open_probe(
+    path: &Path,
+    offset: u64,
+    ref_ctr_offset: Option<u64>,
+    pid: HostPid,
+    retprobe: bool,
+) -> Result<OwnedFd> {
     let pmu = uprobe_pmu_type()?;
     let cpath = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| anyhow!("{} contains a NUL byte", path.display()))?;
@@ -115,6 +156,9 @@ pub fn open_uprobe(
             bail!("USDT semaphore offset {r:#x} does not fit the kernel's 32 bits");
         }
         attr.config = r << REF_CTR_OFFSET_SHIFT;
+    }
+    if retprobe {
+        attr.config |= retprobe_bit()?;
     }
     // SAFETY: perf_event_open(2) reads `attr` (size given inside) and the
     // NUL-terminated path `cpath` points to; both outlive the call.
@@ -242,6 +286,66 @@ impl AsFd for PerfAttachment {
     }
 }
 
+/// Every runtime address at which the instruction at `file_offset` of
+/// `path` is mapped in `pid`: what a uprobe handler sees as its instruction
+/// pointer there. A mapping is the file's when it has the file's device and
+/// inode, or when its path is `object` (the path as the target sees it): on
+/// overlayfs (containers) /proc/PID/maps shows the lower file's device and
+/// inode while stat(2) shows the overlay's. A file mapped twice yields two
+/// addresses.
+pub fn probe_addresses(
+    pid: HostPid,
+    path: &Path,
+    object: &str,
+    file_offset: u64,
+) -> Result<Vec<u64>> {
+    let st = rustix::fs::stat(path).with_context(|| format!("stat {}", path.display()))?;
+    let dev = (
+        rustix::fs::major(st.st_dev as u64),
+        rustix::fs::minor(st.st_dev as u64),
+    );
+    let maps = procfs::process::Process::new(pid.0 as i32)
+        .and_then(|p| p.maps())
+        .with_context(|| format!("reading /proc/{pid}/maps"))?;
+    let maps = maps.iter().map(|m| MapRange {
+        start: m.address.0,
+        end: m.address.1,
+        offset: m.offset,
+        dev: (m.dev.0 as u32, m.dev.1 as u32),
+        inode: m.inode,
+        named: matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p.as_os_str() == object),
+    });
+    Ok(addresses_in(maps, dev, st.st_ino as u64, file_offset))
+}
+
+/// One line of /proc/PID/maps, as [`addresses_in`] needs it.
+#[derive(Clone, Copy, Debug)]
+struct MapRange {
+    start: u64,
+    end: u64,
+    offset: u64,
+    dev: (u32, u32),
+    inode: u64,
+    /// Its path is the object's.
+    named: bool,
+}
+
+fn addresses_in(
+    maps: impl Iterator<Item = MapRange>,
+    dev: (u32, u32),
+    inode: u64,
+    file_offset: u64,
+) -> Vec<u64> {
+    let mut out: Vec<u64> = maps
+        .filter(|m| m.named || (m.dev == dev && m.inode == inode && inode != 0))
+        .filter(|m| file_offset >= m.offset && file_offset - m.offset < m.end - m.start)
+        .map(|m| m.start + (file_offset - m.offset))
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 /// Adds `delta` to a USDT semaphore (u16) in `pid` through /proc/PID/mem,
 /// as bcc does; returns the new value. Saturates at 0 and u16::MAX.
 pub fn adjust_semaphore_in_memory(pid: HostPid, addr: u64, delta: i32) -> Result<u16> {
@@ -284,4 +388,52 @@ pub fn is_running(pid: u32, start: u64) -> bool {
     let state = f.next();
     let st = f.nth(18).and_then(|v| v.parse::<u64>().ok());
     st == Some(start) && !matches!(state, Some("Z" | "X" | "x"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retprobe_format_is_a_config_bit() {
+        assert_eq!(parse_config_bit("config:0\n").unwrap(), 1);
+        assert_eq!(parse_config_bit("config:5").unwrap(), 32);
+        assert!(parse_config_bit("config1:0").is_err());
+        assert!(parse_config_bit("config:32").is_err());
+    }
+
+    #[test]
+    fn probe_address_is_the_mapping_start_plus_the_offset_into_it() {
+        let m = |start, end, offset, inode| MapRange {
+            start,
+            end,
+            offset,
+            dev: (8, 1),
+            inode,
+            named: false,
+        };
+        let maps = [
+            m(0x5000_0000, 0x5000_1000, 0, 7),      // ELF header page
+            m(0x5000_1000, 0x5000_3000, 0x1000, 7), // text
+            m(0x7000_1000, 0x7000_3000, 0x1000, 7), // same file mapped again
+            m(0x6000_1000, 0x6000_3000, 0x1000, 9), // another file
+        ];
+        assert_eq!(
+            addresses_in(maps.into_iter(), (8, 1), 7, 0x1234),
+            vec![0x5000_1234, 0x7000_1234]
+        );
+        // Same inode on another device is another file.
+        assert!(addresses_in(maps.into_iter(), (8, 2), 7, 0x1234).is_empty());
+        // An offset past every mapping of the file.
+        assert!(addresses_in(maps.into_iter(), (8, 1), 7, 0x3000).is_empty());
+        // overlayfs: maps shows another inode, but the path names the file.
+        let overlay = [MapRange {
+            named: true,
+            ..m(0x5000_1000, 0x5000_3000, 0x1000, 99)
+        }];
+        assert_eq!(
+            addresses_in(overlay.into_iter(), (8, 1), 7, 0x1234),
+            vec![0x5000_1234]
+        );
+    }
 }

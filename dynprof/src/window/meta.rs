@@ -57,6 +57,9 @@ pub struct WindowMeta {
     pub config_change: Option<u64>,
     /// Who held the USDT semaphores (the kernel or the /proc/PID/mem fallback).
     pub usdt_semaphores: Value,
+    /// The kernel's release and the paths dynprof took on it
+    /// (`compat::KernelPaths`; docs/portability.md).
+    pub kernel: Value,
 }
 
 /// The profiled process.

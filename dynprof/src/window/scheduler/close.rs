@@ -121,6 +121,8 @@ impl Scheduler {
         );
         // Who held the USDT semaphores (kernel or the /proc/PID/mem fallback).
         meta.usdt_semaphores = serde_json::to_value(kernel.semaphore_report()).unwrap_or_default();
+        // The kernel's release and the paths taken on it (docs/portability.md).
+        meta.kernel = serde_json::to_value(kernel.paths()).unwrap_or_default();
         // Files are written off the event loop; the notice follows on a tick.
         let job = WriteJob {
             id: s.id,
@@ -232,6 +234,7 @@ impl Scheduler {
             config: w.req.config.clone(),
             config_change: w.req.change,
             usdt_semaphores: Value::Null,
+            kernel: Value::Null,
         }
     }
 }

@@ -1,0 +1,813 @@
+//! `cargo xtask vm-test [--arch x86_64|aarch64] [--kernel VERSION]`: boots a
+//! Debian kernel package under QEMU (TCG: no usable KVM on CI machines) and
+//! runs a privileged subset of the integration tests inside
+//! (docs/portability.md).
+//!
+//! The VM sees the host's root read-only over 9p, under a tmpfs overlay, so
+//! everything built on the host (test binaries, fixtures, python3) runs in
+//! it at the same paths, and the tests may write where they write on the
+//! host. A busybox initramfs loads the virtio and 9p modules of the kernel
+//! package, mounts that, and chroots in. Results come back through a second,
+//! writable 9p share.
+//!
+//! Kernel packages come from Debian through the configured mirror, with a
+//! private apt state directory (the machine's own apt sources stay as they
+//! are), and are cached under [`cache_dir`], never in the checkout: a
+//! second run downloads nothing.
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader, Write as _},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{fixtures, setup, util};
+
+/// Where kernels, apt state and initramfs images are kept between runs.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("DYNPROF_VM_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/dynprof/vm"))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arch {
+    #[value(name = "x86_64")]
+    X86_64,
+    #[value(name = "aarch64")]
+    Aarch64,
+}
+
+impl Arch {
+    fn deb(self) -> &'static str {
+        match self {
+            Arch::X86_64 => "amd64",
+            Arch::Aarch64 => "arm64",
+        }
+    }
+    fn qemu(self) -> &'static str {
+        match self {
+            Arch::X86_64 => "qemu-system-x86_64",
+            Arch::Aarch64 => "qemu-system-aarch64",
+        }
+    }
+    fn qemu_package(self) -> &'static str {
+        match self {
+            Arch::X86_64 => "qemu-system-x86",
+            Arch::Aarch64 => "qemu-system-arm",
+        }
+    }
+    fn machine(self) -> &'static [&'static str] {
+        match self {
+            Arch::X86_64 => &[],
+            Arch::Aarch64 => &["-M", "virt", "-cpu", "max"],
+        }
+    }
+    fn console(self) -> &'static str {
+        match self {
+            Arch::X86_64 => "ttyS0",
+            Arch::Aarch64 => "ttyAMA0",
+        }
+    }
+    /// The Rust target the binaries in the VM must be built for; `None`
+    /// builds for the host.
+    pub fn rust_target(self) -> Option<&'static str> {
+        match self {
+            Arch::X86_64 => None,
+            Arch::Aarch64 => Some("aarch64-unknown-linux-gnu"),
+        }
+    }
+}
+
+pub struct Options {
+    pub arch: Arch,
+    /// Debian's kernel ABI version, e.g. `5.10.0-30` or `6.1.0-28`.
+    pub kernel: String,
+    pub timeout: Duration,
+    /// Run only these test binaries of [`VM_TESTS`] (all when empty).
+    pub only: Vec<String>,
+}
+
+/// The tests run in the arm64 VM: the host root's tools (make, python3,
+/// flock) are x86-64 there, so only tests whose targets are the fixtures,
+/// prebuilt for arm64 on the host, can run (not the Python USDT test).
+const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
+    ("kernel_compat", &[]),
+    (
+        "attach_trainer",
+        &["attach_trainer_one_event_per_optimizer_step_inside_its_call"],
+    ),
+    (
+        "usdt_attach",
+        &[
+            "usdt_native_trainer_probe_by_exe",
+            "usdt_native_trainer_probe_by_path_with_string_filter",
+        ],
+    ),
+    ("collectors", &["collectors_acl_device_bound"]),
+    (
+        "windows",
+        &["windows_plan_records_exactly_the_planned_steps"],
+    ),
+];
+
+/// The tests run in the VM: (test binary, exact test names; empty = all).
+/// Chosen to cover what differs between kernels: marker attach (native
+/// and USDT, with and without kernel-owned semaphores), exact windows, and
+/// the api collector's entry/return pairing.
+const VM_TESTS: &[(&str, &[&str])] = &[
+    ("kernel_compat", &[]),
+    (
+        "attach_trainer",
+        &["attach_trainer_one_event_per_optimizer_step_inside_its_call"],
+    ),
+    ("usdt_attach", &[]),
+    ("collectors", &["collectors_acl_device_bound"]),
+    (
+        "windows",
+        &["windows_plan_records_exactly_the_planned_steps"],
+    ),
+];
+
+/// What `cargo xtask test` runs (issue #12's matrix): Debian bullseye's 5.10
+/// (openEuler 22.03's major) and bookworm's 6.1 on x86-64, and 5.10 on arm64.
+pub const CI_KERNELS: &[(Arch, &str)] = &[
+    (Arch::X86_64, "5.10.0-30"),
+    (Arch::X86_64, "6.1.0-50"),
+    (Arch::Aarch64, "5.10.0-30"),
+];
+
+/// Kernel modules the initramfs loads (after their dependencies) to mount
+/// the host's root.
+const MODULES: &[&str] = &[
+    "virtio",
+    "virtio_ring",
+    "virtio_pci",
+    "fscache",
+    "9pnet",
+    "9pnet_virtio",
+    "9p",
+    "overlay",
+];
+
+/// The Debian release that ships kernel ABI `version`.
+fn suite_of(version: &str) -> Result<&'static str> {
+    let mm: Vec<&str> = version.splitn(3, '.').take(2).collect();
+    Ok(match mm.as_slice() {
+        ["5", "10"] => "bullseye",
+        ["6", "1"] => "bookworm",
+        ["4", "19"] => "buster",
+        _ => bail!(
+            "no Debian release known for kernel {version} (hint: 5.10.0-N is bullseye, 6.1.0-N bookworm)"
+        ),
+    })
+}
+
+fn say(msg: &str) {
+    println!("[vm-test] {msg}");
+}
+
+pub fn run(o: &Options) -> Result<()> {
+    let t_all = Instant::now();
+    let suite = suite_of(&o.kernel)?;
+    setup::ensure_packages(&[
+        (o.arch.qemu_package(), "QEMU for vm-test"),
+        ("busybox-static", "the VM's initramfs"),
+    ])?;
+    if o.arch == Arch::Aarch64 {
+        arm64_runtime()?;
+    }
+    let cache = cache_dir();
+    let kdir = kernel_package(&cache, suite, &o.kernel, o.arch)?;
+    let release = format!("{}-{}", o.kernel, o.arch.deb());
+    let vmlinuz = kdir.join(format!("boot/vmlinuz-{release}"));
+    let busybox = busybox_for(&cache, o.arch)?;
+    let initrd = initramfs(&cache, &kdir, &release, &busybox, o.arch)?;
+
+    say("building the test binaries and fixtures on the host");
+    let tests = build_tests(o.arch, &o.only)?;
+    let fixtures_dir = match o.arch {
+        Arch::X86_64 => {
+            fixtures::build()?;
+            None
+        }
+        Arch::Aarch64 => Some(cross_fixtures()?),
+    };
+
+    let run_dir = cache
+        .join("runs")
+        .join(format!("{}-{release}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    std::fs::write(
+        run_dir.join("cmd.sh"),
+        script(&tests, fixtures_dir.as_deref()),
+    )?;
+
+    say(&format!(
+        "booting Debian {suite}'s {release} under {} (TCG)",
+        o.arch.qemu()
+    ));
+    let t_vm = Instant::now();
+    let console = qemu(o, &vmlinuz, &initrd, &run_dir)?;
+    let vm_secs = t_vm.elapsed().as_secs_f64();
+
+    let log = std::fs::read_to_string(run_dir.join("log")).unwrap_or_default();
+    let rc = std::fs::read_to_string(run_dir.join("rc")).ok();
+    let boot = marker_time(&console, "VM-READY");
+    let (t0, t1) = (
+        marker_time(&log, "TESTS-START"),
+        marker_time(&log, "TESTS-END"),
+    );
+    let results: Vec<&str> = log
+        .lines()
+        .filter(|l| l.starts_with("test result:") || l.contains("... FAILED"))
+        .collect();
+    say("---- summary ----");
+    say(&format!("kernel: {release} ({suite}), arch {:?}", o.arch));
+    if let Some(b) = boot {
+        say(&format!("boot to the test shell: {b:.1} s (guest uptime)"));
+    }
+    if let (Some(a), Some(b)) = (t0, t1) {
+        say(&format!("tests: {:.1} s (guest uptime)", b - a));
+    }
+    say(&format!(
+        "VM wall time {vm_secs:.1} s; vm-test total {:.1} s",
+        t_all.elapsed().as_secs_f64()
+    ));
+    for r in &results {
+        say(r);
+    }
+    let _ = std::fs::remove_dir_all(&run_dir);
+    match rc.as_deref().map(str::trim) {
+        Some("0") => {
+            say("all VM tests passed");
+            Ok(())
+        }
+        Some(code) => bail!("VM tests failed (exit {code}); see the output above"),
+        None => bail!(
+            "the VM produced no result (it did not boot, or timed out after {:?}); see the console above",
+            o.timeout
+        ),
+    }
+}
+
+/// Guest uptime printed after `marker` (`VM-READY 3.21`).
+fn marker_time(text: &str, marker: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.split(marker).nth(1)?;
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// apt-get with the private state under `cache/apt`.
+fn apt(cache: &Path) -> Command {
+    let a = cache.join("apt");
+    let mut c = Command::new("apt-get");
+    c.arg("-q")
+        .arg(format!(
+            "-oDir::Etc::sourcelist={}",
+            a.join("sources.list").display()
+        ))
+        .arg("-oDir::Etc::sourceparts=-")
+        .arg(format!("-oDir::State::Lists={}", a.join("lists").display()))
+        .arg(format!("-oDir::Cache={}", a.join("cache").display()))
+        .arg("-oAPT::Architectures::=amd64")
+        .arg("-oAPT::Architectures::=arm64")
+        .env("DEBIAN_FRONTEND", "noninteractive");
+    c
+}
+
+/// Downloads (once) `pkg` into `cache/debs` and returns its .deb.
+fn download(cache: &Path, pkg: &str, arch: Arch) -> Result<PathBuf> {
+    let debs = cache.join("debs");
+    let name = pkg.split(':').next().unwrap_or(pkg);
+    let find = || -> Result<Option<PathBuf>> {
+        if !debs.is_dir() {
+            return Ok(None);
+        }
+        for e in std::fs::read_dir(&debs)? {
+            let p = e?.path();
+            let f = p
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            if f.starts_with(&format!("{name}_")) && f.ends_with(&format!("_{}.deb", arch.deb())) {
+                return Ok(Some(p));
+            }
+        }
+        Ok(None)
+    };
+    if let Some(p) = find()? {
+        return Ok(p);
+    }
+    let a = cache.join("apt");
+    for d in ["lists/partial", "cache/archives/partial"] {
+        std::fs::create_dir_all(a.join(d))?;
+    }
+    std::fs::create_dir_all(&debs)?;
+    let sources = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bullseye main\n\
+                   deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm main\n";
+    std::fs::write(a.join("sources.list"), sources)?;
+    say(&format!(
+        "apt-get update (private state in {})",
+        a.display()
+    ));
+    util::run(apt(cache).arg("update")).context(
+        "apt-get update of the private bullseye/bookworm sources failed; check access to deb.debian.org",
+    )?;
+    say(&format!("downloading {pkg}"));
+    util::run(apt(cache).current_dir(&debs).args(["download", pkg]))
+        .with_context(|| format!("downloading {pkg} (is the kernel version right?)"))?;
+    find()?.with_context(|| format!("{pkg} downloaded, but no .deb in {}", debs.display()))
+}
+
+/// The unpacked kernel package (boot/ and lib/modules/).
+fn kernel_package(cache: &Path, suite: &str, version: &str, arch: Arch) -> Result<PathBuf> {
+    let dir = cache
+        .join("kernels")
+        .join(format!("{version}-{}", arch.deb()));
+    if dir.join("boot").is_dir() {
+        say(&format!(
+            "kernel {version} ({suite}, {}): cached",
+            arch.deb()
+        ));
+        return Ok(dir);
+    }
+    let pkg = format!(
+        "linux-image-{version}-{}-unsigned:{}",
+        arch.deb(),
+        arch.deb()
+    );
+    let deb = download(cache, &pkg, arch)?;
+    unpack(&deb, &dir)?;
+    Ok(dir)
+}
+
+fn unpack(deb: &Path, dir: &Path) -> Result<()> {
+    let tmp = dir.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    util::run(Command::new("dpkg-deb").arg("-x").arg(deb).arg(&tmp))?;
+    std::fs::rename(&tmp, dir).with_context(|| format!("renaming into {}", dir.display()))?;
+    Ok(())
+}
+
+/// A static busybox for the VM's architecture: the host's for x86-64,
+/// Debian's busybox-static:arm64 for aarch64.
+fn busybox_for(cache: &Path, arch: Arch) -> Result<PathBuf> {
+    match arch {
+        Arch::X86_64 => Ok(PathBuf::from("/bin/busybox")),
+        Arch::Aarch64 => {
+            let dir = cache.join("busybox-arm64");
+            if !dir.join("bin/busybox").is_file() {
+                let deb = download(cache, "busybox-static:arm64", arch)?;
+                unpack(&deb, &dir)?;
+            }
+            Ok(dir.join("bin/busybox"))
+        }
+    }
+}
+
+/// Builds (once per kernel) the initramfs: busybox, the modules, `/init`.
+fn initramfs(
+    cache: &Path,
+    kdir: &Path,
+    release: &str,
+    busybox: &Path,
+    arch: Arch,
+) -> Result<PathBuf> {
+    let out = cache.join("initramfs").join(format!("{release}.cpio.gz"));
+    let init = init_script();
+    let stamp = out.with_extension("init");
+    if out.is_file() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(init.as_str()) {
+        return Ok(out);
+    }
+    let root = cache.join("initramfs").join(format!("{release}.d"));
+    let _ = std::fs::remove_dir_all(&root);
+    for d in ["bin", "dev", "proc", "sys", "mnt", "modules"] {
+        std::fs::create_dir_all(root.join(d))?;
+    }
+    std::fs::copy(busybox, root.join("bin/busybox"))
+        .with_context(|| format!("copying {}", busybox.display()))?;
+    let moddir = kdir.join("lib/modules").join(release);
+    let index = module_index(&moddir)?;
+    // A module the package does not ship is built into the kernel.
+    let wanted: Vec<&str> = MODULES
+        .iter()
+        .copied()
+        .filter(|m| index.contains_key(*m))
+        .collect();
+    let order = load_order(&wanted, |m| {
+        let p = index
+            .get(m)
+            .with_context(|| format!("module {m}.ko not in {} ({arch:?})", moddir.display()))?;
+        module_depends(p)
+    })?;
+    for m in &order {
+        std::fs::copy(
+            &index[m.as_str()],
+            root.join("modules").join(format!("{m}.ko")),
+        )?;
+    }
+    std::fs::write(root.join("modules/order"), order.join("\n") + "\n")?;
+    let init_path = root.join("init");
+    std::fs::write(&init_path, &init)?;
+    std::fs::set_permissions(
+        &init_path,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
+    // The host's busybox packs it (the archive format is the same).
+    let sh = format!(
+        "cd '{}' && find . | /bin/busybox cpio -o -H newc | gzip -1 > '{}'",
+        root.display(),
+        out.display()
+    );
+    util::run(Command::new("/bin/sh").arg("-c").arg(&sh)).context("packing the initramfs")?;
+    std::fs::write(&stamp, &init)?;
+    Ok(out)
+}
+
+/// Every `.ko` under `dir` by module name (`-` and `_` are the same).
+fn module_index(dir: &Path) -> Result<BTreeMap<String, PathBuf>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).with_context(|| format!("reading {}", d.display()))? {
+            let e = e?;
+            let p = e.path();
+            if e.file_type()?.is_dir() {
+                stack.push(p);
+            } else if let Some(n) = p.file_name().and_then(|f| f.to_str())
+                && let Some(stem) = n.strip_suffix(".ko")
+            {
+                out.insert(stem.replace('-', "_"), p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The `depends=` list of a module's `.modinfo` (what depmod reads).
+fn module_depends(ko: &Path) -> Result<Vec<String>> {
+    let data = std::fs::read(ko).with_context(|| format!("reading {}", ko.display()))?;
+    Ok(depends_in(&data))
+}
+
+fn depends_in(data: &[u8]) -> Vec<String> {
+    const KEY: &[u8] = b"\0depends=";
+    let Some(at) = data.windows(KEY.len()).position(|w| w == KEY) else {
+        return Vec::new();
+    };
+    let rest = &data[at + KEY.len()..];
+    let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+    String::from_utf8_lossy(&rest[..end])
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.replace('-', "_"))
+        .collect()
+}
+
+/// `wanted` with their dependencies, each after what it depends on.
+fn load_order(
+    wanted: &[&str],
+    mut depends: impl FnMut(&str) -> Result<Vec<String>>,
+) -> Result<Vec<String>> {
+    fn visit(
+        m: &str,
+        depends: &mut dyn FnMut(&str) -> Result<Vec<String>>,
+        seen: &mut Vec<String>,
+        out: &mut Vec<String>,
+    ) -> Result<()> {
+        if seen.iter().any(|s| s == m) {
+            return Ok(());
+        }
+        seen.push(m.to_string());
+        for d in depends(m)? {
+            visit(&d, depends, seen, out)?;
+        }
+        out.push(m.to_string());
+        Ok(())
+    }
+    let (mut seen, mut out) = (Vec::new(), Vec::new());
+    for m in wanted {
+        visit(m, &mut depends, &mut seen, &mut out)?;
+    }
+    Ok(out)
+}
+
+/// `/init`: mount the host root read-only with a tmpfs overlay, the result
+/// share at /vm-out, and run /vm-out/cmd.sh with the VM's own busybox (the
+/// host's /bin/sh may be of another architecture).
+fn init_script() -> String {
+    r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+for m in $(cat /modules/order); do insmod /modules/$m.ko || echo "VM-ERROR insmod $m"; done
+mkdir -p /lower /rw /out
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144,cache=loose hostroot /lower || echo "VM-ERROR 9p hostroot"
+mount -t tmpfs -o size=75% tmpfs /rw; mkdir -p /rw/up /rw/work
+mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/up,workdir=/rw/work /mnt || echo "VM-ERROR overlay"
+mount -t 9p -o trans=virtio,version=9p2000.L,rw,msize=262144 out /out || echo "VM-ERROR 9p out"
+mount -t tmpfs tmpfs /mnt/tmp; mount -t tmpfs tmpfs /mnt/run
+mount -t proc proc /mnt/proc; mount -t sysfs sys /mnt/sys; mount -t devtmpfs dev /mnt/dev
+mkdir -p /mnt/dev/pts /mnt/dev/shm; mount -t devpts devpts /mnt/dev/pts; mount -t tmpfs tmpfs /mnt/dev/shm
+mount -t debugfs debugfs /mnt/sys/kernel/debug; mount -t tracefs tracefs /mnt/sys/kernel/tracing 2>/dev/null
+mount -t bpf bpf /mnt/sys/fs/bpf 2>/dev/null
+mount -t cgroup2 cgroup2 /mnt/sys/fs/cgroup 2>/dev/null
+mkdir -p /mnt/vm-out /mnt/vm-bin; mount --bind /out /mnt/vm-out; cp /bin/busybox /mnt/vm-bin/busybox
+echo "VM-READY $(cut -d' ' -f1 /proc/uptime)"
+chroot /mnt /vm-bin/busybox sh /vm-out/cmd.sh 2>&1 | tee /out/log
+sync
+echo "VM-DONE $(cut -d' ' -f1 /proc/uptime)"
+poweroff -f
+"#
+    .to_string()
+}
+
+/// The script run inside: each test binary with its exact test names.
+fn script(tests: &[(PathBuf, &[&str])], fixtures_dir: Option<&Path>) -> String {
+    let mut s = format!(
+        "cd '{}'\nexport PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root\n\
+         fail=0\nread up _ < /proc/uptime; echo \"TESTS-START $up\"\n",
+        util::workspace_root().display()
+    );
+    if let Some(d) = fixtures_dir {
+        s.push_str(&format!("export DYNPROF_FIXTURES_DIR='{}'\n", d.display()));
+    }
+    for (bin, names) in tests {
+        s.push_str(&format!("'{}' --test-threads=1", bin.display()));
+        if !names.is_empty() {
+            s.push_str(" --exact");
+            for n in *names {
+                s.push_str(&format!(" '{n}'"));
+            }
+        }
+        s.push_str(" || fail=1\n");
+    }
+    s.push_str("read up _ < /proc/uptime; echo \"TESTS-END $up\"\necho $fail > /vm-out/rc\n");
+    s
+}
+
+/// Builds the VM's test binaries; returns them with their test names.
+fn build_tests(arch: Arch, only: &[String]) -> Result<Vec<(PathBuf, &'static [&'static str])>> {
+    let all = match arch {
+        Arch::X86_64 => VM_TESTS,
+        Arch::Aarch64 => VM_TESTS_AARCH64,
+    };
+    let chosen: Vec<&(&str, &[&str])> = all
+        .iter()
+        .filter(|(n, _)| only.is_empty() || only.iter().any(|o| o == n))
+        .collect();
+    if chosen.is_empty() {
+        bail!(
+            "--only matches none of the VM's test binaries: {}",
+            all.iter().map(|t| t.0).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let mut cmd = util::cargo();
+    cmd.args(["test", "-p", "dynprof", "--no-run", "--message-format=json"]);
+    if let Some(t) = arch.rust_target() {
+        cmd.args(["--target", t]);
+    }
+    for (name, _) in &chosen {
+        cmd.args(["--test", name]);
+    }
+    let out = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("building the VM's test binaries failed");
+    }
+    let mut exes = BTreeMap::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v["reason"] == "compiler-artifact"
+            && let (Some(name), Some(exe)) =
+                (v["target"]["name"].as_str(), v["executable"].as_str())
+        {
+            exes.insert(name.to_string(), PathBuf::from(exe));
+        }
+    }
+    chosen
+        .into_iter()
+        .map(|(name, names)| {
+            let exe = exes
+                .get(*name)
+                .with_context(|| format!("cargo built no executable for test {name}"))?;
+            Ok((exe.clone(), *names))
+        })
+        .collect()
+}
+
+/// The fixtures built for arm64 with the cross compilers, in
+/// `<target>/aarch64-unknown-linux-gnu/fixtures`.
+fn cross_fixtures() -> Result<PathBuf> {
+    let dir = util::target_dir()
+        .join(setup::AARCH64_TARGET)
+        .join("fixtures");
+    std::fs::create_dir_all(&dir)?;
+    // sys/sdt.h (systemtap-sdt-dev) is architecture-independent, but the
+    // cross compiler does not search /usr/include: hand it just those two.
+    let inc = util::target_dir()
+        .join(setup::AARCH64_TARGET)
+        .join("sdt-include");
+    std::fs::create_dir_all(inc.join("sys"))?;
+    // Debian installs them under the host's multiarch directory.
+    let src = ["/usr/include/x86_64-linux-gnu/sys", "/usr/include/sys"]
+        .iter()
+        .map(Path::new)
+        .find(|d| d.join("sdt.h").is_file())
+        .context("sys/sdt.h not found: install systemtap-sdt-dev (cargo xtask setup)")?;
+    for h in ["sdt.h", "sdt-config.h"] {
+        std::fs::copy(src.join(h), inc.join("sys").join(h))
+            .with_context(|| format!("copying {}/{h}", src.display()))?;
+    }
+    util::run(
+        Command::new("make")
+            .arg("--no-print-directory")
+            .arg("-C")
+            .arg(util::workspace_root().join("tests/fixtures"))
+            .arg(format!("OUT={}", dir.display()))
+            .arg(format!(
+                "CC=aarch64-linux-gnu-gcc -isystem {}",
+                inc.display()
+            ))
+            .arg(format!(
+                "CXX=aarch64-linux-gnu-g++ -isystem {}",
+                inc.display()
+            )),
+    )
+    .context("cross-building the fixtures for arm64 (needs gcc/g++-aarch64-linux-gnu)")?;
+    Ok(dir)
+}
+
+/// What arm64 binaries need on the shared host root: the cross C++
+/// compiler for the fixtures and, to run at all, arm64 glibc
+/// (`/lib/ld-linux-aarch64.so.1`, from libc6:arm64 through dpkg multiarch).
+fn arm64_runtime() -> Result<()> {
+    setup::ensure_packages(&[(
+        "g++-aarch64-linux-gnu",
+        "the C++ fixtures, cross-built for the arm64 VM",
+    )])?;
+    if setup::dpkg_installed("libc6:arm64")? {
+        return Ok(());
+    }
+    let archs = util::stdout_of(Command::new("dpkg").arg("--print-foreign-architectures"))?;
+    if !archs.lines().any(|a| a.trim() == "arm64") {
+        say("dpkg --add-architecture arm64 (for libc6:arm64)");
+        util::run(Command::new("dpkg").args(["--add-architecture", "arm64"]))?;
+        util::run(
+            Command::new("apt-get")
+                .args(["update", "-q"])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )?;
+    }
+    setup::ensure_packages(&[
+        (
+            "libc6:arm64",
+            "arm64 glibc for the binaries run in the arm64 VM",
+        ),
+        ("libstdc++6:arm64", "the C++ fixtures in the arm64 VM"),
+    ])
+}
+
+/// Runs the VM to its end (or the timeout), echoing the console; returns it.
+fn qemu(o: &Options, vmlinuz: &Path, initrd: &Path, run_dir: &Path) -> Result<String> {
+    let mut cmd = Command::new("nice");
+    cmd.args(["-n", "15", o.arch.qemu()])
+        .args(o.arch.machine())
+        .args(["-m", "3072", "-smp", "2", "-display", "none", "-monitor", "none"])
+        .args(["-serial", "stdio", "-no-reboot"])
+        .arg("-kernel")
+        .arg(vmlinuz)
+        .arg("-initrd")
+        .arg(initrd)
+        .arg("-append")
+        .arg(format!("console={} quiet panic=-1", o.arch.console()))
+        .args([
+            "-virtfs",
+            "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap",
+            "-virtfs",
+        ])
+        .arg(format!(
+            "local,path={},mount_tag=out,security_model=passthrough",
+            run_dir.display()
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let shown = util::display(&cmd);
+    let mut child = cmd.spawn().with_context(|| format!("starting `{shown}`"))?;
+    let console = Arc::new(Mutex::new(String::new()));
+    let out = child.stdout.take().expect("piped");
+    let reader = {
+        let console = console.clone();
+        std::thread::spawn(move || {
+            let mut stdout = std::io::stdout();
+            for line in BufReader::new(out).split(b'\n').map_while(Result::ok) {
+                let line = String::from_utf8_lossy(&line).replace('\r', "");
+                let _ = writeln!(stdout, "[vm] {line}");
+                let mut c = console.lock().unwrap();
+                c.push_str(&line);
+                c.push('\n');
+            }
+        })
+    };
+    let deadline = Instant::now() + o.timeout;
+    loop {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            say(&format!("timeout after {:?}: stopping the VM", o.timeout));
+            let _ = child.kill();
+            let _ = child.wait();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = reader.join();
+    let c = console.lock().unwrap().clone();
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modules_load_after_their_dependencies() {
+        let deps = |m: &str| -> Result<Vec<String>> {
+            Ok(match m {
+                "9p" => vec!["9pnet".into(), "netfs".into()],
+                "9pnet_virtio" => vec!["9pnet".into(), "virtio_ring".into()],
+                "virtio_pci" => vec!["virtio_pci_modern_dev".into(), "virtio".into()],
+                _ => vec![],
+            })
+        };
+        let order = load_order(&["virtio_pci", "9pnet_virtio", "9p"], deps).unwrap();
+        assert_eq!(
+            order,
+            [
+                "virtio_pci_modern_dev",
+                "virtio",
+                "virtio_pci",
+                "9pnet",
+                "virtio_ring",
+                "9pnet_virtio",
+                "netfs",
+                "9p"
+            ]
+        );
+        let modinfo = b"\0license=GPL\0depends=9pnet,netfs,fscache\0vermagic=6.1\0";
+        assert_eq!(depends_in(modinfo), ["9pnet", "netfs", "fscache"]);
+        assert!(depends_in(b"\0depends=\0x").is_empty());
+    }
+
+    #[test]
+    fn suites_of_kernel_versions() {
+        assert_eq!(suite_of("5.10.0-30").unwrap(), "bullseye");
+        assert_eq!(suite_of("6.1.0-28").unwrap(), "bookworm");
+        assert!(
+            suite_of("5.4.0-1")
+                .unwrap_err()
+                .to_string()
+                .contains("hint")
+        );
+    }
+
+    #[test]
+    fn script_runs_each_binary_with_its_exact_names() {
+        let s = script(
+            &[
+                (PathBuf::from("/t/a-1"), &["x", "y"][..]),
+                (PathBuf::from("/t/b-2"), &[][..]),
+            ],
+            Some(Path::new("/f")),
+        );
+        assert!(s.contains("export DYNPROF_FIXTURES_DIR='/f'\n"), "{s}");
+        assert!(
+            s.contains("'/t/a-1' --test-threads=1 --exact 'x' 'y' || fail=1\n"),
+            "{s}"
+        );
+        assert!(s.contains("'/t/b-2' --test-threads=1 || fail=1\n"), "{s}");
+        assert!(s.ends_with("echo $fail > /vm-out/rc\n"), "{s}");
+    }
+
+    #[test]
+    fn guest_uptimes_are_read_after_their_marker() {
+        let c = "noise\r\n[vm] VM-READY 3.25\nTESTS-END 99.5 12\n";
+        assert_eq!(marker_time(c, "VM-READY"), Some(3.25));
+        assert_eq!(marker_time(c, "TESTS-END"), Some(99.5));
+        assert_eq!(marker_time(c, "VM-DONE"), None);
+    }
+}
