@@ -8,6 +8,7 @@ pub mod bpf;
 pub mod cli;
 pub mod collect;
 pub mod commands;
+pub mod job;
 pub mod output;
 pub mod probes;
 pub mod session;

@@ -71,7 +71,10 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Attach(a) => rt.block_on(attach::run(a)),
         Command::Launch(a) => rt.block_on(dynprof::commands::launch::run(a)),
-        Command::Report(r) => dynprof::output::report::run(&r),
+        Command::Report(r) => match r.dirs.as_slice() {
+            [d] if dynprof::job::report::is_job_dir(d) => dynprof::job::report::run(d, r.json),
+            _ => dynprof::output::report::run(&r),
+        },
         Command::ProbeCost(p) => dynprof::commands::probe_cost::run(&p),
         Command::Ps(p) => dynprof::commands::ps::run(&p),
     }

@@ -33,8 +33,20 @@ pub struct AttachArgs {
     /// PID of the running job: a host PID, or with --in-pidns the PID seen
     /// inside that PID namespace (see `dynprof ps`).
     #[arg(long, short = 'p', value_name = "PID", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, crate::cli::PID_MAX),
+          required_unless_present_any = ["job", "pids"], conflicts_with_all = ["job", "pids"])]
+    pub pid: Option<u32>,
+
+    /// Job mode: every rank of a training job. REF is a launcher PID (its
+    /// AI descendants are the ranks), pid:[INODE] or a container id. The
+    /// window flags are in job steps (docs/job-mode.md).
+    #[arg(long, value_name = "REF", conflicts_with = "pids")]
+    pub job: Option<String>,
+
+    /// Job mode on exactly these PIDs (comma-separated).
+    #[arg(long, value_name = "A,B,C", value_delimiter = ',',
           value_parser = crate::cli::int(1, crate::cli::PID_MAX))]
-    pub pid: u32,
+    pub pids: Option<Vec<u32>>,
 
     /// Read --pid in this PID namespace: a host PID of any process in it,
     /// /proc/X/ns/pid, pid:[INODE], or a container id (>= 12 hex chars).
@@ -224,6 +236,14 @@ pub fn collectors(
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
+    match (&args.job, &args.pids) {
+        (Some(r), _) => return super::job::run(args.clone(), crate::job::discover::JobRef::parse(r)?).await,
+        (_, Some(p)) => return super::job::run(args.clone(), crate::job::discover::JobRef::pids(p)?).await,
+        _ => {}
+    }
+    let Some(pid) = args.pid else {
+        bail!("give --pid, --job or --pids");
+    };
     let markers = markers_or_auto(&args.markers);
     // Before anything touches the target: a missing capability is named
     // here, not met as a bare EACCES half-way through attaching.
@@ -233,7 +253,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
     )?;
     crate::sys::caps::check(&needs(&args.window, &mode)?)?;
     let target = Target::open(crate::target::resolve_pid(
-        args.pid,
+        pid,
         args.in_pidns.as_deref(),
     )?)?;
     // Before anything reads the target's maps or takes the lock: without

@@ -1,5 +1,6 @@
 //! The subcommands' implementations; `main.rs` only parses.
 pub mod attach;
+pub mod job;
 pub mod launch;
 pub mod printer;
 pub mod probe_cost;

@@ -1,0 +1,112 @@
+//! `dynprof report DIR` on a job window: a per-rank table and the
+//! `straggler:` verdict.
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use serde_json::{Value, json};
+
+use super::{JOB_META_FILE, JOB_STEPS_FILE, table, verdict};
+
+/// Caps on what `report` reads from a job directory (it may be copied
+/// from anywhere).
+const MAX_CSV: u64 = 64 << 20;
+const MAX_META: u64 = 4 << 20;
+
+/// True when `dir` is a job window (it holds `job_steps.csv`).
+pub fn is_job_dir(dir: &Path) -> bool {
+    dir.join(JOB_STEPS_FILE).is_file()
+}
+
+fn read_capped(path: &Path, max: u64) -> Result<String> {
+    crate::sys::hostfs::read_path_capped(path, max).with_context(|| format!("reading {}", path.display()))
+}
+
+pub struct JobAnalysis {
+    pub stats: Vec<verdict::RankStat>,
+    pub verdict: verdict::Verdict,
+    pub meta: Value,
+}
+
+pub fn analyze(dir: &Path) -> Result<JobAnalysis> {
+    let rows = table::from_csv(&read_capped(&dir.join(JOB_STEPS_FILE), MAX_CSV)?)?;
+    let meta: Value = match read_capped(&dir.join(JOB_META_FILE), MAX_META) {
+        Ok(t) => serde_json::from_str(&t).with_context(|| format!("parsing {JOB_META_FILE}"))?,
+        Err(_) => Value::Null,
+    };
+    let stats = verdict::per_rank(&rows);
+    let verdict = verdict::verdict(&stats);
+    Ok(JobAnalysis { stats, verdict, meta })
+}
+
+fn ms(ns: u64) -> String {
+    format!("{:.3}", ns as f64 / 1e6)
+}
+
+pub fn render(dir: &Path, a: &JobAnalysis) -> String {
+    let mut s = format!("job window {}\n", dir.display());
+    if let Some(p) = a.meta.get("plan").and_then(|p| p.get("job_steps")) {
+        s.push_str(&format!("job steps {}\n", p.as_str().unwrap_or("?")));
+    }
+    s.push_str(&format!(
+        "{:>5} {:>8} {:>6} {:>10} {:>11} {:>13} {:>12} {:>10}\n",
+        "rank", "pid", "steps", "step_ms", "compute_ms", "coll_wait_ms", "dev_wait_ms", "api/step"
+    ));
+    let ranks = a.meta.get("ranks").and_then(Value::as_array);
+    for st in &a.stats {
+        let pid = ranks
+            .and_then(|v| v.iter().find(|r| r.get("rank") == Some(&json!(st.rank.0))))
+            .and_then(|r| r.get("host_pid"))
+            .map_or("-".to_string(), |p| p.to_string());
+        s.push_str(&format!(
+            "{:>5} {:>8} {:>6} {:>10} {:>11} {:>13} {:>12} {:>10.1}\n",
+            st.rank.0,
+            pid,
+            st.steps,
+            ms(st.mean_duration_ns),
+            ms(st.mean_compute_ns),
+            ms(st.mean_collective_wait_ns),
+            ms(st.mean_device_wait_ns),
+            st.api_calls_per_step
+        ));
+    }
+    for r in ranks.into_iter().flatten() {
+        if let Some(why) = r.get("problem").and_then(Value::as_str) {
+            s.push_str(&format!(
+                "rank {}: {why}\n",
+                r.get("rank").map_or("?".into(), |v| v.to_string())
+            ));
+        }
+    }
+    if let Some(v) = a.meta.get("verification") {
+        let skew = v.get("max_skew_ns").and_then(Value::as_u64).unwrap_or(0);
+        let ok = v.get("ok").and_then(Value::as_bool).unwrap_or(false);
+        s.push_str(&format!(
+            "alignment: {} (largest start spread of one job step over the ranks: {} ms)\n",
+            if ok { "checked" } else { "NOT confirmed" },
+            ms(skew)
+        ));
+    }
+    s.push_str(&a.verdict.text);
+    s.push('\n');
+    s
+}
+
+pub fn to_json(a: &JobAnalysis) -> Value {
+    json!({
+        "job": a.meta,
+        "ranks": a.stats,
+        "stragglers": a.verdict.stragglers,
+        "verdict": a.verdict.text,
+    })
+}
+
+/// `dynprof report DIR [--json]` for a job directory.
+pub fn run(dir: &Path, json_out: bool) -> Result<()> {
+    let a = analyze(dir)?;
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&to_json(&a))?);
+    } else {
+        print!("{}", render(dir, &a));
+    }
+    Ok(())
+}
