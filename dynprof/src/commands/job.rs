@@ -91,11 +91,8 @@ impl Observer for StepTap {
         }
         Ok(())
     }
-
-    /// Never keeps the session alive: the scheduler decides.
-    fn wants_exit(&self) -> bool {
-        true
-    }
+    // `wants_exit` stays false: the session ends when the scheduler (or a
+    // limit) says so.
 }
 
 /// One attached rank, ready to run.
@@ -340,6 +337,10 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                         .await;
                     drop(observers);
                     drop(tx);
+                    match &r {
+                        Ok(s) => eprintln!("dynprof: rank {}: detached ({})", member.rank, s.end.describe()),
+                        Err(e) => eprintln!("dynprof: rank {}: session failed: {e:#}", member.rank),
+                    }
                     drop(lock);
                     running.set(running.get() - 1);
                     (member, r)

@@ -1,0 +1,251 @@
+//! Job mode on a real 4-rank PyTorch DDP job on CPU (gloo, Debian's torch
+//! 1.13): `dynprof attach --pids ...` attaches to every rank, records the
+//! same training iterations on each (checked against each rank's own log of
+//! optimizer.step() times), and `dynprof report` names the rank that burns
+//! extra CPU in its forward pass. A fifth "rank" that is not a PyTorch
+//! process is reported as not attached while the others go on.
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use common::*;
+
+const WORLD: u32 = 4;
+const SLOW: u32 = 2;
+const WARMUP: u64 = 1;
+const ACTIVE: u64 = 3;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts the ranks and waits until every one has joined the process group.
+fn start_ranks(dir: &Path) -> Vec<Proc> {
+    let script = workspace_root().join("tests/fixtures/ddp_train.py");
+    let port = free_port().to_string();
+    let mut procs: Vec<Proc> = (0..WORLD)
+        .map(|r| {
+            let mut cmd = Command::new(PYTHON3);
+            cmd.arg(&script)
+                .arg("--log")
+                .arg(dir.join(format!("rank{r}.log")))
+                .arg("--burn-ms")
+                .arg(if r == SLOW { "60" } else { "0" })
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", WORLD.to_string())
+                .stderr(Stdio::null());
+            Proc::spawn(&mut cmd)
+        })
+        .collect();
+    for p in &mut procs {
+        p.pid = wait_ready(&mut p.child).expect("rank ready");
+    }
+    procs
+}
+
+#[derive(Debug)]
+struct Row {
+    rank: u32,
+    step: u64,
+    start: u64,
+    end: u64,
+    compute: u64,
+    wait: u64,
+}
+
+fn read_job_steps(path: &Path) -> Vec<Row> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some("rank,step,start_ts_ns,end_ts_ns,duration_ns,compute_ns,collective_wait_ns,device_wait_ns,api_calls")
+    );
+    lines
+        .map(|l| {
+            let f: Vec<u64> = l.split(',').map(|x| x.parse().unwrap()).collect();
+            assert_eq!(f.len(), 9, "{l}");
+            assert_eq!(f[4], f[3] - f[2], "duration: {l}");
+            assert_eq!(f[5] + f[6] + f[7], f[4], "compute + waits: {l}");
+            Row {
+                rank: f[0] as u32,
+                step: f[1],
+                start: f[2],
+                end: f[3],
+                compute: f[5],
+                wait: f[6],
+            }
+        })
+        .collect()
+}
+
+/// The training iteration (the script's own counter) whose optimizer.step()
+/// call holds `ts`, the step boundary dynprof recorded.
+fn iteration_at(log: &[LogLine], ts: u64, what: &str) -> u64 {
+    let hits: Vec<&LogLine> = log.iter().filter(|l| l.before <= ts && ts <= l.after).collect();
+    assert_eq!(hits.len(), 1, "{what}: boundary {ts} is inside {} optimizer.step() calls", hits.len());
+    hits[0].index
+}
+
+fn job_dir(out: &Path) -> PathBuf {
+    let dirs: Vec<PathBuf> = std::fs::read_dir(out)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("PROF_JOB_"))
+        })
+        .collect();
+    assert_eq!(dirs.len(), 1, "job directories in {}: {dirs:?}", out.display());
+    dirs[0].clone()
+}
+
+#[test]
+fn ddp_four_ranks_same_iterations_and_straggler_named() {
+    require_privileges!();
+    let dir = scratch_dir("job_mode-ddp");
+    let out = dir.join("out");
+    let ranks = start_ranks(&dir);
+    // Not a PyTorch process: cannot be attached (no step marker).
+    let mut stranger = Proc::spawn(Command::new("sleep").arg("600").env("RANK", "4"));
+    stranger.pid = stranger.host_pid();
+
+    let mut pids: Vec<String> = ranks.iter().map(|p| p.pid.to_string()).collect();
+    pids.push(stranger.pid.to_string());
+    let (st, stdout, stderr) = attach_util_run(&[
+        "attach",
+        "--pids",
+        &pids.join(","),
+        "--warmup",
+        &WARMUP.to_string(),
+        "--active",
+        &ACTIVE.to_string(),
+        "--collect",
+        "offcpu",
+        "--duration",
+        "240",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(st.success(), "dynprof failed: {st}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stderr.contains(&format!("rank 4: cannot attach to PID {}", stranger.pid)),
+        "{stderr}"
+    );
+    let job = job_dir(&out);
+
+    // Every rank's window holds its own PROF directory.
+    for r in 0..WORLD {
+        let rd = job.join(format!("rank{r}"));
+        let n = std::fs::read_dir(&rd)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("PROF_"))
+            .count();
+        assert_eq!(n, 1, "{}", rd.display());
+    }
+
+    let rows = read_job_steps(&job.join("job_steps.csv"));
+    let mut by_rank: BTreeMap<u32, Vec<&Row>> = BTreeMap::new();
+    for r in &rows {
+        by_rank.entry(r.rank).or_default().push(r);
+    }
+    assert_eq!(by_rank.keys().copied().collect::<Vec<_>>(), (0..WORLD).collect::<Vec<_>>(), "{rows:?}");
+    let job_steps: Vec<u64> = by_rank[&0].iter().map(|r| r.step).collect();
+    assert_eq!(job_steps.len() as u64, ACTIVE, "{rows:?}");
+
+    // The same job step is the same training iteration on every rank, by
+    // each rank's own log of optimizer.step() calls. Each recorded step
+    // runs from one optimizer.step() to the next.
+    let logs: Vec<Vec<LogLine>> = (0..WORLD)
+        .map(|r| {
+            let path = dir.join(format!("rank{r}.log"));
+            let last_end = by_rank[&r].iter().map(|x| x.end).max().unwrap();
+            attach_util_wait_log(&path, last_end)
+        })
+        .collect();
+    let mut iterations: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for r in 0..WORLD {
+        let steps: Vec<u64> = by_rank[&r].iter().map(|x| x.step).collect();
+        assert_eq!(steps, job_steps, "rank {r} recorded other job steps");
+        for row in &by_rank[&r] {
+            let what = format!("rank {r} job step {}", row.step);
+            let it = iteration_at(&logs[r as usize], row.start, &what);
+            assert_eq!(iteration_at(&logs[r as usize], row.end, &what), it + 1, "{what}");
+            iterations.entry(row.step).or_default().push(it);
+        }
+    }
+    for (step, its) in &iterations {
+        assert!(
+            its.iter().all(|i| *i == its[0]),
+            "job step {step} is iterations {its:?} on ranks 0..{WORLD}"
+        );
+    }
+
+    // The waiting ranks show their wait as collective wait, not compute;
+    // the slow rank computes more than any of them. (Its own wait is not
+    // checked: on a loaded host the time it is runnable but preempted is
+    // off-CPU too; see docs/job-mode.md.)
+    let compute = |r: u32| by_rank[&r].iter().map(|x| x.compute).sum::<u64>();
+    let wait = |r: u32| by_rank[&r].iter().map(|x| x.wait).sum::<u64>();
+    for r in (0..WORLD).filter(|r| *r != SLOW) {
+        assert!(wait(r) > compute(r), "rank {r}: compute {} ns, collective wait {} ns", compute(r), wait(r));
+        assert!(compute(SLOW) > 5 * compute(r), "rank {SLOW} computes {} ns, rank {r} {} ns", compute(SLOW), compute(r));
+    }
+
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["verification"]["ok"], true, "{meta:#}");
+    let r4 = meta["ranks"].as_array().unwrap().iter().find(|r| r["rank"] == 4).unwrap();
+    assert!(r4["problem"].as_str().unwrap().starts_with("not attached"), "{r4}");
+
+    let (st, rep, err) = attach_util_run(&["report", job.to_str().unwrap()]);
+    assert!(st.success(), "{err}");
+    let verdict = rep.lines().find(|l| l.starts_with("straggler:")).unwrap_or_else(|| panic!("{rep}"));
+    assert!(
+        verdict.starts_with(&format!("straggler: rank {SLOW}: ")),
+        "{rep}"
+    );
+    assert!(rep.contains("rank 4: not attached"), "{rep}");
+    drop(ranks);
+}
+
+fn attach_util_run(args: &[&str]) -> (std::process::ExitStatus, String, String) {
+    let o = Command::new(dynprof_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running dynprof");
+    (
+        o.status,
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// Waits until the rank's log holds the optimizer.step() call that ends at
+/// or after `ts`.
+fn attach_util_wait_log(path: &Path, ts: u64) -> Vec<LogLine> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let l = log_lines_of(path, "step");
+        if l.last().is_some_and(|x| x.after >= ts) {
+            return l;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}: no step after {ts}", path.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
