@@ -16,6 +16,13 @@ use std::{
 use common::*;
 
 const WORLD: u32 = 4;
+
+/// One 4-rank job at a time: the host has two cores.
+static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_job() -> std::sync::MutexGuard<'static, ()> {
+    ONE_JOB.lock().unwrap_or_else(|e| e.into_inner())
+}
 const SLOW: u32 = 2;
 const WARMUP: u64 = 1;
 const ACTIVE: u64 = 3;
@@ -116,6 +123,7 @@ fn job_dir(out: &Path) -> PathBuf {
 #[test]
 fn ddp_four_ranks_same_iterations_and_straggler_named() {
     require_privileges!();
+    let _one = one_job();
     let dir = scratch_dir("job_mode-ddp");
     let out = dir.join("out");
     let ranks = start_ranks(&dir);
@@ -125,28 +133,118 @@ fn ddp_four_ranks_same_iterations_and_straggler_named() {
 
     let mut pids: Vec<String> = ranks.iter().map(|p| p.pid.to_string()).collect();
     pids.push(stranger.pid.to_string());
-    let (st, stdout, stderr) = attach_util_run(&[
-        "attach",
-        "--pids",
-        &pids.join(","),
-        "--warmup",
-        &WARMUP.to_string(),
-        "--active",
-        &ACTIVE.to_string(),
-        "--collect",
-        "offcpu",
-        "--duration",
-        "240",
-        "-o",
+    let job = attach_job(&out, &["--pids", &pids.join(",")], Some(stranger.pid));
+    check_job(&dir, &job, true);
+    drop(ranks);
+}
+
+/// The ranks under one launcher (a shell that starts them and waits), or in
+/// a PID namespace of their own (`unshare --pid --fork --mount-proc`).
+struct Group {
+    leader: std::process::Child,
+}
+
+impl Group {
+    fn start(dir: &Path, unshare: bool) -> Group {
+        use std::os::unix::process::CommandExt as _;
+        let script = workspace_root().join("tests/fixtures/ddp_train.py");
+        let mut sh = String::new();
+        for r in 0..WORLD {
+            let burn = if r == SLOW { "60" } else { "0" };
+            sh.push_str(&format!(
+                "RANK={r} LOCAL_RANK={r} {PYTHON3} {} --log {} --burn-ms {burn} >/dev/null 2>&1 &\n",
+                script.display(),
+                dir.join(format!("rank{r}.log")).display()
+            ));
+        }
+        sh.push_str("wait\n");
+        let mut cmd = if unshare {
+            let mut c = Command::new("unshare");
+            c.args(["--pid", "--fork", "--mount-proc", "sh", "-c", &sh]);
+            c
+        } else {
+            let mut c = Command::new("sh");
+            c.args(["-c", &sh]);
+            c
+        };
+        cmd.env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", free_port().to_string())
+            .env("WORLD_SIZE", WORLD.to_string())
+            .stdin(Stdio::null())
+            .process_group(0);
+        let leader = cmd.spawn().expect("starting the launcher");
+        let g = Group { leader };
+        // Every rank is training once its log has a step.
+        for r in 0..WORLD {
+            wait_for_log_lines(dir.join(format!("rank{r}.log")), "step", 1, Duration::from_secs(120));
+        }
+        g
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the process group our child leads.
+        unsafe { libc::kill(-(self.leader.id() as i32), libc::SIGKILL) };
+        let _ = self.leader.wait();
+    }
+}
+
+/// The children of a process.
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn ddp_job_by_launcher_pid() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode-launcher");
+    let g = Group::start(&dir, false);
+    let job = attach_job(&dir.join("out"), &["--job", &g.leader.id().to_string()], None);
+    check_job(&dir, &job, false);
+}
+
+#[test]
+fn ddp_job_by_pid_namespace() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode-pidns");
+    let g = Group::start(&dir, true);
+    // unshare's child is the namespace's PID 1.
+    let init = children(g.leader.id());
+    assert_eq!(init.len(), 1, "{init:?}");
+    let ns = std::fs::read_link(format!("/proc/{}/ns/pid", init[0])).unwrap();
+    let job = attach_job(&dir.join("out"), &["--job", ns.to_str().unwrap()], None);
+    check_job(&dir, &job, false);
+}
+
+/// Runs `dynprof attach JOB-ARGS` with the test's plan; returns the job directory.
+fn attach_job(out: &Path, job_args: &[&str], stranger: Option<u32>) -> PathBuf {
+    let mut args: Vec<&str> = vec!["attach"];
+    args.extend_from_slice(job_args);
+    let (w, a) = (WARMUP.to_string(), ACTIVE.to_string());
+    args.extend_from_slice(&[
+        "--warmup", &w, "--active", &a, "--collect", "offcpu", "--duration", "240", "-o",
         out.to_str().unwrap(),
     ]);
+    let (st, stdout, stderr) = attach_util_run(&args);
     assert!(st.success(), "dynprof failed: {st}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    if let Some(p) = stranger {
+        assert!(stderr.contains(&format!("rank 4: cannot attach to PID {p}")), "{stderr}");
+    }
     assert!(
-        stderr.contains(&format!("rank 4: cannot attach to PID {}", stranger.pid)),
+        stderr.contains(&format!("job of {} rank(s) (ranks from Rank)", WORLD + u32::from(stranger.is_some()))),
         "{stderr}"
     );
-    let job = job_dir(&out);
+    job_dir(out)
+}
 
+fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
     // Every rank's window holds its own PROF directory.
     for r in 0..WORLD {
         let rd = job.join(format!("rank{r}"));
@@ -209,8 +307,10 @@ fn ddp_four_ranks_same_iterations_and_straggler_named() {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
     assert_eq!(meta["verification"]["ok"], true, "{meta:#}");
-    let r4 = meta["ranks"].as_array().unwrap().iter().find(|r| r["rank"] == 4).unwrap();
-    assert!(r4["problem"].as_str().unwrap().starts_with("not attached"), "{r4}");
+    if with_stranger {
+        let r4 = meta["ranks"].as_array().unwrap().iter().find(|r| r["rank"] == 4).unwrap();
+        assert!(r4["problem"].as_str().unwrap().starts_with("not attached"), "{r4}");
+    }
 
     let (st, rep, err) = attach_util_run(&["report", job.to_str().unwrap()]);
     assert!(st.success(), "{err}");
@@ -219,8 +319,7 @@ fn ddp_four_ranks_same_iterations_and_straggler_named() {
         verdict.starts_with(&format!("straggler: rank {SLOW}: ")),
         "{rep}"
     );
-    assert!(rep.contains("rank 4: not attached"), "{rep}");
-    drop(ranks);
+    assert_eq!(rep.contains("rank 4: not attached"), with_stranger, "{rep}");
 }
 
 fn attach_util_run(args: &[&str]) -> (std::process::ExitStatus, String, String) {
