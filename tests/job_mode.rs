@@ -77,7 +77,9 @@ fn read_job_steps(path: &Path) -> Vec<Row> {
     let mut lines = text.lines();
     assert_eq!(
         lines.next(),
-        Some("rank,step,start_ts_ns,end_ts_ns,duration_ns,compute_ns,collective_wait_ns,device_wait_ns,api_calls")
+        Some(
+            "rank,step,start_ts_ns,end_ts_ns,duration_ns,compute_ns,collective_wait_ns,device_wait_ns,api_calls"
+        )
     );
     lines
         .map(|l| {
@@ -100,8 +102,16 @@ fn read_job_steps(path: &Path) -> Vec<Row> {
 /// The training iteration (the script's own counter) whose optimizer.step()
 /// call holds `ts`, the step boundary dynprof recorded.
 fn iteration_at(log: &[LogLine], ts: u64, what: &str) -> u64 {
-    let hits: Vec<&LogLine> = log.iter().filter(|l| l.before <= ts && ts <= l.after).collect();
-    assert_eq!(hits.len(), 1, "{what}: boundary {ts} is inside {} optimizer.step() calls", hits.len());
+    let hits: Vec<&LogLine> = log
+        .iter()
+        .filter(|l| l.before <= ts && ts <= l.after)
+        .collect();
+    assert_eq!(
+        hits.len(),
+        1,
+        "{what}: boundary {ts} is inside {} optimizer.step() calls",
+        hits.len()
+    );
     hits[0].index
 }
 
@@ -116,7 +126,12 @@ fn job_dir(out: &Path) -> PathBuf {
                 .is_some_and(|n| n.starts_with("PROF_JOB_"))
         })
         .collect();
-    assert_eq!(dirs.len(), 1, "job directories in {}: {dirs:?}", out.display());
+    assert_eq!(
+        dirs.len(),
+        1,
+        "job directories in {}: {dirs:?}",
+        out.display()
+    );
     dirs[0].clone()
 }
 
@@ -176,7 +191,12 @@ impl Group {
         let g = Group { leader };
         // Every rank is training once its log has a step.
         for r in 0..WORLD {
-            wait_for_log_lines(dir.join(format!("rank{r}.log")), "step", 1, Duration::from_secs(120));
+            wait_for_log_lines(
+                dir.join(format!("rank{r}.log")),
+                "step",
+                1,
+                Duration::from_secs(120),
+            );
         }
         g
     }
@@ -205,7 +225,11 @@ fn ddp_job_by_launcher_pid() {
     let _one = one_job();
     let dir = scratch_dir("job_mode-launcher");
     let g = Group::start(&dir, false);
-    let job = attach_job(&dir.join("out"), &["--job", &g.leader.id().to_string()], None);
+    let job = attach_job(
+        &dir.join("out"),
+        &["--job", &g.leader.id().to_string()],
+        None,
+    );
     check_job(&dir, &job, false);
 }
 
@@ -229,16 +253,33 @@ fn attach_job(out: &Path, job_args: &[&str], stranger: Option<u32>) -> PathBuf {
     args.extend_from_slice(job_args);
     let (w, a) = (WARMUP.to_string(), ACTIVE.to_string());
     args.extend_from_slice(&[
-        "--warmup", &w, "--active", &a, "--collect", "offcpu", "--duration", "240", "-o",
+        "--warmup",
+        &w,
+        "--active",
+        &a,
+        "--collect",
+        "offcpu",
+        "--duration",
+        "240",
+        "-o",
         out.to_str().unwrap(),
     ]);
     let (st, stdout, stderr) = attach_util_run(&args);
-    assert!(st.success(), "dynprof failed: {st}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        st.success(),
+        "dynprof failed: {st}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     if let Some(p) = stranger {
-        assert!(stderr.contains(&format!("rank 4: cannot attach to PID {p}")), "{stderr}");
+        assert!(
+            stderr.contains(&format!("rank 4: cannot attach to PID {p}")),
+            "{stderr}"
+        );
     }
     assert!(
-        stderr.contains(&format!("job of {} rank(s) (ranks from Rank)", WORLD + u32::from(stranger.is_some()))),
+        stderr.contains(&format!(
+            "job of {} rank(s) (ranks from Rank)",
+            WORLD + u32::from(stranger.is_some())
+        )),
         "{stderr}"
     );
     job_dir(out)
@@ -261,7 +302,11 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
     for r in &rows {
         by_rank.entry(r.rank).or_default().push(r);
     }
-    assert_eq!(by_rank.keys().copied().collect::<Vec<_>>(), (0..WORLD).collect::<Vec<_>>(), "{rows:?}");
+    assert_eq!(
+        by_rank.keys().copied().collect::<Vec<_>>(),
+        (0..WORLD).collect::<Vec<_>>(),
+        "{rows:?}"
+    );
     let job_steps: Vec<u64> = by_rank[&0].iter().map(|r| r.step).collect();
     assert_eq!(job_steps.len() as u64, ACTIVE, "{rows:?}");
 
@@ -282,7 +327,11 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
         for row in &by_rank[&r] {
             let what = format!("rank {r} job step {}", row.step);
             let it = iteration_at(&logs[r as usize], row.start, &what);
-            assert_eq!(iteration_at(&logs[r as usize], row.end, &what), it + 1, "{what}");
+            assert_eq!(
+                iteration_at(&logs[r as usize], row.end, &what),
+                it + 1,
+                "{what}"
+            );
             iterations.entry(row.step).or_default().push(it);
         }
     }
@@ -300,21 +349,42 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
     let compute = |r: u32| by_rank[&r].iter().map(|x| x.compute).sum::<u64>();
     let wait = |r: u32| by_rank[&r].iter().map(|x| x.wait).sum::<u64>();
     for r in (0..WORLD).filter(|r| *r != SLOW) {
-        assert!(wait(r) > compute(r), "rank {r}: compute {} ns, collective wait {} ns", compute(r), wait(r));
-        assert!(compute(SLOW) > 5 * compute(r), "rank {SLOW} computes {} ns, rank {r} {} ns", compute(SLOW), compute(r));
+        assert!(
+            wait(r) > compute(r),
+            "rank {r}: compute {} ns, collective wait {} ns",
+            compute(r),
+            wait(r)
+        );
+        assert!(
+            compute(SLOW) > 5 * compute(r),
+            "rank {SLOW} computes {} ns, rank {r} {} ns",
+            compute(SLOW),
+            compute(r)
+        );
     }
 
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
     assert_eq!(meta["verification"]["ok"], true, "{meta:#}");
     if with_stranger {
-        let r4 = meta["ranks"].as_array().unwrap().iter().find(|r| r["rank"] == 4).unwrap();
-        assert!(r4["problem"].as_str().unwrap().starts_with("not attached"), "{r4}");
+        let r4 = meta["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["rank"] == 4)
+            .unwrap();
+        assert!(
+            r4["problem"].as_str().unwrap().starts_with("not attached"),
+            "{r4}"
+        );
     }
 
     let (st, rep, err) = attach_util_run(&["report", job.to_str().unwrap()]);
     assert!(st.success(), "{err}");
-    let verdict = rep.lines().find(|l| l.starts_with("straggler:")).unwrap_or_else(|| panic!("{rep}"));
+    let verdict = rep
+        .lines()
+        .find(|l| l.starts_with("straggler:"))
+        .unwrap_or_else(|| panic!("{rep}"));
     assert!(
         verdict.starts_with(&format!("straggler: rank {SLOW}: ")),
         "{rep}"
@@ -344,7 +414,11 @@ fn attach_util_wait_log(path: &Path, ts: u64) -> Vec<LogLine> {
         if l.last().is_some_and(|x| x.after >= ts) {
             return l;
         }
-        assert!(std::time::Instant::now() < deadline, "{}: no step after {ts}", path.display());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}: no step after {ts}",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }

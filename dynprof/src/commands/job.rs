@@ -114,7 +114,12 @@ struct RankOutcome {
     summary: Option<serde_json::Value>,
 }
 
-fn attach_rank(args: &AttachArgs, m: &Member, rank_out: &Path, collect: &[String]) -> Result<Attached> {
+fn attach_rank(
+    args: &AttachArgs,
+    m: &Member,
+    rank_out: &Path,
+    collect: &[String],
+) -> Result<Attached> {
     let target = Target::open(m.host_pid)?;
     let lock = lock::acquire(target.host_pid, "attach")?;
     let markers = markers_or_auto(&args.markers);
@@ -150,7 +155,8 @@ fn attach_rank(args: &AttachArgs, m: &Member, rank_out: &Path, collect: &[String
         eprintln!("dynprof: rank {rank}: {msg}")
     }))));
     let tap = Rc::new(RefCell::new(TapData::default()));
-    let observers: Vec<Box<dyn Observer>> = vec![Box::new(StepTap(Rc::clone(&tap))), Box::new(sched)];
+    let observers: Vec<Box<dyn Observer>> =
+        vec![Box::new(StepTap(Rc::clone(&tap))), Box::new(sched)];
     Ok(Attached {
         member: m.clone(),
         session: Session::new(kernel, target, resolved),
@@ -166,10 +172,14 @@ fn attach_rank(args: &AttachArgs, m: &Member, rank_out: &Path, collect: &[String
 fn job_plan(args: &AttachArgs) -> Result<crate::window::Plan> {
     let w = &args.window;
     if w.interactive || w.config_dir.is_some() {
-        bail!("--job/--pids take the window from flags (--start-step, --warmup, --active); the console and config-file triggers are not supported in job mode yet");
+        bail!(
+            "--job/--pids take the window from flags (--start-step, --warmup, --active); the console and config-file triggers are not supported in job mode yet"
+        );
     }
     if !w.has_plan_flags() {
-        bail!("--job/--pids need a window plan: give --active N (and optionally --start-step S, --warmup W), in job steps");
+        bail!(
+            "--job/--pids need a window plan: give --active N (and optionally --start-step S, --warmup W), in job steps"
+        );
     }
     let plan = w.plan()?;
     if plan.repeat > 0 {
@@ -260,10 +270,12 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     let (members, source) = job::discover::discover(&job_ref)?;
     crate::bpf::preflight()?;
     // The collective wait is the step thread's off-CPU time: always collect it.
-    let mut collect = args
-        .window
-        .collectors()?
-        .unwrap_or_else(|| crate::window::args::COLLECTORS.iter().map(|s| s.to_string()).collect());
+    let mut collect = args.window.collectors()?.unwrap_or_else(|| {
+        crate::window::args::COLLECTORS
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    });
     if !collect.iter().any(|c| c == "offcpu") {
         collect.push("offcpu".into());
     }
@@ -304,7 +316,10 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                 attached.push(a);
             }
             Err(e) => {
-                eprintln!("dynprof: rank {}: cannot attach to PID {}: {e:#}", m.rank, m.host_pid);
+                eprintln!(
+                    "dynprof: rank {}: cannot attach to PID {}: {e:#}",
+                    m.rank, m.host_pid
+                );
                 outcomes.entry(m.rank).or_default().problem = Some(format!("not attached: {e:#}"));
             }
         }
@@ -328,17 +343,36 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
             let mut handles = Vec::new();
             let mut taps = Vec::new();
             for a in attached {
-                let Attached { member, mut session, mut observers, tx, rx, tap, lock } = a;
+                let Attached {
+                    member,
+                    mut session,
+                    mut observers,
+                    tx,
+                    rx,
+                    tap,
+                    lock,
+                } = a;
                 taps.push((member.clone(), tap));
                 let running = Rc::clone(&running);
                 handles.push(tokio::task::spawn_local(async move {
                     let r = session
-                        .run(&mut observers, Limits { steps: limits.0, duration: limits.1 }, Some(rx))
+                        .run(
+                            &mut observers,
+                            Limits {
+                                steps: limits.0,
+                                duration: limits.1,
+                            },
+                            Some(rx),
+                        )
                         .await;
                     drop(observers);
                     drop(tx);
                     match &r {
-                        Ok(s) => eprintln!("dynprof: rank {}: detached ({})", member.rank, s.end.describe()),
+                        Ok(s) => eprintln!(
+                            "dynprof: rank {}: detached ({})",
+                            member.rank,
+                            s.end.describe()
+                        ),
                         Err(e) => eprintln!("dynprof: rank {}: session failed: {e:#}", member.rank),
                     }
                     drop(lock);
@@ -381,7 +415,10 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         Ok(v) => v,
         Err(why) => {
             let meta = json!({"ranks": members, "error": why, "rank_source": source});
-            let _ = job_dir.write_atomic(job::JOB_META_FILE, serde_json::to_string_pretty(&meta)?.as_bytes());
+            let _ = job_dir.write_atomic(
+                job::JOB_META_FILE,
+                serde_json::to_string_pretty(&meta)?.as_bytes(),
+            );
             bail!("job window not recorded: {why}");
         }
     };
@@ -400,13 +437,21 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     for (m, tap) in &taps {
         let o = outcomes.entry(m.rank).or_default();
         let rank_dir = job_path.join(job::rank_dir_name(m.rank));
-        let offset = alignment.ranks.iter().find(|a| a.rank == m.rank).map(|a| a.offset).unwrap_or(0);
+        let offset = alignment
+            .ranks
+            .iter()
+            .find(|a| a.rank == m.rank)
+            .map(|a| a.offset)
+            .unwrap_or(0);
         let win = rank_window(&rank_dir);
-        o.window_dir = win.as_ref().map(|w| format!("{}/{w}", job::rank_dir_name(m.rank)));
+        o.window_dir = win
+            .as_ref()
+            .map(|w| format!("{}/{w}", job::rank_dir_name(m.rank)));
         let mut own_rows = Vec::new();
         match &win {
             None => {
-                o.problem.get_or_insert_with(|| "its window was not written".into());
+                o.problem
+                    .get_or_insert_with(|| "its window was not written".into());
             }
             Some(w) => {
                 let dir = rank_dir.join(w);
@@ -416,10 +461,14 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                 {
                     Ok(steps) => {
                         let t = tap.borrow();
-                        let tids: HashMap<u64, u32> = t.hits.iter().map(|(h, tid)| (h.step, *tid)).collect();
+                        let tids: HashMap<u64, u32> =
+                            t.hits.iter().map(|(h, tid)| (h.step, *tid)).collect();
                         own_rows = table::rank_rows(m.rank, offset, &steps, &tids, &t.offcpu);
                         if t.offcpu_dropped > 0 {
-                            o.problem = Some(format!("{} off-CPU intervals dropped (memory cap)", t.offcpu_dropped));
+                            o.problem = Some(format!(
+                                "{} off-CPU intervals dropped (memory cap)",
+                                t.offcpu_dropped
+                            ));
                         }
                     }
                     Err(e) => o.problem = Some(format!("reading its steps.csv: {e:#}")),
@@ -432,14 +481,18 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                 {
                     o.problem = Some(format!(
                         "window incomplete: {}",
-                        mv.get("incomplete_reason").and_then(|v| v.as_str()).unwrap_or("?")
+                        mv.get("incomplete_reason")
+                            .and_then(|v| v.as_str())
+                            .unwrap_or("?")
                     ));
                 }
             }
         }
         let got: Vec<u64> = own_rows.iter().map(|r| r.step).collect();
         if o.problem.is_none() && got != (first..=last).collect::<Vec<_>>() {
-            o.problem = Some(format!("recorded job steps {got:?}, expected {first}..={last}"));
+            o.problem = Some(format!(
+                "recorded job steps {got:?}, expected {first}..={last}"
+            ));
         }
         rows.extend(own_rows);
         rank_meta.push(json!({
@@ -463,8 +516,10 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     }
     rows.sort_by_key(|r| (r.step, r.rank));
     let ranks: Vec<Rank> = taps.iter().map(|(m, _)| m.rank).collect();
-    let check: Vec<(Rank, u64, u64, u64)> =
-        rows.iter().map(|r| (r.rank, r.step, r.start_ts_ns, r.duration_ns)).collect();
+    let check: Vec<(Rank, u64, u64, u64)> = rows
+        .iter()
+        .map(|r| (r.rank, r.step, r.start_ts_ns, r.duration_ns))
+        .collect();
     let verification = align::verify(&ranks, &check);
     let v = verdict::verdict(&verdict::per_rank(&rows));
     let meta = json!({
@@ -483,11 +538,17 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         "stragglers": v.stragglers,
     });
     job_dir.write_atomic(job::JOB_STEPS_FILE, &table::to_csv(&rows))?;
-    job_dir.write_atomic(job::JOB_META_FILE, serde_json::to_string_pretty(&meta)?.as_bytes())?;
+    job_dir.write_atomic(
+        job::JOB_META_FILE,
+        serde_json::to_string_pretty(&meta)?.as_bytes(),
+    )?;
     if let Some(owner) = args.window.chown_owner(members[0].host_pid)? {
         let _ = job_dir.chown_tree(owner.uid, owner.gid);
     }
-    eprintln!("dynprof: job window written: {} (job steps {first}..={last})", job_path.display());
+    eprintln!(
+        "dynprof: job window written: {} (job steps {first}..={last})",
+        job_path.display()
+    );
     if !verification.ok {
         eprintln!(
             "dynprof: job: alignment NOT confirmed: largest start spread {:.3} ms (bound {:.3} ms), missing {:?}",
@@ -498,7 +559,10 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     }
     eprintln!("dynprof: {}", v.text);
     if args.json {
-        println!("{}", json!({"event": "job_window", "dir": job_path, "verdict": v.text, "stragglers": v.stragglers}));
+        println!(
+            "{}",
+            json!({"event": "job_window", "dir": job_path, "verdict": v.text, "stragglers": v.stragglers})
+        );
     }
     Ok(())
 }

@@ -308,7 +308,7 @@ mod tests {
                 })
                 .collect(),
         };
-        vec![mk(1, 3, 3 * MS), mk(0, 5, 0), mk(2, 6, 1 * MS)]
+        vec![mk(1, 3, 3 * MS), mk(0, 5, 0), mk(2, 6, MS)]
     }
 
     #[test]
@@ -337,7 +337,9 @@ mod tests {
         r[2].hits.truncate(2);
         assert!(matches!(align(&r), Err(Pending::Wait(_))));
         r[2].hits.clear();
-        let Err(Pending::Wait(why)) = align(&r) else { panic!() };
+        let Err(Pending::Wait(why)) = align(&r) else {
+            panic!()
+        };
         assert!(why.contains("rank 2"), "{why}");
     }
 
@@ -348,7 +350,9 @@ mod tests {
         for h in &mut r[2].hits {
             h.ts_ns += 45 * MS;
         }
-        let Err(Pending::Fail(why)) = align(&r) else { panic!() };
+        let Err(Pending::Fail(why)) = align(&r) else {
+            panic!()
+        };
         assert!(why.contains("not in lockstep"), "{why}");
     }
 
@@ -374,10 +378,7 @@ mod tests {
         assert!(v.ok, "{v:?}");
         assert_eq!((v.max_skew_ns, v.worst_step, v.bound_ns), (10, Some(5), 40));
         // Rank 1 one step late: starts a whole period apart.
-        let bad = [
-            (Rank(0), 5, 1_000, 100),
-            (Rank(1), 5, 1_100, 100),
-        ];
+        let bad = [(Rank(0), 5, 1_000, 100), (Rank(1), 5, 1_100, 100)];
         assert!(!verify(&rk, &bad).ok);
         let v = verify(&rk, &good[..3]);
         assert_eq!(v.missing, vec![(Rank(1), 6)]);

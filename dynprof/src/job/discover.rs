@@ -230,13 +230,13 @@ mod tests {
     #[test]
     fn descendants_through_wrappers_skip_launchers_and_strangers() {
         let cands = vec![
-            c(100, 1, false, true, None),     // torchrun
+            c(100, 1, false, true, None),      // torchrun
             c(101, 100, true, false, Some(1)), // rank
-            c(102, 100, false, false, None),  // sh wrapper
+            c(102, 100, false, false, None),   // sh wrapper
             c(103, 102, true, false, Some(0)), // rank under sh
-            c(104, 100, false, false, None),  // not AI
-            c(200, 1, true, false, Some(0)),  // another job
-            c(105, 100, true, true, None),    // nested launcher: not a rank
+            c(104, 100, false, false, None),   // not AI
+            c(200, 1, true, false, Some(0)),   // another job
+            c(105, 100, true, true, None),     // nested launcher: not a rank
         ];
         assert_eq!(
             descendants(&cands, HostPid(100)),
@@ -274,7 +274,10 @@ mod tests {
 
     #[test]
     fn job_refs() {
-        assert_eq!(JobRef::parse("4242").unwrap(), JobRef::Launcher(HostPid(4242)));
+        assert_eq!(
+            JobRef::parse("4242").unwrap(),
+            JobRef::Launcher(HostPid(4242))
+        );
         assert!(matches!(
             JobRef::parse("pid:[4026532179]").unwrap(),
             JobRef::Namespace(pidns::PidNsRef::Inode(4026532179))

@@ -18,7 +18,8 @@ pub fn is_job_dir(dir: &Path) -> bool {
 }
 
 fn read_capped(path: &Path, max: u64) -> Result<String> {
-    crate::sys::hostfs::read_path_capped(path, max).with_context(|| format!("reading {}", path.display()))
+    crate::sys::hostfs::read_path_capped(path, max)
+        .with_context(|| format!("reading {}", path.display()))
 }
 
 pub struct JobAnalysis {
@@ -35,7 +36,11 @@ pub fn analyze(dir: &Path) -> Result<JobAnalysis> {
     };
     let stats = verdict::per_rank(&rows);
     let verdict = verdict::verdict(&stats);
-    Ok(JobAnalysis { stats, verdict, meta })
+    Ok(JobAnalysis {
+        stats,
+        verdict,
+        meta,
+    })
 }
 
 fn ms(ns: u64) -> String {

@@ -66,9 +66,13 @@ pub fn parse_steps_csv(text: &str) -> Result<Vec<OwnStep>> {
     for (i, rec) in rd.records().enumerate() {
         let rec = rec.with_context(|| format!("steps.csv row {}", i + 1))?;
         let num = |c: usize| -> Result<u64> {
-            rec.get(c)
-                .and_then(|v| v.parse().ok())
-                .with_context(|| format!("steps.csv row {}: column {} is not a number", i + 1, h.get(c).unwrap_or("?")))
+            rec.get(c).and_then(|v| v.parse().ok()).with_context(|| {
+                format!(
+                    "steps.csv row {}: column {} is not a number",
+                    i + 1,
+                    h.get(c).unwrap_or("?")
+                )
+            })
         };
         let st = OwnStep {
             step: num(s)?,
@@ -102,7 +106,9 @@ pub fn rank_rows(
     let mut out = Vec::new();
     for s in steps {
         let job = i128::from(s.step) - i128::from(offset);
-        let Ok(job) = u64::try_from(job) else { continue };
+        let Ok(job) = u64::try_from(job) else {
+            continue;
+        };
         if job == 0 {
             continue;
         }
@@ -111,7 +117,14 @@ pub fn rank_rows(
             Some(tid) => offcpu
                 .iter()
                 .filter(|o| o.tid == *tid)
-                .map(|o| overlap(o.ts_ns, o.ts_ns.saturating_add(o.dur_ns), s.start_ts_ns, s.end_ts_ns))
+                .map(|o| {
+                    overlap(
+                        o.ts_ns,
+                        o.ts_ns.saturating_add(o.dur_ns),
+                        s.start_ts_ns,
+                        s.end_ts_ns,
+                    )
+                })
                 .sum(),
             None => 0,
         };
@@ -186,30 +199,62 @@ mod tests {
     #[test]
     fn off_cpu_of_the_step_thread_inside_the_step_is_collective_wait() {
         let steps = [
-            OwnStep { step: 7, start_ts_ns: 1000, end_ts_ns: 2000, device_wait_ns: 0, api_calls: 3 },
-            OwnStep { step: 8, start_ts_ns: 2000, end_ts_ns: 3000, device_wait_ns: 100, api_calls: 0 },
+            OwnStep {
+                step: 7,
+                start_ts_ns: 1000,
+                end_ts_ns: 2000,
+                device_wait_ns: 0,
+                api_calls: 3,
+            },
+            OwnStep {
+                step: 8,
+                start_ts_ns: 2000,
+                end_ts_ns: 3000,
+                device_wait_ns: 100,
+                api_calls: 0,
+            },
         ];
         let tid: HashMap<u64, u32> = [(7, 42), (8, 42)].into();
         let off = [
             // straddles the boundary between steps 7 and 8: 300 + 200
-            OffCpu { tid: 42, ts_ns: 1700, dur_ns: 500 },
+            OffCpu {
+                tid: 42,
+                ts_ns: 1700,
+                dur_ns: 500,
+            },
             // another thread (gloo's own): not the step's wait
-            OffCpu { tid: 43, ts_ns: 1100, dur_ns: 800 },
+            OffCpu {
+                tid: 43,
+                ts_ns: 1100,
+                dur_ns: 800,
+            },
             // before the window
-            OffCpu { tid: 42, ts_ns: 100, dur_ns: 200 },
+            OffCpu {
+                tid: 42,
+                ts_ns: 100,
+                dur_ns: 200,
+            },
         ];
         let rows = rank_rows(Rank(3), 2, &steps, &tid, &off);
         assert_eq!(rows.len(), 2);
-        assert_eq!((rows[0].step, rows[0].collective_wait_ns, rows[0].compute_ns), (5, 300, 700));
+        assert_eq!(
+            (rows[0].step, rows[0].collective_wait_ns, rows[0].compute_ns),
+            (5, 300, 700)
+        );
         // step 8: 200 off-CPU of which 100 already device wait
         assert_eq!(
-            (rows[1].step, rows[1].collective_wait_ns, rows[1].device_wait_ns, rows[1].compute_ns),
+            (
+                rows[1].step,
+                rows[1].collective_wait_ns,
+                rows[1].device_wait_ns,
+                rows[1].compute_ns
+            ),
             (6, 100, 100, 800)
         );
         let back = from_csv(std::str::from_utf8(&to_csv(&rows)).unwrap()).unwrap();
         assert_eq!(back, rows);
         // Own steps at or below the offset have no job step.
-        assert!(rank_rows(Rank(0), 8, &steps, &tid, &off).len() == 0);
+        assert!(rank_rows(Rank(0), 8, &steps, &tid, &off).is_empty());
     }
 
     #[test]
@@ -217,12 +262,24 @@ mod tests {
         let t = "step,start_ts_ns,end_ts_ns,duration_ns,backward,host_busy_ns,device_wait_ns,api_calls\n4,10,30,20,1,20,0,2\n";
         assert_eq!(
             parse_steps_csv(t).unwrap(),
-            vec![OwnStep { step: 4, start_ts_ns: 10, end_ts_ns: 30, device_wait_ns: 0, api_calls: 2 }]
+            vec![OwnStep {
+                step: 4,
+                start_ts_ns: 10,
+                end_ts_ns: 30,
+                device_wait_ns: 0,
+                api_calls: 2
+            }]
         );
         assert!(parse_steps_csv("step,start_ts_ns\n1,2\n").is_err());
-        assert!(parse_steps_csv("step,start_ts_ns,end_ts_ns,device_wait_ns,api_calls\n1,9,3,0,0\n").is_err());
+        assert!(
+            parse_steps_csv("step,start_ts_ns,end_ts_ns,device_wait_ns,api_calls\n1,9,3,0,0\n")
+                .is_err()
+        );
         let e = from_csv(&format!("{HEADER}\n0,1,10,20,10,5,4,0,0\n")).unwrap_err();
-        assert!(format!("{e:#}").contains("compute + collective wait"), "{e:#}");
+        assert!(
+            format!("{e:#}").contains("compute + collective wait"),
+            "{e:#}"
+        );
         assert!(from_csv("rank,step\n").is_err());
     }
 }

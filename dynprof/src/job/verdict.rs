@@ -44,7 +44,8 @@ pub fn per_rank(rows: &[JobStepRow]) -> Vec<RankStat> {
                 mean_compute_ns: mean(|r| r.compute_ns),
                 mean_collective_wait_ns: mean(|r| r.collective_wait_ns),
                 mean_device_wait_ns: mean(|r| r.device_wait_ns),
-                api_calls_per_step: v.iter().map(|r| r.api_calls).sum::<u64>() as f64 / n.max(1) as f64,
+                api_calls_per_step: v.iter().map(|r| r.api_calls).sum::<u64>() as f64
+                    / n.max(1) as f64,
             }
         })
         .collect()
@@ -67,7 +68,11 @@ fn median(mut v: Vec<u64>) -> u64 {
         return 0;
     }
     let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2 }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2
+    }
 }
 
 pub fn verdict(stats: &[RankStat]) -> Verdict {
@@ -103,7 +108,10 @@ pub fn verdict(stats: &[RankStat]) -> Verdict {
         .iter()
         .filter(|s| !slow.iter().any(|x| x.rank == s.rank))
         .collect();
-    let others_wait = others.iter().map(|s| s.mean_collective_wait_ns).sum::<u64>()
+    let others_wait = others
+        .iter()
+        .map(|s| s.mean_collective_wait_ns)
+        .sum::<u64>()
         / (others.len() as u64).max(1);
     let names = slow
         .iter()
@@ -165,16 +173,35 @@ mod tests {
         assert_eq!(st[2].mean_compute_ns, 38_000_000);
         let v = verdict(&st);
         assert_eq!(v.stragglers, vec![Rank(2)]);
-        assert!(v.text.starts_with("straggler: rank 2: rank 2 computes 38.0 ms"), "{}", v.text);
-        assert!(v.text.contains("the other 3 rank(s) wait 30.0 ms"), "{}", v.text);
+        assert!(
+            v.text
+                .starts_with("straggler: rank 2: rank 2 computes 38.0 ms"),
+            "{}",
+            v.text
+        );
+        assert!(
+            v.text.contains("the other 3 rank(s) wait 30.0 ms"),
+            "{}",
+            v.text
+        );
     }
 
     #[test]
     fn balanced_ranks_name_nobody() {
-        let rows: Vec<JobStepRow> = (0..4).map(|r| row(r, 1, 20_000_000 + u64::from(r) * 500_000, 5_000_000)).collect();
+        let rows: Vec<JobStepRow> = (0..4)
+            .map(|r| row(r, 1, 20_000_000 + u64::from(r) * 500_000, 5_000_000))
+            .collect();
         let v = verdict(&per_rank(&rows));
         assert!(v.stragglers.is_empty());
-        assert!(v.text.starts_with("straggler: none stands out"), "{}", v.text);
-        assert!(verdict(&per_rank(&rows[..1])).text.starts_with("straggler: none (only 1 rank"));
+        assert!(
+            v.text.starts_with("straggler: none stands out"),
+            "{}",
+            v.text
+        );
+        assert!(
+            verdict(&per_rank(&rows[..1]))
+                .text
+                .starts_with("straggler: none (only 1 rank")
+        );
     }
 }
