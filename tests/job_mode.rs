@@ -363,6 +363,19 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
         );
     }
 
+    // The merged trace: one process track per rank, ACTIVE step slices on each.
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.join("trace.json")).unwrap()).unwrap();
+    for r in 0..WORLD {
+        let n = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["cat"] == "step" && e["pid"] == r)
+            .count();
+        assert_eq!(n as u64, ACTIVE, "rank {r} step slices in trace.json");
+    }
+
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
     assert_eq!(meta["verification"]["ok"], true, "{meta:#}");

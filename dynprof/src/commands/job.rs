@@ -45,6 +45,8 @@ use crate::{
 const MAX_HITS: usize = 1 << 16;
 /// Off-CPU intervals kept per rank.
 const MAX_OFFCPU: usize = 1 << 20;
+/// When a slow alignment is explained on stderr.
+const ALIGN_NOTICE: Duration = Duration::from_secs(10);
 /// How often the controller looks at the boundaries.
 const POLL: Duration = Duration::from_millis(20);
 
@@ -208,6 +210,8 @@ async fn control(
     running: Rc<std::cell::Cell<usize>>,
 ) -> Result<(Alignment, u64, bool), String> {
     let mut said = String::new();
+    let started = std::time::Instant::now();
+    let mut told = false;
     loop {
         if running.get() < ranks.len() {
             return Err("a rank's session ended before the ranks were aligned".into());
@@ -243,6 +247,12 @@ async fn control(
             }
             Err(Pending::Fail(why)) => return Err(why),
             Err(Pending::Wait(why)) => {
+                // Ranks that stopped stepping (a hung collective, a
+                // paused job) keep the alignment waiting: say why once.
+                if !told && started.elapsed() >= ALIGN_NOTICE {
+                    told = true;
+                    eprintln!("dynprof: job: still aligning the ranks: {why}");
+                }
                 if why != said {
                     log::info!("job alignment: {why}");
                     said = why;
@@ -433,6 +443,7 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
 
     // Rows from each rank's own window.
     let mut rows = Vec::new();
+    let mut waits: Vec<(Rank, Vec<OffCpu>)> = Vec::new();
     let mut rank_meta = Vec::new();
     for (m, tap) in &taps {
         let o = outcomes.entry(m.rank).or_default();
@@ -464,6 +475,18 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                         let tids: HashMap<u64, u32> =
                             t.hits.iter().map(|(h, tid)| (h.step, *tid)).collect();
                         own_rows = table::rank_rows(m.rank, offset, &steps, &tids, &t.offcpu);
+                        let step_tids: std::collections::HashSet<u32> = steps
+                            .iter()
+                            .filter_map(|s| tids.get(&s.step).copied())
+                            .collect();
+                        waits.push((
+                            m.rank,
+                            t.offcpu
+                                .iter()
+                                .filter(|o| step_tids.contains(&o.tid))
+                                .copied()
+                                .collect(),
+                        ));
                         if t.offcpu_dropped > 0 {
                             o.problem = Some(format!(
                                 "{} off-CPU intervals dropped (memory cap)",
@@ -538,6 +561,10 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         "stragglers": v.stragglers,
     });
     job_dir.write_atomic(job::JOB_STEPS_FILE, &table::to_csv(&rows))?;
+    job_dir.write_atomic(
+        job::trace::TRACE_FILE,
+        serde_json::to_string(&job::trace::merged(&rows, &waits))?.as_bytes(),
+    )?;
     job_dir.write_atomic(
         job::JOB_META_FILE,
         serde_json::to_string_pretty(&meta)?.as_bytes(),

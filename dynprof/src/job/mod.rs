@@ -6,6 +6,7 @@
 //! - [`table`]: the per-rank step table (`job_steps.csv`) built from what
 //!   each rank's window recorded and the off-CPU time of its step thread;
 //! - [`verdict`]: the `straggler:` line;
+//! - [`trace`]: the merged `trace.json`, one track per rank;
 //! - [`report`]: `dynprof report` on a job directory.
 //!
 //! The command that acts (attach, run the sessions, write the directory) is
@@ -14,6 +15,7 @@ pub mod align;
 pub mod discover;
 pub mod report;
 pub mod table;
+pub mod trace;
 pub mod verdict;
 
 /// A rank number as the job names it (RANK), or its position when the
