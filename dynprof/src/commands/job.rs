@@ -335,6 +335,9 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         }
     }
     if attached.is_empty() {
+        // Nothing was recorded: leave no directory that looks like a window.
+        drop(job_dir);
+        let _ = root.dir().remove_tree(&job_name);
         bail!("no rank of the job could be attached");
     }
     let kept = crate::sys::caps::drop_after_attach(&attach::needs(&args.window, &Mode::Flags)?)?;

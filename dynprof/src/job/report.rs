@@ -12,9 +12,10 @@ use super::{JOB_META_FILE, JOB_STEPS_FILE, table, verdict};
 const MAX_CSV: u64 = 64 << 20;
 const MAX_META: u64 = 4 << 20;
 
-/// True when `dir` is a job window (it holds `job_steps.csv`).
+/// True when `dir` is a job window (it holds `job_steps.csv`, or only
+/// `job_meta.json` when the window was not recorded).
 pub fn is_job_dir(dir: &Path) -> bool {
-    dir.join(JOB_STEPS_FILE).is_file()
+    dir.join(JOB_STEPS_FILE).is_file() || dir.join(JOB_META_FILE).is_file()
 }
 
 fn read_capped(path: &Path, max: u64) -> Result<String> {
@@ -29,11 +30,18 @@ pub struct JobAnalysis {
 }
 
 pub fn analyze(dir: &Path) -> Result<JobAnalysis> {
-    let rows = table::from_csv(&read_capped(&dir.join(JOB_STEPS_FILE), MAX_CSV)?)?;
     let meta: Value = match read_capped(&dir.join(JOB_META_FILE), MAX_META) {
         Ok(t) => serde_json::from_str(&t).with_context(|| format!("parsing {JOB_META_FILE}"))?,
         Err(_) => Value::Null,
     };
+    if !dir.join(JOB_STEPS_FILE).is_file() {
+        anyhow::bail!(
+            "{}: the job window was not recorded: {}",
+            dir.display(),
+            meta.get("error").and_then(Value::as_str).unwrap_or("no job_steps.csv")
+        );
+    }
+    let rows = table::from_csv(&read_capped(&dir.join(JOB_STEPS_FILE), MAX_CSV)?)?;
     let stats = verdict::per_rank(&rows);
     let verdict = verdict::verdict(&stats);
     Ok(JobAnalysis {
