@@ -225,6 +225,29 @@ fn ddp_job_by_launcher_pid() {
     let _one = one_job();
     let dir = scratch_dir("job_mode-launcher");
     let g = Group::start(&dir, false);
+    // `dynprof ps --jobs` shows the job held by the shell, with its 4 ranks
+    // by RANK and the --job reference to use.
+    let (st, out, err) = attach_util_run(&["ps", "--jobs", "--json"]);
+    assert!(st.success(), "{err}");
+    let sh = g.leader.id().to_string();
+    let jobs: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mine = jobs
+        .iter()
+        .find(|j| j["job_ref"] == sh.as_str())
+        .unwrap_or_else(|| panic!("no job held by {sh}: {out}"));
+    assert_eq!(mine["key"]["kind"], "parent", "{mine}");
+    assert_eq!(mine["world_size"], WORLD, "{mine}");
+    assert_eq!(mine["rank_source"], "rank", "{mine}");
+    let ranks: Vec<u64> = mine["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["rank"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ranks, (0..u64::from(WORLD)).collect::<Vec<_>>(), "{mine}");
     let job = attach_job(
         &dir.join("out"),
         &["--job", &g.leader.id().to_string()],

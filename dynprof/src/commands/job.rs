@@ -596,3 +596,67 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     }
     Ok(())
 }
+
+/// `dynprof ps --jobs`.
+pub fn ps_jobs(json_out: bool) -> Result<()> {
+    use crate::job::group::{self, Proc};
+    let procs: Vec<Proc> = crate::target::ps::scan(true)
+        .into_iter()
+        .map(|i| Proc {
+            cand: crate::job::discover::Candidate {
+                host_pid: i.host_pid,
+                ppid: i.ppid,
+                ai: i.ai,
+                launcher: i.is_launcher(),
+                env: crate::target::RankEnv {
+                    rank: i.rank,
+                    local_rank: i.local_rank,
+                    world_size: i.world_size,
+                },
+            },
+            launcher: i.launcher,
+            child_pidns: if i.ns_pids.len() > 1 {
+                i.pid_ns.clone()
+            } else {
+                None
+            },
+            container: i.container.as_ref().map(|c| c.short().to_string()),
+            comm: i.comm.clone(),
+        })
+        .collect();
+    let jobs = group::group(&procs);
+    if json_out {
+        for j in &jobs {
+            println!("{}", serde_json::to_string(j)?);
+        }
+        return Ok(());
+    }
+    if jobs.is_empty() {
+        eprintln!("dynprof: no process loads a device runtime or framework (CANN, PyTorch, CUDA)");
+        return Ok(());
+    }
+    println!(
+        "{:<20} {:<26} {:<14} {:>5}  RANKS (rank=host PID)",
+        "--job REF", "HELD BY", "CONTAINER", "WORLD"
+    );
+    for j in &jobs {
+        let held = match &j.key {
+            group::JobKey::Launcher { launcher, .. } => format!("launcher {launcher}"),
+            group::JobKey::PidNamespace { .. } => "PID namespace".to_string(),
+            group::JobKey::Parent { comm, .. } => format!("parent {comm}"),
+        };
+        println!(
+            "{:<20} {:<26} {:<14} {:>5}  {}",
+            j.job_ref,
+            held,
+            j.container.as_deref().unwrap_or("-"),
+            j.world_size.map_or("-".to_string(), |w| w.to_string()),
+            j.ranks
+                .iter()
+                .map(|m| format!("{}={}", m.rank, m.host_pid))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+    Ok(())
+}

@@ -2,6 +2,7 @@
 //!
 //! Pure logic lives here and is unit-tested without root:
 //! - [`discover`]: which processes are the job's ranks, and their rank numbers;
+//! - [`group`]: `dynprof ps --jobs`, processes grouped into jobs;
 //! - [`align`]: which step of each rank is the same job iteration;
 //! - [`table`]: the per-rank step table (`job_steps.csv`) built from what
 //!   each rank's window recorded and the off-CPU time of its step thread;
@@ -13,6 +14,7 @@
 //! `commands::job`; it is the only user of this module.
 pub mod align;
 pub mod discover;
+pub mod group;
 pub mod report;
 pub mod table;
 pub mod trace;
