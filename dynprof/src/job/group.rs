@@ -154,7 +154,8 @@ mod tests {
             p(400, 1, false, None, None), // not AI: no job
         ];
         let g = group(&procs);
-        let summary: Vec<(String, Vec<(u32, u32)>, Option<u32>)> = g
+        type Summary = (String, Vec<(u32, u32)>, Option<u32>);
+        let summary: Vec<Summary> = g
             .iter()
             .map(|j| {
                 (
