@@ -458,3 +458,57 @@ fn attach_util_wait_log(path: &Path, ts: u64) -> Vec<LogLine> {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Two independent training processes (30 ms and 77 ms per step) are not
+/// ranks in lockstep: job mode refuses to match their steps, records why in
+/// job_meta.json, and `dynprof report` on the directory says so.
+#[test]
+fn ranks_out_of_lockstep_are_refused() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode-unsynced");
+    let script = workspace_root().join("tests/fixtures/torch_train.py");
+    let procs: Vec<Proc> = ["30", "77"]
+        .iter()
+        .map(|ms| {
+            let mut cmd = Command::new(PYTHON3);
+            cmd.arg(&script)
+                .args(["--step-ms", ms])
+                .stderr(Stdio::null());
+            Proc::spawn_ready(&mut cmd)
+        })
+        .collect();
+    let pids: Vec<String> = procs.iter().map(|p| p.pid.to_string()).collect();
+    let out = dir.join("out");
+    let (st, stdout, stderr) = attach_util_run(&[
+        "attach",
+        "--pids",
+        &pids.join(","),
+        "--active",
+        "2",
+        "--collect",
+        "offcpu",
+        "--duration",
+        "60",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(st.code(), Some(1), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stderr.contains("cannot align the ranks") && stderr.contains("job window not recorded"),
+        "{stderr}"
+    );
+    let job = job_dir(&out);
+    assert!(!job.join("job_steps.csv").exists());
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
+    let why = meta["error"].as_str().unwrap();
+    assert!(
+        why.contains("not in lockstep") || why.contains("consecutive job steps"),
+        "{why}"
+    );
+    let (st, rep, err) = attach_util_run(&["report", job.to_str().unwrap()]);
+    assert_eq!(st.code(), Some(1), "{rep}");
+    assert!(err.contains("the job window was not recorded"), "{err}");
+    drop(procs);
+}
