@@ -548,7 +548,16 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         .collect();
     let verification = align::verify(&ranks, &check);
     let v = verdict::verdict(&verdict::per_rank(&rows));
-    let meta = json!({
+    let problems: Vec<String> = rank_meta
+        .iter()
+        .filter_map(|r| {
+            let p = r.get("problem")?.as_str()?;
+            Some(format!("rank {}: {p}", r["rank"]))
+        })
+        .collect();
+    let complete = problems.is_empty() && verification.ok;
+    let mut meta = json!({
+        "complete": complete,
         "plan": {
             "job_steps": format!("{first}..={last}"),
             "start_step": start, "warmup": plan.warmup, "active": plan.active,
@@ -563,6 +572,16 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         "verdict": v.text,
         "stragglers": v.stragglers,
     });
+    if rows.is_empty() {
+        // Nothing to compare: no table that looks like a (empty) result.
+        let why = format!("no rank recorded its window ({})", problems.join("; "));
+        meta["error"] = json!(why);
+        job_dir.write_atomic(
+            job::JOB_META_FILE,
+            serde_json::to_string_pretty(&meta)?.as_bytes(),
+        )?;
+        bail!("job window not recorded: {why}");
+    }
     job_dir.write_atomic(job::JOB_STEPS_FILE, &table::to_csv(&rows))?;
     job_dir.write_atomic(
         job::trace::TRACE_FILE,
@@ -575,10 +594,21 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     if let Some(owner) = args.window.chown_owner(members[0].host_pid)? {
         let _ = job_dir.chown_tree(owner.uid, owner.gid);
     }
-    eprintln!(
-        "dynprof: job window written: {} (job steps {first}..={last})",
-        job_path.display()
-    );
+    if complete {
+        eprintln!(
+            "dynprof: job window written: {} (job steps {first}..={last})",
+            job_path.display()
+        );
+    } else {
+        eprintln!(
+            "dynprof: job window written INCOMPLETE: {} (job steps {first}..={last}){}",
+            job_path.display(),
+            problems
+                .iter()
+                .map(|p| format!("; {p}"))
+                .collect::<String>()
+        );
+    }
     if !verification.ok {
         eprintln!(
             "dynprof: job: alignment NOT confirmed: largest start spread {:.3} ms (bound {:.3} ms), missing {:?}",
