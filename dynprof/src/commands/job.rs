@@ -116,12 +116,15 @@ struct RankOutcome {
     summary: Option<serde_json::Value>,
 }
 
-fn attach_rank(
-    args: &AttachArgs,
-    m: &Member,
-    rank_out: &Path,
-    collect: &[String],
-) -> Result<Attached> {
+/// A rank whose markers are resolved (the slow, read-only part of attach:
+/// ELF symbols of libtorch), done for all ranks at once on threads.
+struct Resolved {
+    target: Target,
+    lock: lock::TargetLock,
+    resolved: Vec<probes::ResolvedProbe>,
+}
+
+fn resolve_rank(args: &AttachArgs, m: &Member) -> Result<Resolved> {
     let target = Target::open(m.host_pid)?;
     let lock = lock::acquire(target.host_pid, "attach")?;
     let markers = markers_or_auto(&args.markers);
@@ -130,6 +133,25 @@ fn attach_rank(
         _ => MarkerWait::No,
     };
     let (resolved, _) = resolve_waiting(&target, &markers, wait, false)?;
+    Ok(Resolved {
+        target,
+        lock,
+        resolved,
+    })
+}
+
+fn attach_rank(
+    args: &AttachArgs,
+    m: &Member,
+    r: Resolved,
+    rank_out: &Path,
+    collect: &[String],
+) -> Result<Attached> {
+    let Resolved {
+        target,
+        lock,
+        resolved,
+    } = r;
     let mut kernel = args.ring.load(target.host_pid)?;
     kernel.repair_semaphores(&lock::lock_dir());
     let mut sched = Scheduler::new(SchedulerOptions {
@@ -314,12 +336,29 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
 
     let mut outcomes: HashMap<Rank, RankOutcome> = HashMap::new();
     let mut attached = Vec::new();
-    for m in &members {
+    let resolved: Vec<Result<Resolved>> = std::thread::scope(|s| {
+        let hs: Vec<_> = members
+            .iter()
+            .map(|m| {
+                let a = &args;
+                s.spawn(move || resolve_rank(a, m))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("resolving panicked")))
+            })
+            .collect()
+    });
+    for (m, res) in members.iter().zip(resolved) {
         let name = job::rank_dir_name(m.rank);
-        let r = job_dir
-            .create_subdir(&name, 0o755)
-            .with_context(|| format!("creating {name}"))
-            .and_then(|_| attach_rank(&args, m, &job_path.join(&name), &collect));
+        let r = res.and_then(|res| {
+            job_dir
+                .create_subdir(&name, 0o755)
+                .with_context(|| format!("creating {name}"))?;
+            attach_rank(&args, m, res, &job_path.join(&name), &collect)
+        });
         match r {
             Ok(a) => {
                 eprintln!("dynprof: rank {}: attached to PID {}", m.rank, m.host_pid);
