@@ -38,7 +38,9 @@ pub fn analyze(dir: &Path) -> Result<JobAnalysis> {
         anyhow::bail!(
             "{}: the job window was not recorded: {}",
             dir.display(),
-            meta.get("error").and_then(Value::as_str).unwrap_or("no job_steps.csv")
+            meta.get("error")
+                .and_then(Value::as_str)
+                .unwrap_or("no job_steps.csv")
         );
     }
     let rows = table::from_csv(&read_capped(&dir.join(JOB_STEPS_FILE), MAX_CSV)?)?;
@@ -122,4 +124,83 @@ pub fn run(dir: &Path, json_out: bool) -> Result<()> {
         print!("{}", render(dir, &a));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(tag: &str) -> std::path::PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("dynprof-job-report-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn table_alignment_line_and_verdict() {
+        let d = dir("ok");
+        let mut csv = format!("{}\n", table::HEADER);
+        for step in [5u64, 6] {
+            for (rank, compute) in [(0u32, 2_000_000u64), (1, 30_000_000), (2, 2_500_000)] {
+                let start = step * 100_000_000;
+                csv.push_str(&format!(
+                    "{rank},{step},{start},{},32000000,{compute},{},0,4\n",
+                    start + 32_000_000,
+                    32_000_000 - compute
+                ));
+            }
+        }
+        std::fs::write(d.join(JOB_STEPS_FILE), csv).unwrap();
+        std::fs::write(
+            d.join(JOB_META_FILE),
+            r#"{"plan":{"job_steps":"5..=6"},"verification":{"ok":true,"max_skew_ns":1500000},
+                "ranks":[{"rank":0,"host_pid":100},{"rank":1,"host_pid":101},{"rank":2,"host_pid":102},
+                         {"rank":3,"host_pid":103,"problem":"not attached: gone"}]}"#,
+        )
+        .unwrap();
+        assert!(is_job_dir(&d));
+        let a = analyze(&d).unwrap();
+        let text = render(&d, &a);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[1], "job steps 5..=6");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>()
+                    == ["1", "101", "2", "32.000", "30.000", "2.000", "0.000", "4.0"]),
+            "{text}"
+        );
+        assert!(text.contains("rank 3: not attached: gone"), "{text}");
+        assert!(
+            text.contains(
+                "alignment: checked (largest start spread of one job step over the ranks: 1.500 ms)"
+            ),
+            "{text}"
+        );
+        assert!(
+            lines.last().unwrap().starts_with("straggler: rank 1: "),
+            "{text}"
+        );
+        assert_eq!(to_json(&a)["stragglers"], serde_json::json!([1]));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn unrecorded_window_says_why() {
+        let d = dir("err");
+        std::fs::write(
+            d.join(JOB_META_FILE),
+            r#"{"error":"the ranks are not in lockstep"}"#,
+        )
+        .unwrap();
+        assert!(is_job_dir(&d));
+        let e = format!("{:#}", analyze(&d).err().unwrap());
+        assert!(
+            e.contains("was not recorded: the ranks are not in lockstep"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }
