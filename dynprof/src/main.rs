@@ -45,7 +45,9 @@ Examples:
     /// load CANN, PyTorch or CUDA, with host and container PIDs, container,
     /// rank, runtimes and the step markers `attach` would use. Launchers
     /// (torchrun, mpirun, ...) are marked: profile their workers instead.
-    #[command(after_help = "Examples:\n  sudo dynprof ps\n  sudo dynprof ps --all --json\n  sudo dynprof ps --jobs")]
+    #[command(
+        after_help = "Examples:\n  sudo dynprof ps\n  sudo dynprof ps --all --json\n  sudo dynprof ps --jobs"
+    )]
     Ps(dynprof::commands::ps::PsArgs),
 }
 

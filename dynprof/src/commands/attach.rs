@@ -237,8 +237,12 @@ pub fn collectors(
 
 pub async fn run(args: AttachArgs) -> Result<()> {
     match (&args.job, &args.pids) {
-        (Some(r), _) => return super::job::run(args.clone(), crate::job::discover::JobRef::parse(r)?).await,
-        (_, Some(p)) => return super::job::run(args.clone(), crate::job::discover::JobRef::pids(p)?).await,
+        (Some(r), _) => {
+            return super::job::run(args.clone(), crate::job::discover::JobRef::parse(r)?).await;
+        }
+        (_, Some(p)) => {
+            return super::job::run(args.clone(), crate::job::discover::JobRef::pids(p)?).await;
+        }
         _ => {}
     }
     let Some(pid) = args.pid else {
@@ -252,10 +256,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
         args.steps.is_some() || args.duration.is_some() || args.json,
     )?;
     crate::sys::caps::check(&needs(&args.window, &mode)?)?;
-    let target = Target::open(crate::target::resolve_pid(
-        pid,
-        args.in_pidns.as_deref(),
-    )?)?;
+    let target = Target::open(crate::target::resolve_pid(pid, args.in_pidns.as_deref())?)?;
     // Before anything reads the target's maps or takes the lock: without
     // privileges those fail with a bare EACCES that names no capability.
     crate::bpf::preflight()?;
