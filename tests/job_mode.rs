@@ -148,7 +148,7 @@ fn ddp_four_ranks_same_iterations_and_straggler_named() {
 
     let mut pids: Vec<String> = ranks.iter().map(|p| p.pid.to_string()).collect();
     pids.push(stranger.pid.to_string());
-    let job = attach_job(&out, &["--pids", &pids.join(",")], Some(stranger.pid));
+    let (job, _) = attach_job(&out, &["--pids", &pids.join(",")], Some(stranger.pid));
     check_job(&dir, &job, true);
     drop(ranks);
 }
@@ -160,7 +160,7 @@ struct Group {
 }
 
 impl Group {
-    fn start(dir: &Path, unshare: bool) -> Group {
+    fn start(dir: &Path, unshare: bool, wait_training: bool) -> Group {
         use std::os::unix::process::CommandExt as _;
         let script = workspace_root().join("tests/fixtures/ddp_train.py");
         let mut sh = String::new();
@@ -190,7 +190,7 @@ impl Group {
         let leader = cmd.spawn().expect("starting the launcher");
         let g = Group { leader };
         // Every rank is training once its log has a step.
-        for r in 0..WORLD {
+        for r in (0..WORLD).filter(|_| wait_training) {
             wait_for_log_lines(
                 dir.join(format!("rank{r}.log")),
                 "step",
@@ -224,12 +224,26 @@ fn ddp_job_by_launcher_pid() {
     require_privileges!();
     let _one = one_job();
     let dir = scratch_dir("job_mode-launcher");
-    let g = Group::start(&dir, false);
+    // Attached while the job is still starting: the ranks are importing
+    // torch (over a second here), so discovery finds none at first and
+    // waits (--wait-for-marker) until WORLD_SIZE ranks have loaded it.
+    let g = Group::start(&dir, false, false);
+    let sh = g.leader.id().to_string();
+    let (job, stderr) = attach_job(
+        &dir.join("out"),
+        &["--job", &sh, "--wait-for-marker", "120"],
+        None,
+    );
+    assert!(
+        stderr.contains("dynprof: job: waiting for its ranks ("),
+        "{stderr}"
+    );
+    check_job(&dir, &job, false);
+
     // `dynprof ps --jobs` shows the job held by the shell, with its 4 ranks
     // by RANK and the --job reference to use.
     let (st, out, err) = attach_util_run(&["ps", "--jobs", "--json"]);
     assert!(st.success(), "{err}");
-    let sh = g.leader.id().to_string();
     let jobs: Vec<serde_json::Value> = out
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -248,12 +262,6 @@ fn ddp_job_by_launcher_pid() {
         .map(|r| r["rank"].as_u64().unwrap())
         .collect();
     assert_eq!(ranks, (0..u64::from(WORLD)).collect::<Vec<_>>(), "{mine}");
-    let job = attach_job(
-        &dir.join("out"),
-        &["--job", &g.leader.id().to_string()],
-        None,
-    );
-    check_job(&dir, &job, false);
 }
 
 #[test]
@@ -261,17 +269,17 @@ fn ddp_job_by_pid_namespace() {
     require_privileges!();
     let _one = one_job();
     let dir = scratch_dir("job_mode-pidns");
-    let g = Group::start(&dir, true);
+    let g = Group::start(&dir, true, true);
     // unshare's child is the namespace's PID 1.
     let init = children(g.leader.id());
     assert_eq!(init.len(), 1, "{init:?}");
     let ns = std::fs::read_link(format!("/proc/{}/ns/pid", init[0])).unwrap();
-    let job = attach_job(&dir.join("out"), &["--job", ns.to_str().unwrap()], None);
+    let (job, _) = attach_job(&dir.join("out"), &["--job", ns.to_str().unwrap()], None);
     check_job(&dir, &job, false);
 }
 
 /// Runs `dynprof attach JOB-ARGS` with the test's plan; returns the job directory.
-fn attach_job(out: &Path, job_args: &[&str], stranger: Option<u32>) -> PathBuf {
+fn attach_job(out: &Path, job_args: &[&str], stranger: Option<u32>) -> (PathBuf, String) {
     let mut args: Vec<&str> = vec!["attach"];
     args.extend_from_slice(job_args);
     let (w, a) = (WARMUP.to_string(), ACTIVE.to_string());
@@ -305,7 +313,7 @@ fn attach_job(out: &Path, job_args: &[&str], stranger: Option<u32>) -> PathBuf {
         )),
         "{stderr}"
     );
-    job_dir(out)
+    (job_dir(out), stderr)
 }
 
 fn check_job(dir: &Path, job: &Path, with_stranger: bool) {

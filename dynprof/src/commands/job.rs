@@ -285,6 +285,39 @@ async fn control(
     }
 }
 
+/// Discovers the ranks; with `--wait-for-marker SECS`, a job named by its
+/// launcher or namespace is re-read until every rank WORLD_SIZE announces
+/// has appeared and loaded its framework (a job still starting), or SECS
+/// have passed. Then it goes on with the ranks it has.
+fn discover_waiting(
+    r: &JobRef,
+    wait: Option<Duration>,
+) -> Result<(Vec<Member>, job::discover::RankSource)> {
+    let deadline = wait.map(|d| std::time::Instant::now() + d);
+    let mut said = None;
+    loop {
+        let found = job::discover::discover(r);
+        let waiting = !matches!(r, JobRef::Pids(_))
+            && deadline.is_some_and(|d| std::time::Instant::now() < d);
+        let why = match &found {
+            Ok((m, _)) => match job::discover::missing(m) {
+                Some(n) if n > 0 => format!("{} of {} ranks found", m.len(), m.len() as u32 + n),
+                _ => return found,
+            },
+            Err(e) if e.is::<job::discover::NoRanksYet>() => "none found yet".to_string(),
+            Err(_) => return found,
+        };
+        if !waiting {
+            return found;
+        }
+        if said.as_ref() != Some(&why) {
+            eprintln!("dynprof: job: waiting for its ranks ({why})");
+            said = Some(why);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// The one `PROF_*` directory a rank's scheduler wrote, if any.
 fn rank_window(rank_dir: &Path) -> Option<String> {
     let mut v: Vec<String> = std::fs::read_dir(rank_dir)
@@ -299,7 +332,7 @@ fn rank_window(rank_dir: &Path) -> Option<String> {
 pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     let plan = job_plan(&args)?;
     crate::sys::caps::check(&attach::needs(&args.window, &Mode::Flags)?)?;
-    let (members, source) = job::discover::discover(&job_ref)?;
+    let (members, source) = discover_waiting(&job_ref, args.window.wait_for_marker)?;
     crate::bpf::preflight()?;
     // The collective wait is the step thread's off-CPU time: always collect it.
     let mut collect = args.window.collectors()?.unwrap_or_else(|| {

@@ -151,6 +151,32 @@ pub fn assign_ranks(members: &[Candidate]) -> (Vec<Member>, RankSource) {
     (out, source)
 }
 
+/// The job has no rank process (yet: a job still starting has not loaded
+/// its framework).
+#[derive(Debug)]
+pub struct NoRanksYet;
+
+impl std::fmt::Display for NoRanksYet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(
+            "the job has no rank processes (no process in it loads PyTorch, CANN or CUDA); \
+             see `dynprof ps --jobs`, or wait for a starting job with --wait-for-marker SECS",
+        )
+    }
+}
+
+impl std::error::Error for NoRanksYet {}
+
+/// How many ranks are still missing: WORLD_SIZE, when every member names the
+/// same one, minus the members found. None when the job does not say.
+pub fn missing(members: &[Member]) -> Option<u32> {
+    let ws = members.first()?.world_size?;
+    if members.iter().any(|m| m.world_size != Some(ws)) {
+        return None;
+    }
+    Some(ws.saturating_sub(members.len() as u32))
+}
+
 /// Reads the candidates from /proc (the acting half of discovery).
 pub fn candidates(pids: &[HostPid]) -> Vec<Candidate> {
     pids.iter()
@@ -202,9 +228,7 @@ pub fn discover(r: &JobRef) -> Result<(Vec<Member>, RankSource)> {
     };
     let chosen: Vec<Candidate> = chosen.into_iter().filter(|c| c.host_pid != me).collect();
     if chosen.is_empty() {
-        bail!(
-            "the job has no rank processes (no process below it loads PyTorch, CANN or CUDA); see `dynprof ps`"
-        );
+        return Err(NoRanksYet.into());
     }
     Ok(assign_ranks(&chosen))
 }
@@ -270,6 +294,26 @@ mod tests {
         assert_eq!(src, RankSource::Order);
         let got: Vec<(u32, u32)> = m.iter().map(|x| (x.rank.0, x.host_pid.0)).collect();
         assert_eq!(got, vec![(0, 30), (1, 31)]);
+    }
+
+    #[test]
+    fn missing_ranks_from_world_size() {
+        let (m, _) = assign_ranks(&[
+            c(10, 1, true, false, Some(0)),
+            c(11, 1, true, false, Some(2)),
+        ]);
+        assert_eq!(missing(&m), Some(2));
+        let (m, _) = assign_ranks(
+            &(0..4)
+                .map(|r| c(10 + r, 1, true, false, Some(r)))
+                .collect::<Vec<_>>(),
+        );
+        assert_eq!(missing(&m), Some(0));
+        let mut odd = c(12, 1, true, false, Some(1));
+        odd.env.world_size = Some(8);
+        let (m, _) = assign_ranks(&[c(10, 1, true, false, Some(0)), odd]);
+        assert_eq!(missing(&m), None);
+        assert_eq!(missing(&[]), None);
     }
 
     #[test]
