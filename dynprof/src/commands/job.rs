@@ -223,24 +223,46 @@ fn quit(tx: &mpsc::UnboundedSender<Command>) {
     }));
 }
 
+/// What the controller holds per rank: its number, tap, command channel,
+/// and whether its session still runs.
+type CtlRank = (
+    Rank,
+    Rc<RefCell<TapData>>,
+    mpsc::UnboundedSender<Command>,
+    Rc<std::cell::Cell<bool>>,
+);
+
 /// Polls the taps until the ranks align, then sends every rank its plan.
 /// Returns the alignment and the job steps planned, or why not.
 async fn control(
-    ranks: Vec<(Rank, Rc<RefCell<TapData>>, mpsc::UnboundedSender<Command>)>,
+    mut ranks: Vec<CtlRank>,
     plan: crate::window::Plan,
     collect: Vec<String>,
-    running: Rc<std::cell::Cell<usize>>,
 ) -> Result<(Alignment, u64, bool), String> {
     let mut said = String::new();
     let started = std::time::Instant::now();
     let mut told = false;
     loop {
-        if running.get() < ranks.len() {
-            return Err("a rank's session ended before the ranks were aligned".into());
+        // A rank whose session ended (its process exited) is left out; the
+        // others are aligned without it.
+        let before = ranks.len();
+        ranks.retain(|(r, _, _, alive)| {
+            let a = alive.get();
+            if !a {
+                eprintln!("dynprof: job: rank {r} ended before the ranks were aligned; going on without it");
+            }
+            a
+        });
+        if ranks.is_empty() {
+            return Err(if before > 0 {
+                "every rank's session ended before the ranks were aligned".into()
+            } else {
+                "no rank left to align".into()
+            });
         }
         let snap: Vec<RankHits> = ranks
             .iter()
-            .map(|(r, tap, _)| RankHits {
+            .map(|(r, tap, _, _)| RankHits {
                 rank: Some(*r),
                 hits: tap.borrow().hits.iter().map(|h| h.0).collect(),
             })
@@ -254,7 +276,7 @@ async fn control(
                     .map_or(0, |h| h.step);
                 let (start, moved) =
                     align::job_start(plan.start_step, now, align::lead_steps(a.period_ns));
-                for (r, _, tx) in &ranks {
+                for (r, _, tx, _) in &ranks {
                     let Some(own) = a.own_step(*r, start) else {
                         return Err(format!("rank {r} has no step for job step {start}"));
                     };
@@ -415,10 +437,21 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     let kept = crate::sys::caps::drop_after_attach(&attach::needs(&args.window, &Mode::Flags)?)?;
     log::info!("capabilities kept after attach: {kept:?}");
 
-    let running = Rc::new(std::cell::Cell::new(attached.len()));
-    let ctl_ranks: Vec<_> = attached
+    let alive: Vec<Rc<std::cell::Cell<bool>>> = attached
         .iter()
-        .map(|a| (a.member.rank, Rc::clone(&a.tap), a.tx.clone()))
+        .map(|_| Rc::new(std::cell::Cell::new(true)))
+        .collect();
+    let ctl_ranks: Vec<CtlRank> = attached
+        .iter()
+        .zip(&alive)
+        .map(|(a, al)| {
+            (
+                a.member.rank,
+                Rc::clone(&a.tap),
+                a.tx.clone(),
+                Rc::clone(al),
+            )
+        })
         .collect();
     let all_tx: Vec<_> = attached.iter().map(|a| a.tx.clone()).collect();
     let limits = (args.steps, args.duration);
@@ -427,7 +460,7 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         .run_until(async move {
             let mut handles = Vec::new();
             let mut taps = Vec::new();
-            for a in attached {
+            for (a, alive) in attached.into_iter().zip(alive) {
                 let Attached {
                     member,
                     mut session,
@@ -438,7 +471,6 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                     lock,
                 } = a;
                 taps.push((member.clone(), tap));
-                let running = Rc::clone(&running);
                 handles.push(tokio::task::spawn_local(async move {
                     let r = session
                         .run(
@@ -461,11 +493,11 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                         Err(e) => eprintln!("dynprof: rank {}: session failed: {e:#}", member.rank),
                     }
                     drop(lock);
-                    running.set(running.get() - 1);
+                    alive.set(false);
                     (member, r)
                 }));
             }
-            let ctl = control(ctl_ranks, plan, collect, Rc::clone(&running)).await;
+            let ctl = control(ctl_ranks, plan, collect).await;
             if let Err(why) = &ctl {
                 eprintln!("dynprof: job: cannot align the ranks: {why}; detaching");
                 for tx in &all_tx {
@@ -523,12 +555,20 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     for (m, tap) in &taps {
         let o = outcomes.entry(m.rank).or_default();
         let rank_dir = job_path.join(job::rank_dir_name(m.rank));
-        let offset = alignment
+        let Some(offset) = alignment
             .ranks
             .iter()
             .find(|a| a.rank == m.rank)
             .map(|a| a.offset)
-            .unwrap_or(0);
+        else {
+            o.problem
+                .get_or_insert_with(|| "its session ended before the ranks were aligned".into());
+            rank_meta.push(json!({
+                "rank": m.rank, "host_pid": m.host_pid, "world_size": m.world_size,
+                "problem": o.problem, "session": o.summary,
+            }));
+            continue;
+        };
         let win = rank_window(&rank_dir);
         o.window_dir = win
             .as_ref()
