@@ -4,6 +4,8 @@
 //! optimizer.step() times), and `dynprof report` names the rank that burns
 //! extra CPU in its forward pass. A fifth "rank" that is not a PyTorch
 //! process is reported as not attached while the others go on.
+#[path = "attach_util.rs"]
+mod attach_util;
 mod common;
 
 use std::{
@@ -519,4 +521,78 @@ fn ranks_out_of_lockstep_are_refused() {
     assert_eq!(st.code(), Some(1), "{rep}");
     assert!(err.contains("the job window was not recorded"), "{err}");
     drop(procs);
+}
+
+/// A rank that exits before the ranks are aligned is left out: the four DDP
+/// ranks are aligned and recorded without it, and the job window is marked
+/// incomplete with the reason. The fifth "rank" is an independent training
+/// process (not in lockstep with the others: were it kept, the alignment
+/// would be refused), killed as soon as dynprof has attached to it.
+#[test]
+fn a_rank_that_exits_before_alignment_is_left_out() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode-exits");
+    let ranks = start_ranks(&dir);
+    let mut cmd = Command::new(PYTHON3);
+    cmd.arg(workspace_root().join("tests/fixtures/torch_train.py"))
+        .args(["--step-ms", "5"])
+        .env("RANK", "4")
+        .stderr(Stdio::null());
+    let mut extra = Proc::spawn_ready(&mut cmd);
+    let mut pids: Vec<String> = ranks.iter().map(|p| p.pid.to_string()).collect();
+    pids.push(extra.pid.to_string());
+    let out = dir.join("out");
+    let args: Vec<String> = [
+        "attach",
+        "--pids",
+        &pids.join(","),
+        "--warmup",
+        "1",
+        "--active",
+        "3",
+        "--collect",
+        "offcpu",
+        "--duration",
+        "240",
+        "-o",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut d = attach_util::Dynprof::spawn(Command::new(dynprof_bin()).args(&args), args.clone());
+    d.wait_stderr(
+        &format!("rank 4: attached to PID {}", extra.pid),
+        Duration::from_secs(120),
+    );
+    // SAFETY: kill(2) on our own unreaped child.
+    unsafe { libc::kill(extra.pid as i32, libc::SIGKILL) };
+    let _ = extra.child.wait();
+    let fin = d.finish(Duration::from_secs(300));
+    assert!(fin.status.success(), "{}", fin.stderr);
+    assert!(
+        fin.stderr
+            .contains("rank 4 ended before the ranks were aligned; going on without it"),
+        "{}",
+        fin.stderr
+    );
+    assert!(
+        fin.stderr.contains("job window written INCOMPLETE"),
+        "{}",
+        fin.stderr
+    );
+    let job = job_dir(&out);
+    check_job(&dir, &job, false);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["complete"], false);
+    let r4 = meta["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["rank"] == 4)
+        .unwrap();
+    assert_eq!(r4["problem"], "the rank exited during the session", "{r4}");
+    drop(ranks);
 }

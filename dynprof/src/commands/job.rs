@@ -653,7 +653,9 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         }
     }
     rows.sort_by_key(|r| (r.step, r.rank));
-    let ranks: Vec<Rank> = taps.iter().map(|(m, _)| m.rank).collect();
+    // The ranks that were aligned (and planned) must all have recorded
+    // every job step; one left out before alignment is a problem of its own.
+    let ranks: Vec<Rank> = alignment.ranks.iter().map(|a| a.rank).collect();
     let check: Vec<(Rank, u64, u64, u64)> = rows
         .iter()
         .map(|r| (r.rank, r.step, r.start_ts_ns, r.duration_ns))
