@@ -54,6 +54,10 @@ const POLL: Duration = Duration::from_millis(20);
 #[derive(Default)]
 struct TapData {
     hits: VecDeque<(Hit, u32)>,
+    /// Threads that crossed a step boundary: only their off-CPU time is
+    /// kept (gloo's and the data loader's own threads are idle most of
+    /// the time and would fill the buffer for nothing).
+    step_tids: Vec<u32>,
     offcpu: Vec<OffCpu>,
     offcpu_dropped: u64,
 }
@@ -77,8 +81,11 @@ impl Observer for StepTap {
                     },
                     s.hdr.tid,
                 ));
+                if !d.step_tids.contains(&s.hdr.tid) {
+                    d.step_tids.push(s.hdr.tid);
+                }
             }
-            Decoded::OffCpu(o) => {
+            Decoded::OffCpu(o) if d.step_tids.contains(&o.hdr.tid) => {
                 if d.offcpu.len() < MAX_OFFCPU {
                     d.offcpu.push(OffCpu {
                         tid: o.hdr.tid,
