@@ -596,3 +596,81 @@ fn a_rank_that_exits_before_alignment_is_left_out() {
     assert_eq!(r4["problem"], "the rank exited during the session", "{r4}");
     drop(ranks);
 }
+
+/// Four native ranks on the libhccl.so stand-in: HcclAllReduce makes them
+/// wait for each other (a process-shared barrier), rank 2 computes 20 ms per
+/// step against 2 ms. Job mode with `--marker exe:optimizer_step` records the
+/// same iterations on every rank, the HCCL API set traces one HcclAllReduce
+/// per step on each, and the report names rank 2.
+#[test]
+fn hccl_fixture_ranks_wait_in_the_collective() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode-hccl");
+    let bin = fixtures().dir.join("hccl/hccl_rank");
+    let shm = format!("/dynprof-job-mode-{}", std::process::id());
+    struct Unlink(String);
+    impl Drop for Unlink {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(format!("/dev/shm{}", self.0));
+        }
+    }
+    let _unlink = Unlink(shm.clone());
+    let mut ranks: Vec<Proc> = (0..WORLD)
+        .map(|r| {
+            let mut cmd = Command::new(&bin);
+            cmd.args(["--rank", &r.to_string(), "--world", &WORLD.to_string()])
+                .args(["--shm", &shm])
+                .args(["--cpu-us", if r == SLOW { "20000" } else { "2000" }])
+                .arg("--log")
+                .arg(dir.join(format!("rank{r}.log")));
+            Proc::spawn(&mut cmd)
+        })
+        .collect();
+    for p in &mut ranks {
+        p.pid = wait_ready(&mut p.child).expect("rank ready");
+    }
+    let pids: Vec<String> = ranks.iter().map(|p| p.pid.to_string()).collect();
+    let (st, stdout, stderr) = attach_util_run(&[
+        "attach",
+        "--pids",
+        &pids.join(","),
+        "--marker",
+        "exe:optimizer_step",
+        "--warmup",
+        &WARMUP.to_string(),
+        "--active",
+        &ACTIVE.to_string(),
+        "--collect",
+        "offcpu,api",
+        "--duration",
+        "120",
+        "-o",
+        dir.join("out").to_str().unwrap(),
+    ]);
+    assert!(st.success(), "{st}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    // Ranks from order (no RANK in their environment): ascending PIDs,
+    // which is the order they were started in.
+    assert!(stderr.contains("(ranks from Order)"), "{stderr}");
+    let job = job_dir(&dir.join("out"));
+    check_job(&dir, &job, false);
+    for r in 0..WORLD {
+        let rd = job.join(format!("rank{r}"));
+        let win = std::fs::read_dir(&rd)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .find(|e| e.file_name().to_string_lossy().starts_with("PROF_"))
+            .unwrap()
+            .path();
+        let api = std::fs::read_to_string(win.join("api_summary.csv")).unwrap();
+        let line = api
+            .lines()
+            .find(|l| l.starts_with("HcclAllReduce,"))
+            .unwrap_or_else(|| panic!("rank {r}: {api}"));
+        assert_eq!(
+            line.split(',').nth(1),
+            Some(ACTIVE.to_string().as_str()),
+            "rank {r}: {line}"
+        );
+    }
+}
