@@ -598,8 +598,8 @@ fn a_rank_that_exits_before_alignment_is_left_out() {
 }
 
 /// Four native ranks on the libhccl.so stand-in: HcclAllReduce makes them
-/// wait for each other (a process-shared barrier), rank 2 computes 20 ms per
-/// step against 2 ms. Job mode with `--marker exe:optimizer_step` records the
+/// wait for each other (a process-shared barrier), rank 2 computes 60 ms per
+/// step against 6 ms. Job mode with `--marker exe:optimizer_step` records the
 /// same iterations on every rank, the HCCL API set traces one HcclAllReduce
 /// per step on each, and the report names rank 2.
 #[test]
@@ -621,7 +621,7 @@ fn hccl_fixture_ranks_wait_in_the_collective() {
             let mut cmd = Command::new(&bin);
             cmd.args(["--rank", &r.to_string(), "--world", &WORLD.to_string()])
                 .args(["--shm", &shm])
-                .args(["--cpu-us", if r == SLOW { "20000" } else { "2000" }])
+                .args(["--cpu-us", if r == SLOW { "60000" } else { "6000" }])
                 .arg("--log")
                 .arg(dir.join(format!("rank{r}.log")));
             Proc::spawn(&mut cmd)
