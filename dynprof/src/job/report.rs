@@ -63,8 +63,16 @@ pub fn render(dir: &Path, a: &JobAnalysis) -> String {
         s.push_str(&format!("job steps {}\n", p.as_str().unwrap_or("?")));
     }
     s.push_str(&format!(
-        "{:>5} {:>8} {:>6} {:>10} {:>11} {:>13} {:>12} {:>10}\n",
-        "rank", "pid", "steps", "step_ms", "compute_ms", "coll_wait_ms", "dev_wait_ms", "api/step"
+        "{:>5} {:>8} {:>6} {:>10} {:>11} {:>13} {:>12} {:>10} {:>8}\n",
+        "rank",
+        "pid",
+        "steps",
+        "step_ms",
+        "compute_ms",
+        "coll_wait_ms",
+        "dev_wait_ms",
+        "api/step",
+        "last_in"
     ));
     let ranks = a.meta.get("ranks").and_then(Value::as_array);
     for st in &a.stats {
@@ -73,7 +81,7 @@ pub fn render(dir: &Path, a: &JobAnalysis) -> String {
             .and_then(|r| r.get("host_pid"))
             .map_or("-".to_string(), |p| p.to_string());
         s.push_str(&format!(
-            "{:>5} {:>8} {:>6} {:>10} {:>11} {:>13} {:>12} {:>10.1}\n",
+            "{:>5} {:>8} {:>6} {:>10} {:>11} {:>13} {:>12} {:>10.1} {:>8}\n",
             st.rank.0,
             pid,
             st.steps,
@@ -81,7 +89,8 @@ pub fn render(dir: &Path, a: &JobAnalysis) -> String {
             ms(st.mean_compute_ns),
             ms(st.mean_collective_wait_ns),
             ms(st.mean_device_wait_ns),
-            st.api_calls_per_step
+            st.api_calls_per_step,
+            st.last_into_collective
         ));
     }
     for r in ranks.into_iter().flatten() {
@@ -169,7 +178,9 @@ mod tests {
             lines
                 .iter()
                 .any(|l| l.split_whitespace().collect::<Vec<_>>()
-                    == ["1", "101", "2", "32.000", "30.000", "2.000", "0.000", "4.0"]),
+                    == [
+                        "1", "101", "2", "32.000", "30.000", "2.000", "0.000", "4.0", "2"
+                    ]),
             "{text}"
         );
         assert!(text.contains("rank 3: not attached: gone"), "{text}");

@@ -25,9 +25,27 @@ pub struct RankStat {
     pub mean_collective_wait_ns: u64,
     pub mean_device_wait_ns: u64,
     pub api_calls_per_step: f64,
+    /// Job steps in which this rank waited least in collectives, i.e. came
+    /// last into them (HTA's late collective start): the others waited for
+    /// it.
+    pub last_into_collective: u64,
 }
 
 pub fn per_rank(rows: &[JobStepRow]) -> Vec<RankStat> {
+    // Per job step, the rank with the least collective wait (only steps that
+    // more than one rank recorded, and with a unique least).
+    let mut last: std::collections::HashMap<Rank, u64> = std::collections::HashMap::new();
+    let mut steps: Vec<u64> = rows.iter().map(|r| r.step).collect();
+    steps.sort_unstable();
+    steps.dedup();
+    for s in steps {
+        let v: Vec<&JobStepRow> = rows.iter().filter(|r| r.step == s).collect();
+        let min = v.iter().map(|r| r.collective_wait_ns).min().unwrap_or(0);
+        let least: Vec<&&JobStepRow> = v.iter().filter(|r| r.collective_wait_ns == min).collect();
+        if v.len() > 1 && least.len() == 1 {
+            *last.entry(least[0].rank).or_default() += 1;
+        }
+    }
     let mut ranks: Vec<Rank> = rows.iter().map(|r| r.rank).collect();
     ranks.sort();
     ranks.dedup();
@@ -46,6 +64,7 @@ pub fn per_rank(rows: &[JobStepRow]) -> Vec<RankStat> {
                 mean_device_wait_ns: mean(|r| r.device_wait_ns),
                 api_calls_per_step: v.iter().map(|r| r.api_calls).sum::<u64>() as f64
                     / n.max(1) as f64,
+                last_into_collective: last.get(&rank).copied().unwrap_or(0),
             }
         })
         .collect()
@@ -122,11 +141,14 @@ pub fn verdict(stats: &[RankStat]) -> Verdict {
         .iter()
         .map(|s| {
             format!(
-                "rank {} computes {} per step vs {} median, waits {} in collectives",
+                "rank {} computes {} per step vs {} median, waits {} in collectives, \
+                 last into the collective in {} of {} steps",
                 s.rank,
                 ms(s.mean_compute_ns),
                 ms(med),
-                ms(s.mean_collective_wait_ns)
+                ms(s.mean_collective_wait_ns),
+                s.last_into_collective,
+                s.steps
             )
         })
         .collect::<Vec<_>>()
@@ -171,11 +193,23 @@ mod tests {
         }
         let st = per_rank(&rows);
         assert_eq!(st[2].mean_compute_ns, 38_000_000);
+        assert_eq!(
+            st.iter()
+                .map(|s| s.last_into_collective)
+                .collect::<Vec<_>>(),
+            [0, 0, 3, 0]
+        );
         let v = verdict(&st);
         assert_eq!(v.stragglers, vec![Rank(2)]);
         assert!(
             v.text
                 .starts_with("straggler: rank 2: rank 2 computes 38.0 ms"),
+            "{}",
+            v.text
+        );
+        assert!(
+            v.text
+                .contains("waits 2.0 ms in collectives, last into the collective in 3 of 3 steps;"),
             "{}",
             v.text
         );
