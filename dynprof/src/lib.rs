@@ -14,6 +14,7 @@ pub mod collect;
 pub mod commands;
 pub mod discover;
 pub mod compat;
+pub mod job;
 pub mod output;
 pub mod probes;
 pub mod report;

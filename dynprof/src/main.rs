@@ -24,7 +24,8 @@ Examples:
   sudo dynprof attach --pid 7 --in-pidns 3f2a9c1b7d4e              # PID 7 inside that container
   sudo dynprof attach --pid 4242 --start-step 100 --warmup 1 --active 3 -o out
   sudo dynprof attach --pid 4242 --interactive                     # dynprof> start / stop / quit
-  sudo dynprof attach --pid 4242 --config-dir /tmp/dp              # watch profiler_config.json")]
+  sudo dynprof attach --pid 4242 --config-dir /tmp/dp              # watch profiler_config.json
+  sudo dynprof attach --job 31337 --warmup 1 --active 3 -o out      # every rank of a job (docs/job-mode.md)")]
     Attach(AttachArgs),
     /// Start a program and attach to it at once (markers in libraries it
     /// loads later are attached when they appear).
@@ -44,7 +45,9 @@ Examples:
     /// load CANN, PyTorch or CUDA, with host and container PIDs, container,
     /// rank, runtimes and the step markers `attach` would use. Launchers
     /// (torchrun, mpirun, ...) are marked: profile their workers instead.
-    #[command(after_help = "Examples:\n  sudo dynprof ps\n  sudo dynprof ps --all --json")]
+    #[command(
+        after_help = "Examples:\n  sudo dynprof ps\n  sudo dynprof ps --all --json\n  sudo dynprof ps --jobs"
+    )]
     Ps(dynprof::commands::ps::PsArgs),
 }
 
@@ -71,7 +74,10 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Attach(a) => rt.block_on(attach::run(a)),
         Command::Launch(a) => rt.block_on(dynprof::commands::launch::run(a)),
-        Command::Report(r) => dynprof::report::run(&r),
+        Command::Report(r) => match r.dirs.as_slice() {
+            [d] if dynprof::job::report::is_job_dir(d) => dynprof::job::report::run(d, r.json),
+            _ => dynprof::report::run(&r),
+        },
         Command::ProbeCost(p) => dynprof::commands::probe_cost::run(&p),
         Command::Ps(p) => dynprof::commands::ps::run(&p),
     }

@@ -101,7 +101,44 @@ pub const CUDA_DRIVER: ApiSet = ApiSet {
     apis: &[api("cuLaunchKernel")],
 };
 
-pub const BUILTIN_SETS: &[ApiSet] = &[CANN, CUDA_RUNTIME, CUDA_DRIVER];
+/// HCCL collectives (Ascend). They enqueue on a stream and return: their
+/// host time is the launch; the wait for peers shows in the stream
+/// synchronize that follows (device wait) or, on the host, off-CPU.
+pub const HCCL: ApiSet = ApiSet {
+    name: "hccl",
+    libs: &["libhccl.so"],
+    apis: &[
+        api("HcclAllReduce"),
+        api("HcclAllGather"),
+        api("HcclReduceScatter"),
+        api("HcclBroadcast"),
+        api("HcclReduce"),
+        api("HcclAlltoAll"),
+        api("HcclAlltoAllV"),
+        api("HcclSend"),
+        api("HcclRecv"),
+        api("HcclBarrier"),
+    ],
+};
+
+/// NCCL collectives (also the copy PyTorch wheels ship under nvidia/nccl).
+pub const NCCL: ApiSet = ApiSet {
+    name: "nccl",
+    libs: &["libnccl.so"],
+    apis: &[
+        api("ncclAllReduce"),
+        api("ncclAllGather"),
+        api("ncclReduceScatter"),
+        api("ncclBroadcast"),
+        api("ncclReduce"),
+        api("ncclSend"),
+        api("ncclRecv"),
+        api("ncclGroupStart"),
+        api("ncclGroupEnd"),
+    ],
+};
+
+pub const BUILTIN_SETS: &[ApiSet] = &[CANN, CUDA_RUNTIME, CUDA_DRIVER, HCCL, NCCL];
 
 /// Is this a synchronize-type API of a built-in set?
 pub fn is_device_wait(name: &str) -> bool {
@@ -398,6 +435,8 @@ mod tests {
         assert!(m(&CANN, "libascendcl.so"));
         assert!(m(&CANN, "libacl_rt.so"));
         assert!(!m(&CANN, "libascendcl_impl.so"));
+        assert!(m(&HCCL, "libhccl.so") && !m(&HCCL, "libhccl_alg.so"));
+        assert!(m(&NCCL, "libnccl.so.2") && !m(&NCCL, "libnccl-net.so"));
     }
 
     #[test]

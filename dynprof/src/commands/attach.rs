@@ -1,7 +1,7 @@
 //! `dynprof attach`: resolve markers, load, attach, run the session.
 use std::{io::IsTerminal as _, time::Duration};
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
 
 use super::driver::{
@@ -26,8 +26,20 @@ pub struct AttachArgs {
     /// PID of the running job: a host PID, or with --in-pidns the PID seen
     /// inside that PID namespace (see `dynprof ps`).
     #[arg(long, short = 'p', value_name = "PID", allow_negative_numbers = true,
+          value_parser = crate::cli::int(1, crate::cli::PID_MAX),
+          required_unless_present_any = ["job", "pids"], conflicts_with_all = ["job", "pids"])]
+    pub pid: Option<u32>,
+
+    /// Job mode: every rank of a training job. REF is a launcher PID (its
+    /// AI descendants are the ranks), pid:[INODE] or a container id. The
+    /// window flags are in job steps (docs/job-mode.md).
+    #[arg(long, value_name = "REF", conflicts_with = "pids")]
+    pub job: Option<String>,
+
+    /// Job mode on exactly these PIDs (comma-separated).
+    #[arg(long, value_name = "A,B,C", value_delimiter = ',',
           value_parser = crate::cli::int(1, crate::cli::PID_MAX))]
-    pub pid: u32,
+    pub pids: Option<Vec<u32>>,
 
     /// Read --pid in this PID namespace: a host PID of any process in it,
     /// /proc/X/ns/pid, pid:[INODE], or a container id (>= 12 hex chars).
@@ -60,6 +72,18 @@ pub struct AttachArgs {
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
+    match (&args.job, &args.pids) {
+        (Some(r), _) => {
+            return super::job::run(args.clone(), crate::job::discover::JobRef::parse(r)?).await;
+        }
+        (_, Some(p)) => {
+            return super::job::run(args.clone(), crate::job::discover::JobRef::pids(p)?).await;
+        }
+        _ => {}
+    }
+    let Some(pid) = args.pid else {
+        bail!("give --pid, --job or --pids");
+    };
     let markers = markers_or_auto(&args.markers);
     // Before anything touches the target: a missing capability is named
     // here, not met as a bare EACCES half-way through attaching.
@@ -68,10 +92,7 @@ pub async fn run(args: AttachArgs) -> Result<()> {
         args.steps.is_some() || args.duration.is_some() || args.json,
     )?;
     crate::sys::caps::check(&needs(&args.window, &mode)?)?;
-    let target = Target::open(crate::target::resolve_pid(
-        args.pid,
-        args.in_pidns.as_deref(),
-    )?)?;
+    let target = Target::open(crate::target::resolve_pid(pid, args.in_pidns.as_deref())?)?;
     // Before anything reads the target's maps or takes the lock: without
     // privileges those fail with a bare EACCES that names no capability.
     crate::bpf::preflight()?;

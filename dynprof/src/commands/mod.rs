@@ -2,6 +2,7 @@
 pub mod args;
 pub mod attach;
 pub mod driver;
+pub mod job;
 pub mod launch;
 pub mod printer;
 pub mod probe_cost;

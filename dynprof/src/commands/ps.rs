@@ -16,6 +16,11 @@ pub struct PsArgs {
     /// Every process, not only those that load a device runtime or framework.
     #[arg(long)]
     pub all: bool,
+
+    /// Group the AI processes into jobs (launcher, PID namespace or parent;
+    /// world size; ranks) with the `attach --job` reference of each.
+    #[arg(long, conflicts_with = "all")]
+    pub jobs: bool,
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {
@@ -108,6 +113,9 @@ pub fn table(procs: &[ProcInfo]) -> Table {
 }
 
 pub fn run(args: &PsArgs) -> Result<()> {
+    if args.jobs {
+        return super::job::ps_jobs(args.json);
+    }
     let procs = ps::scan(args.all);
     let mut out = std::io::stdout().lock();
     if args.json {

@@ -599,6 +599,17 @@ impl Scheduler {
         Ok(())
     }
 
+    /// A plan from outside the session (job mode): submitted like a
+    /// console `capture`, its answer printed as a notice.
+    fn on_plan(&mut self, req: PlanRequest, ctx: &mut Ctx) -> Result<()> {
+        self.last_activity = Instant::now();
+        let mut out = Vec::new();
+        let r = self.state.submit(req, ctx.kernel, self.lead(), &mut out);
+        self.carry_out(out, ctx.kernel, ctx.target, None)?;
+        self.notice(r.unwrap_or_else(|e| format!("plan refused: {e:#}")));
+        Ok(())
+    }
+
     fn on_config(&mut self, ev: &ConfigChanged, ctx: &mut Ctx) {
         self.last_activity = Instant::now();
         let Some(cfg) = &mut self.config else { return };
@@ -664,6 +675,7 @@ impl Observer<SessionCommand> for Scheduler {
                 let f: NoticePrinter = std::mem::replace(&mut p.0, Box::new(|_| {}));
                 self.printer = Some(f);
             }
+            SessionCommand::Plan(req) => self.on_plan((**req).clone(), ctx)?,
         }
         Ok(())
     }

@@ -96,4 +96,7 @@ pub enum SessionCommand {
     ConfigChanged(config_file::ConfigChanged),
     /// The console prints notices now (above its prompt).
     SetNoticePrinter(SetNoticePrinter),
+    /// A plan decided outside this session (job mode: the job's aligned
+    /// start, in this rank's own step indices).
+    Plan(Box<PlanRequest>),
 }
