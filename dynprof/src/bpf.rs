@@ -141,9 +141,11 @@ impl Kernel {
     pub fn load(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
         preflight()?;
         let tgid = pid.0;
+        let stack_copy = crate::symbols::unwind::stack_copy_bytes();
         let ebpf = EbpfLoader::new()
             .override_global("TARGET_TGID", &tgid, true)
             .override_global("WAKE_BYTES", &wake_bytes, true)
+            .override_global("STACK_COPY_BYTES", &stack_copy, true)
             .map_max_entries("EVENTS", ring_bytes)
             .load(OBJECT)
             .map_err(|e| anyhow!("loading dynprof's eBPF programs: {e:#}"))?;

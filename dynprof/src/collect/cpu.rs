@@ -5,7 +5,9 @@
 //! periodic work), system-wide; the program keeps only the target's samples,
 //! and only while the window gate is open. User and kernel stacks come from
 //! the `STACKS` map and are symbolized in `drain_into` (blazesym, through
-//! `/proc/PID`, so that containers work).
+//! `/proc/PID`, so that containers work). User-mode samples also carry a
+//! copy of the user stack, unwound from `.eh_frame` on arrival
+//! (`stacks::StackStore::unwind`, docs/stacks.md).
 use anyhow::Result;
 use dynprof_common::SampleEvent;
 
@@ -84,9 +86,20 @@ impl Collector for CpuCollector {
     }
 
     fn on_event(&mut self, ev: &Decoded) {
-        if let Decoded::Sample(s) = ev {
-            self.names.saw(s.hdr.tid);
-            self.events.push(*s);
+        match ev {
+            Decoded::Sample(s) => {
+                self.names.saw(s.hdr.tid);
+                self.events.push(*s);
+            }
+            // Unwound now, while the target's mappings are those of the
+            // sample; only the resulting id is kept (and spilled).
+            Decoded::SampleStack(c) => {
+                self.names.saw(c.sample.hdr.tid);
+                let mut s = c.sample;
+                s.user_stack = self.store.borrow_mut().unwind(c);
+                self.events.push(s);
+            }
+            _ => {}
         }
     }
 

@@ -1,12 +1,40 @@
 //! Decoding ring-buffer records into the `dynprof-common` event structs.
-use dynprof_common::{ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind};
+use dynprof_common::{
+    ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind,
+    unwind::{SAMPLE_STACK, STACK_COPY_MAX, StackSampleHeader},
+};
 
-#[derive(Clone, Copy, Debug)]
+use crate::symbols::unwind::UserRegs;
+
+#[derive(Clone, Debug)]
 pub enum Decoded {
     Step(StepEvent),
     Api(ApiEvent),
     Sample(SampleEvent),
+    /// A CPU sample with a copy of its user stack (boxed: up to 16 KiB).
+    SampleStack(Box<StackCopy>),
     OffCpu(OffCpuEvent),
+}
+
+/// A CPU sample with the user registers and the top of the user stack.
+#[derive(Clone)]
+pub struct StackCopy {
+    /// `hdr.kind` is `kind::SAMPLE` again; `user_stack` is the frame-pointer
+    /// stack id.
+    pub sample: SampleEvent,
+    pub regs: UserRegs,
+    /// The stack from `regs.sp` up.
+    pub stack: Vec<u8>,
+}
+
+impl std::fmt::Debug for StackCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StackCopy")
+            .field("sample", &self.sample)
+            .field("regs", &self.regs)
+            .field("stack_bytes", &self.stack.len())
+            .finish()
+    }
 }
 
 fn read<T: Copy>(b: &[u8]) -> Option<T> {
@@ -21,6 +49,22 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
         kind::API => Decoded::Api(read(b)?),
         kind::SAMPLE => Decoded::Sample(read(b)?),
         kind::OFFCPU => Decoded::OffCpu(read(b)?),
+        SAMPLE_STACK => {
+            let h: StackSampleHeader = read(b)?;
+            let len = (h.len as usize).min(STACK_COPY_MAX);
+            let stack = b.get(size_of::<StackSampleHeader>()..)?.get(..len)?.to_vec();
+            let mut sample = h.sample;
+            sample.hdr.kind = kind::SAMPLE;
+            Decoded::SampleStack(Box::new(StackCopy {
+                sample,
+                regs: UserRegs {
+                    ip: h.ip,
+                    sp: h.sp,
+                    bp: h.bp,
+                },
+                stack,
+            }))
+        }
         _ => return None,
     })
 }
