@@ -138,6 +138,19 @@ impl Collector for CpuCollector {
             }
         }
         data.samples.sort_unstable_by_key(|s| (s.ts_ns, s.tid));
+        {
+            let mut store = self.store.borrow_mut();
+            if store.unwind_count > 0 {
+                log::debug!(
+                    "cpu: {} stack copies unwound in {:?} ({:?} each, tables loaded included)",
+                    store.unwind_count,
+                    store.unwind_time,
+                    store.unwind_time / store.unwind_count as u32
+                );
+            }
+            store.unwind_count = 0;
+            store.unwind_time = Default::default();
+        }
         self.update_hold();
         Ok(())
     }

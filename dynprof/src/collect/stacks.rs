@@ -61,6 +61,10 @@ pub struct StackStore {
     unwound_ids: HashMap<(i32, Vec<u64>), i32>,
     /// Samples whose unwound stack was not kept ([`MAX_UNWOUND`]).
     pub unwound_over_cap: u64,
+    /// Stack copies unwound, and the time it took (the cost per sample
+    /// docs/stacks.md quotes; logged at debug level per window).
+    pub unwind_count: u64,
+    pub unwind_time: std::time::Duration,
 }
 
 impl StackStore {
@@ -112,9 +116,12 @@ impl StackStore {
         let Some(sym) = &mut self.sym else {
             return fp_id;
         };
+        let t0 = std::time::Instant::now();
         let ips = self
             .unwinder
             .unwind(copy.regs, &copy.stack, |a| sym.unwind_lookup(a));
+        self.unwind_time += t0.elapsed();
+        self.unwind_count += 1;
         if ips.is_empty() {
             return fp_id;
         }
