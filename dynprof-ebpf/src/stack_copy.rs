@@ -7,6 +7,12 @@
 //! needs `bpf_task_pt_regs` (5.15) or BTF offsets; those samples keep their
 //! frame-pointer stack. Helpers used: `bpf_probe_read_user` (5.5) and
 //! `bpf_ringbuf_output` (5.8), so this loads on 5.10.
+//!
+//! CPython frames are read here too, at the sample, so that they are
+//! exactly those of the sampled instant (read later from user space, the
+//! interpreter would have moved on): the GIL holder's `PyThreadState`,
+//! then its `_PyInterpreterFrame` chain, `MAX_PY_FRAMES` at most. They are
+//! read in kernel-mode samples as well (the memory is the current task's).
 use aya_ebpf::{
     EbpfContext,
     helpers::generated,
@@ -16,13 +22,30 @@ use aya_ebpf::{
 };
 use dynprof_common::{
     SampleEvent, drop_slot,
-    unwind::{SAMPLE_STACK, STACK_COPY_MAX, StackSample, StackSampleHeader},
+    unwind::{
+        MAX_PY_FRAMES, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
+        StackSample, StackSampleHeader,
+    },
 };
 
 /// Largest copy in bytes, set by user space at load: 0 disables the copy
 /// (architectures other than x86-64, or `DYNPROF_STACK_COPY_KB=0`).
 #[unsafe(no_mangle)]
 static STACK_COPY_BYTES: u32 = 0;
+
+/// The target's CPython layout, set by user space at load (all zero: not
+/// a recognised CPython).
+#[unsafe(no_mangle)]
+static PY: PyOffsets = PyOffsets {
+    tstate_current: 0,
+    tstate_native_thread_id: 0,
+    tstate_cframe: 0,
+    cframe_current_frame: 0,
+    frame_code: 0,
+    frame_previous: 0,
+    frame_prev_instr: 0,
+    frame_is_entry: 0,
+};
 
 /// Scratch record: too big for the 512-byte BPF stack.
 #[map]
@@ -40,9 +63,14 @@ const RSP: usize = 19;
 #[inline(always)]
 pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u64) -> bool {
     let max = unsafe { core::ptr::read_volatile(&STACK_COPY_BYTES) } as usize;
-    if max == 0 {
+    let py = unsafe { core::ptr::read_volatile(&PY) };
+    if max == 0 && py.tstate_current == 0 {
         return false;
     }
+    let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
+        return false;
+    };
+    let py_count = read_python(&py, buf, sample.hdr.tid);
     // Direct context loads at constant offsets: the verifier rewrites them
     // to the sampled registers (a helper read of the context would read
     // `bpf_perf_event_data_kern`, not the registers).
@@ -55,12 +83,7 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
             *regs.add(CS),
         )
     };
-    if cs & 3 != 3 || sp == 0 {
-        return false;
-    }
-    let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
-        return false;
-    };
+    let user_mode = cs & 3 == 3 && sp != 0;
     sample.hdr.kind = SAMPLE_STACK;
     unsafe {
         (*buf).hdr = StackSampleHeader {
@@ -69,9 +92,72 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
             sp,
             bp,
             len: 0,
-            _pad: 0,
+            py_count,
         };
     }
+    if (!user_mode || !copy_stack(buf, sp, max, flags)) && py_count == 0 {
+        return false;
+    }
+    if !user_mode || unsafe { (*buf).hdr.len } == 0 {
+        // Python frames without a stack copy.
+        unsafe {
+            (*buf).hdr.ip = 0;
+            (*buf).hdr.sp = 0;
+            (*buf).hdr.bp = 0;
+        }
+        let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET) };
+        if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
+            crate::count_drop(drop_slot::CPU);
+        }
+    }
+    true
+}
+
+/// Reads the sampled thread's CPython frames into `buf.py`, innermost
+/// first; returns how many. 0 when the thread does not hold the GIL (it
+/// runs no bytecode now) or no interpreter was recognised.
+#[inline(always)]
+fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
+    if py.tstate_current == 0 {
+        return 0;
+    }
+    let read = |addr: u64| -> u64 {
+        unsafe { aya_ebpf::helpers::bpf_probe_read_user(addr as *const u64) }.unwrap_or(0)
+    };
+    let tstate = read(py.tstate_current);
+    if tstate == 0 || read(tstate + py.tstate_native_thread_id) as u32 != tid {
+        return 0;
+    }
+    let cframe = read(tstate + py.tstate_cframe);
+    if cframe == 0 {
+        return 0;
+    }
+    let mut frame = read(cframe + py.cframe_current_frame);
+    let mut n = 0u32;
+    for i in 0..MAX_PY_FRAMES {
+        if frame == 0 {
+            break;
+        }
+        let entry: u8 =
+            unsafe { aya_ebpf::helpers::bpf_probe_read_user((frame + py.frame_is_entry) as *const u8) }
+                .unwrap_or(0);
+        let f = PyFrameRaw {
+            code: read(frame + py.frame_code),
+            instr: read(frame + py.frame_prev_instr),
+            is_entry: entry as u32,
+            _pad: 0,
+        };
+        unsafe { *(&raw mut (*buf).py).cast::<PyFrameRaw>().add(i) = f };
+        n = i as u32 + 1;
+        frame = read(frame + py.frame_previous);
+    }
+    n
+}
+
+/// Tries the stack copy from `STACK_COPY_MAX` down; true once one was
+/// read and emitted.
+#[inline(always)]
+fn copy_stack(buf: *mut StackSample, sp: u64, max: usize, flags: u64) -> bool {
     if max >= STACK_COPY_MAX && copy::<STACK_COPY_MAX>(buf, sp, flags) {
         return true;
     }
@@ -102,12 +188,7 @@ fn copy<const N: usize>(buf: *mut StackSample, sp: u64, flags: u64) -> bool {
         return false;
     }
     unsafe { (*buf).hdr.len = N as u32 };
-    let bytes = unsafe {
-        core::slice::from_raw_parts(
-            buf as *const u8,
-            core::mem::size_of::<StackSampleHeader>() + N,
-        )
-    };
+    let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET + N) };
     if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
         crate::count_drop(drop_slot::CPU);
     }

@@ -14,6 +14,8 @@
 //! of the same sample: of the two, the frame-pointer stack is used where it
 //! is deeper and agrees with the unwound one on every unwound frame (it
 //! went on where the copy ended), the unwound stack everywhere else.
+//! CPython frames read at the same sample are named on arrival too and
+//! spliced in where `_PyEval_EvalFrameDefault` runs (`symbols::python`).
 use std::{cell::RefCell, collections::HashMap, rc::Rc};
 
 use dynprof_common::STACK_EMPTY;
@@ -23,8 +25,21 @@ use crate::{
     bpf::Kernel,
     output::model::Stack,
     session::StackCopy,
-    symbols::unwind::NativeUnwinder,
+    symbols::{
+        python::{self, PyNames},
+        unwind::NativeUnwinder,
+    },
 };
+
+/// A stack built in user space: the sample's frame-pointer id, the
+/// addresses unwound from its stack copy (leaf first; `None` without a
+/// copy) and its Python frames (innermost first, named, with `is_entry`).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Unwound {
+    fp_id: i32,
+    ips: Option<Vec<u64>>,
+    py: Vec<(String, bool)>,
+}
 
 /// First id of stacks unwound in user space (the kernel's ids stay below
 /// the `STACKS` map's size).
@@ -56,9 +71,10 @@ pub struct StackStore {
     /// (is_kernel, id) → the kernel's lookup.
     raw: HashMap<(bool, i32), anyhow::Result<Vec<u64>>>,
     unwinder: NativeUnwinder,
-    /// Unwound id - UNWOUND_BASE → (frame-pointer id, addresses leaf first).
-    unwound: Vec<(i32, Vec<u64>)>,
-    unwound_ids: HashMap<(i32, Vec<u64>), i32>,
+    /// Unwound id - UNWOUND_BASE → its stack.
+    unwound: Vec<Unwound>,
+    unwound_ids: HashMap<Unwound, i32>,
+    py_names: Option<PyNames>,
     /// Samples whose unwound stack was not kept ([`MAX_UNWOUND`]).
     pub unwound_over_cap: u64,
     /// Stack copies unwound, and the time it took (the cost per sample
@@ -92,6 +108,7 @@ impl StackStore {
         if self.pid != Some(pid) {
             self.pid = Some(pid);
             self.unwinder = NativeUnwinder::new();
+            self.py_names = None;
             self.sym = match Symbolizer::new(pid) {
                 Ok(s) => Some(s),
                 Err(e) => {
@@ -113,19 +130,31 @@ impl StackStore {
     /// could be unwound).
     pub fn unwind(&mut self, copy: &StackCopy) -> i32 {
         let fp_id = copy.sample.user_stack;
-        let Some(sym) = &mut self.sym else {
-            return fp_id;
-        };
         let t0 = std::time::Instant::now();
-        let ips = self
-            .unwinder
-            .unwind(copy.regs, &copy.stack, |a| sym.unwind_lookup(a));
+        let ips = match &mut self.sym {
+            Some(sym) if !copy.stack.is_empty() => Some(
+                self.unwinder
+                    .unwind(copy.regs, &copy.stack, |a| sym.unwind_lookup(a)),
+            )
+            .filter(|v| !v.is_empty()),
+            _ => None,
+        };
+        let py: Vec<(String, bool)> = if copy.py.is_empty() {
+            Vec::new()
+        } else {
+            let pid = self.pid.unwrap_or(0);
+            let names = self.py_names.get_or_insert_with(|| PyNames::new(pid));
+            copy.py
+                .iter()
+                .map(|f| (names.frame_name(f), f.is_entry != 0))
+                .collect()
+        };
         self.unwind_time += t0.elapsed();
         self.unwind_count += 1;
-        if ips.is_empty() {
+        if ips.is_none() && py.is_empty() {
             return fp_id;
         }
-        let key = (fp_id, ips);
+        let key = Unwound { fp_id, ips, py };
         if let Some(id) = self.unwound_ids.get(&key) {
             return *id;
         }
@@ -145,7 +174,7 @@ impl StackStore {
     pub fn prefetch(&mut self, kernel: &Kernel, ids: impl IntoIterator<Item = (i32, i32)>) {
         for (u, k) in ids {
             let u = match self.unwound_entry(u) {
-                Some((fp, _)) => *fp,
+                Some(e) => e.fp_id,
                 None => u,
             };
             for (id, is_kernel) in [(u, false), (k, true)] {
@@ -165,11 +194,11 @@ impl StackStore {
                 .collect()
         };
         let (mut user, kern) = (pick(false), pick(true));
-        user.extend(self.unwound.iter().map(|(_, ips)| ips.as_slice()));
+        user.extend(self.unwound.iter().filter_map(|e| e.ips.as_deref()));
         sym.warm(&user, &kern);
     }
 
-    fn unwound_entry(&self, id: i32) -> Option<&(i32, Vec<u64>)> {
+    fn unwound_entry(&self, id: i32) -> Option<&Unwound> {
         let i = id.checked_sub(UNWOUND_BASE)?;
         self.unwound.get(usize::try_from(i).ok()?)
     }
@@ -177,7 +206,8 @@ impl StackStore {
     /// The addresses of an unwound id, or of its frame-pointer stack where
     /// that is deeper and agrees on every unwound frame.
     fn unwound_addresses(&mut self, kernel: &Kernel, id: i32) -> Option<Vec<u64>> {
-        let (fp_id, ips) = self.unwound_entry(id)?.clone();
+        let e = self.unwound_entry(id)?;
+        let (fp_id, ips) = (e.fp_id, e.ips.clone().unwrap_or_default());
         if fp_id >= 0 {
             let fp = match self.raw.remove(&(false, fp_id)) {
                 Some(r) => r,
@@ -257,6 +287,10 @@ impl StackStore {
                     .to_string(),
                 ]
             }
+        };
+        let frames = match self.unwound_entry(id) {
+            Some(e) if !is_kernel && !e.py.is_empty() => python::splice(frames, &e.py),
+            _ => frames,
         };
         let cache = if is_kernel {
             &mut self.kernel

@@ -1,7 +1,10 @@
 //! Decoding ring-buffer records into the `dynprof-common` event structs.
 use dynprof_common::{
     ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind,
-    unwind::{SAMPLE_STACK, STACK_COPY_MAX, StackSampleHeader},
+    unwind::{
+        MAX_PY_FRAMES, PyFrameRaw, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
+        StackSampleHeader,
+    },
 };
 
 use crate::symbols::unwind::UserRegs;
@@ -23,8 +26,11 @@ pub struct StackCopy {
     /// stack id.
     pub sample: SampleEvent,
     pub regs: UserRegs,
-    /// The stack from `regs.sp` up.
+    /// The stack from `regs.sp` up; empty when only Python frames came
+    /// (a kernel-mode sample, or an unreadable stack).
     pub stack: Vec<u8>,
+    /// CPython frames read at the sample, innermost first.
+    pub py: Vec<PyFrameRaw>,
 }
 
 impl std::fmt::Debug for StackCopy {
@@ -33,6 +39,7 @@ impl std::fmt::Debug for StackCopy {
             .field("sample", &self.sample)
             .field("regs", &self.regs)
             .field("stack_bytes", &self.stack.len())
+            .field("py_frames", &self.py.len())
             .finish()
     }
 }
@@ -52,7 +59,13 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
         SAMPLE_STACK => {
             let h: StackSampleHeader = read(b)?;
             let len = (h.len as usize).min(STACK_COPY_MAX);
-            let stack = b.get(size_of::<StackSampleHeader>()..)?.get(..len)?.to_vec();
+            let stack = b.get(STACK_COPY_OFFSET..)?.get(..len)?.to_vec();
+            let py_bytes = b.get(size_of::<StackSampleHeader>()..STACK_COPY_OFFSET)?;
+            let py = py_bytes
+                .chunks_exact(size_of::<PyFrameRaw>())
+                .take((h.py_count as usize).min(MAX_PY_FRAMES))
+                .filter_map(read::<PyFrameRaw>)
+                .collect();
             let mut sample = h.sample;
             sample.hdr.kind = kind::SAMPLE;
             Decoded::SampleStack(Box::new(StackCopy {
@@ -63,6 +76,7 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
                     bp: h.bp,
                 },
                 stack,
+                py,
             }))
         }
         _ => return None,

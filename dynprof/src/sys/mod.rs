@@ -12,11 +12,13 @@
 //! | `targetdir` | make, check and list directories in a target's world, through `rootfs` |
 //! | `uprobe` | uprobe perf events with kernel-owned USDT semaphores; the /proc/PID/mem fallback |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
+//! | `procmem` | read a target's memory (`/proc/PID/mem`): CPython code objects |
 pub mod caps;
 pub mod creds;
 pub mod exec;
 pub mod hostfs;
 pub mod memory;
+pub mod procmem;
 pub mod rootfs;
 pub mod targetdir;
 pub mod uprobe;

@@ -1,0 +1,133 @@
+//! CPython 3.11 frames in cpu windows (issue 15, docs/stacks.md).
+//!
+//! `tests/fixtures/py_hot.py` runs under Debian's python3.11: per step,
+//! `train_step` → `caller` → `hot` (4 units of work) and `cold` (1 unit).
+//! A cpu window must show `[py] train_step;[py] caller;[py] hot` joined
+//! under the interpreter's `_PyEval_EvalFrameDefault`, and `hot`'s share of
+//! the samples in hot or cold close to the job's 80 %.
+
+mod common;
+
+use std::{path::Path, process::Command};
+
+use common::*;
+
+const PYTHON311: &str = "/usr/bin/python3.11";
+
+fn cpu_window(pid: u32, out: &Path) -> Vec<(Vec<String>, u64)> {
+    let o = Command::new(dynprof_bin())
+        .args([
+            "attach",
+            "--pid",
+            &pid.to_string(),
+            "--marker",
+            "python:train_step",
+            "--collect",
+            "cpu",
+            "--cpu-hz",
+            "499",
+            "--start-step",
+            "2",
+            "--warmup",
+            "0",
+            "--active",
+            "40",
+            "--json",
+            "-o",
+        ])
+        .arg(out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "dynprof attach failed: {stderr}");
+    let prof = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("PROF_"))
+        .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
+    std::fs::read_to_string(prof.join("cpu.folded"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let (s, n) = l.rsplit_once(' ')?;
+            Some((s.split(';').map(str::to_string).collect(), n.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The function name of a `[py] NAME (FILE:LINE)` frame.
+fn py_fn(frame: &str) -> Option<&str> {
+    let rest = frame.strip_prefix("[py] ")?;
+    Some(rest.split_once(" (").map_or(rest, |(n, _)| n))
+}
+
+#[test]
+fn python_frames_hot_function_under_its_caller() {
+    require_privileges!();
+    if !Path::new(PYTHON311).exists() {
+        eprintln!("SKIPPED: no {PYTHON311}");
+        return;
+    }
+    let dir = scratch_dir("python_frames_hot_function_under_its_caller");
+    let script = workspace_root().join("tests/fixtures/py_hot.py");
+    let mut p = Proc::spawn_ready(Command::new(PYTHON311).arg(&script).args(["--units", "100000"]));
+    let stacks = cpu_window(p.pid, &dir.join("out"));
+    p.terminate();
+    let total: u64 = stacks.iter().map(|s| s.1).sum();
+    for (s, n) in &stacks {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    assert!(total >= 30, "too few samples: {total}");
+    let (mut hot, mut cold, mut joined, mut user_mode) = (0u64, 0u64, 0u64, 0u64);
+    for (s, n) in &stacks {
+        let py: Vec<(usize, &str)> = s
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| Some((i, py_fn(f)?)))
+            .collect();
+        let names: Vec<&str> = py.iter().map(|p| p.1).collect();
+        let leaf = names.last().copied();
+        if leaf == Some("hot") {
+            hot += n;
+        } else if leaf == Some("cold") {
+            cold += n;
+        } else {
+            continue;
+        }
+        // Called from `caller`, called from `train_step`, directly.
+        assert!(
+            names.ends_with(&["train_step", "caller", "hot"])
+                || names.ends_with(&["train_step", "caller", "cold"]),
+            "{}",
+            s.join(";")
+        );
+        // In a user-mode sample (no kernel frames) the first Python frame
+        // sits right under an evaluator frame, with the native frames below
+        // it. A kernel-mode sample has only the frame-pointer user stack
+        // (no user registers to unwind from), so its Python frames may
+        // stand at the root instead: not counted.
+        if s.iter().any(|f| f.ends_with("_[k]")) {
+            continue;
+        }
+        user_mode += n;
+        let first = py[0].0;
+        if first > 0 && s[first - 1] == "_PyEval_EvalFrameDefault" {
+            joined += n;
+        }
+    }
+    eprintln!("hot {hot}, cold {cold}, joined {joined} of {user_mode} user-mode, {total} samples");
+    let in_job = hot + cold;
+    assert!(
+        in_job as f64 >= 0.8 * total as f64,
+        "only {in_job} of {total} samples in hot or cold"
+    );
+    assert!(user_mode as f64 >= 0.8 * in_job as f64, "{user_mode} of {in_job}");
+    assert_eq!(joined, user_mode, "Python frames not joined to the interpreter's");
+    let share = hot as f64 / in_job as f64;
+    // The job splits its work 4:1 (80 %).
+    assert!(
+        (0.7..=0.9).contains(&share),
+        "hot's share {share:.2}, expected about 0.80"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
