@@ -8,13 +8,16 @@
 
 mod common;
 
-use std::{path::Path, process::Command};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use common::*;
 
 const PYTHON311: &str = "/usr/bin/python3.11";
 
-fn cpu_window(pid: u32, out: &Path) -> Vec<(Vec<String>, u64)> {
+fn cpu_window(pid: u32, out: &Path) -> (PathBuf, Vec<(Vec<String>, u64)>) {
     let o = Command::new(dynprof_bin())
         .args([
             "attach",
@@ -45,14 +48,15 @@ fn cpu_window(pid: u32, out: &Path) -> Vec<(Vec<String>, u64)> {
         .map(|e| e.unwrap().path())
         .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("PROF_"))
         .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
-    std::fs::read_to_string(prof.join("cpu.folded"))
+    let stacks = std::fs::read_to_string(prof.join("cpu.folded"))
         .unwrap()
         .lines()
         .filter_map(|l| {
             let (s, n) = l.rsplit_once(' ')?;
             Some((s.split(';').map(str::to_string).collect(), n.parse().ok()?))
         })
-        .collect()
+        .collect();
+    (prof, stacks)
 }
 
 /// The function name of a `[py] NAME (FILE:LINE)` frame.
@@ -71,7 +75,7 @@ fn python_frames_hot_function_under_its_caller() {
     let dir = scratch_dir("python_frames_hot_function_under_its_caller");
     let script = workspace_root().join("tests/fixtures/py_hot.py");
     let mut p = Proc::spawn_ready(Command::new(PYTHON311).arg(&script).args(["--units", "100000"]));
-    let stacks = cpu_window(p.pid, &dir.join("out"));
+    let (prof, stacks) = cpu_window(p.pid, &dir.join("out"));
     p.terminate();
     let total: u64 = stacks.iter().map(|s| s.1).sum();
     for (s, n) in &stacks {
@@ -129,5 +133,9 @@ fn python_frames_hot_function_under_its_caller() {
         (0.7..=0.9).contains(&share),
         "hot's share {share:.2}, expected about 0.80"
     );
+    // The flame graph draws them in the Python colour (rgb(80,180,90)).
+    let svg = std::fs::read_to_string(prof.join("flamegraph.svg")).unwrap();
+    assert!(svg.contains("[py] hot (py_hot.py:"), "no [py] hot frame in the SVG");
+    assert!(svg.contains("rgb(80,180,90)"), "no frame in the Python colour");
     let _ = std::fs::remove_dir_all(&dir);
 }
