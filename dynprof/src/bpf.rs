@@ -141,7 +141,7 @@ impl Kernel {
     pub fn load(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
         preflight()?;
         let tgid = pid.0;
-        let stack_copy = crate::symbols::unwind::stack_copy_bytes();
+        let stack_copy = crate::symbols::unwind::stack_copy_bytes(ring_bytes);
         let python = crate::symbols::python::detect(tgid).unwrap_or_default();
         let ebpf = EbpfLoader::new()
             .override_global("TARGET_TGID", &tgid, true)

@@ -30,8 +30,20 @@ pub const STACK_COPY_ENV: &str = "DYNPROF_STACK_COPY_KB";
 pub const MAX_FRAMES: usize = 256;
 
 /// What the `cpu` program is told to copy, in bytes: 0 where copies are
-/// unsupported (only x86-64's registers are read) or turned off.
-pub fn stack_copy_bytes() -> u32 {
+/// unsupported (only x86-64's registers are read) or turned off. At most a
+/// sixteenth of the ring (`ring_bytes`), so that a small ring still holds
+/// many samples: a 4 KiB ring gets no copy, a 64 KiB one 4 KiB copies.
+pub fn stack_copy_bytes(ring_bytes: u32) -> u32 {
+    let want = configured_copy_bytes();
+    let fits = ring_bytes / 16;
+    let mut size = STACK_COPY_MAX as u32;
+    while size > want.min(fits) {
+        size /= 2;
+    }
+    if size < STACK_COPY_MIN as u32 { 0 } else { size }
+}
+
+fn configured_copy_bytes() -> u32 {
     if !cfg!(target_arch = "x86_64") {
         return 0;
     }
@@ -169,5 +181,27 @@ impl NativeUnwinder {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_size_fits_the_ring() {
+        // The user's setting would change the expectations.
+        if std::env::var_os(STACK_COPY_ENV).is_some() {
+            return;
+        }
+        let (max, min) = (STACK_COPY_MAX as u32, STACK_COPY_MIN as u32);
+        if !cfg!(target_arch = "x86_64") {
+            assert_eq!(stack_copy_bytes(4 << 20), 0);
+            return;
+        }
+        assert_eq!(stack_copy_bytes(4 << 20), max);
+        assert_eq!(stack_copy_bytes(64 << 10), 4096);
+        assert_eq!(stack_copy_bytes(16 << 10), min);
+        assert_eq!(stack_copy_bytes(4 << 10), 0);
     }
 }
