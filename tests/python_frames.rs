@@ -139,3 +139,92 @@ fn python_frames_hot_function_under_its_caller() {
     assert!(svg.contains("rgb(80,180,90)"), "no frame in the Python colour");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Where the py-spy comparison looks for py-spy 0.4 (`pip install
+/// py-spy` into a venv there; nothing in the checkout), unless
+/// `DYNPROF_PY_SPY` names another binary.
+const PY_SPY: &str = "/var/cache/dynprof/pyspy-venv/bin/py-spy";
+
+/// py-spy names frames `func (file.py:LINE)`; only the job's own count.
+fn spy_name(f: &str) -> Option<&str> {
+    let (n, loc) = f.split_once(" (")?;
+    loc.starts_with("py_hot.py").then_some(n)
+}
+
+/// Leaf Python function → share of the samples that have Python frames,
+/// from folded stacks whose Python frames `name` recognises.
+fn leaf_shares(
+    stacks: &[(Vec<String>, u64)],
+    name: impl Fn(&str) -> Option<&str>,
+) -> Vec<(String, f64)> {
+    let mut by: std::collections::BTreeMap<String, u64> = Default::default();
+    let mut total = 0;
+    for (s, n) in stacks {
+        if let Some(leaf) = s.iter().filter_map(|f| name(f)).last() {
+            *by.entry(leaf.to_string()).or_default() += n;
+            total += n;
+        }
+    }
+    let mut v: Vec<(String, f64)> = by
+        .into_iter()
+        .map(|(k, n)| (k, n as f64 / total.max(1) as f64))
+        .collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v
+}
+
+/// The same job under py-spy (`record --nonblocking`, same rate, at the
+/// same time): the top Python functions agree in rank, and in share
+/// within 6 percentage points.
+#[test]
+fn python_frames_agree_with_py_spy() {
+    require_privileges!();
+    let py_spy = std::env::var("DYNPROF_PY_SPY").unwrap_or_else(|_| PY_SPY.to_string());
+    if !Path::new(PYTHON311).exists() || !Path::new(&py_spy).exists() {
+        eprintln!("SKIPPED: needs {PYTHON311} and py-spy at {py_spy}");
+        return;
+    }
+    let dir = scratch_dir("python_frames_agree_with_py_spy");
+    let script = workspace_root().join("tests/fixtures/py_hot.py");
+    let mut p = Proc::spawn_ready(Command::new(PYTHON311).arg(&script).args(["--units", "100000"]));
+    let raw = dir.join("py-spy.txt");
+    let spy = Command::new(&py_spy)
+        .args(["record", "--nonblocking", "-r", "499", "-d", "4", "-f", "raw", "-o"])
+        .arg(&raw)
+        .args(["-p", &p.pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (_, ours) = cpu_window(p.pid, &dir.join("out"));
+    let spy_out = spy.wait_with_output().unwrap();
+    p.terminate();
+    assert!(
+        spy_out.status.success(),
+        "py-spy: {}",
+        String::from_utf8_lossy(&spy_out.stderr)
+    );
+    let theirs: Vec<(Vec<String>, u64)> = std::fs::read_to_string(&raw)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let (s, n) = l.rsplit_once(' ')?;
+            Some((s.split(';').map(str::to_string).collect(), n.parse().ok()?))
+        })
+        .collect();
+    let a = leaf_shares(&ours, py_fn);
+    let b = leaf_shares(&theirs, spy_name);
+    eprintln!("dynprof {a:?}\npy-spy  {b:?}");
+    assert!(a.len() >= 2 && b.len() >= 2, "{a:?} {b:?}");
+    for i in 0..2 {
+        assert_eq!(a[i].0, b[i].0, "rank {i}: {a:?} vs {b:?}");
+        assert!(
+            (a[i].1 - b[i].1).abs() <= 0.06,
+            "{}: {:.3} vs py-spy {:.3}",
+            a[i].0,
+            a[i].1,
+            b[i].1
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
