@@ -228,3 +228,46 @@ fn python_frames_agree_with_py_spy() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A second thread in C code with the GIL released (`zlib.compress`):
+/// it is not the GIL holder, so its thread state is found in the
+/// interpreter's thread list. Its samples in zlib show the Python function
+/// that called it.
+#[test]
+fn python_frames_thread_without_the_gil() {
+    require_privileges!();
+    if !Path::new(PYTHON311).exists() {
+        eprintln!("SKIPPED: no {PYTHON311}");
+        return;
+    }
+    let dir = scratch_dir("python_frames_thread_without_the_gil");
+    let script = workspace_root().join("tests/fixtures/py_hot.py");
+    let mut p = Proc::spawn_ready(
+        Command::new(PYTHON311)
+            .arg(&script)
+            .args(["--units", "100000", "--zlib-thread"]),
+    );
+    let (_, stacks) = cpu_window(p.pid, &dir.join("out"));
+    p.terminate();
+    // Samples in zlib's compressor (user mode: no kernel frames).
+    let in_zlib: Vec<&(Vec<String>, u64)> = stacks
+        .iter()
+        .filter(|(s, _)| {
+            s.iter().any(|f| f.starts_with("deflate") || f.contains("libz.so"))
+                && !s.iter().any(|f| f.ends_with("_[k]"))
+        })
+        .collect();
+    let total: u64 = in_zlib.iter().map(|s| s.1).sum();
+    let named: u64 = in_zlib
+        .iter()
+        .filter(|(s, _)| s.iter().filter_map(|f| py_fn(f)).any(|f| f == "zlib_worker"))
+        .map(|s| s.1)
+        .sum();
+    for (s, n) in in_zlib.iter().take(5) {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    eprintln!("{named} of {total} zlib samples under [py] zlib_worker");
+    assert!(total >= 20, "too few zlib samples: {total}");
+    assert!(named as f64 >= 0.9 * total as f64, "{named} of {total}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

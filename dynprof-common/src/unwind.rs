@@ -36,6 +36,8 @@ pub struct StackSampleHeader {
 
 /// CPython frames read per sample at most.
 pub const MAX_PY_FRAMES: usize = 32;
+/// Thread states of the interpreter's list looked at per sample at most.
+pub const MAX_PY_THREADS: usize = 64;
 
 /// One `_PyInterpreterFrame` as read at the sample; user space names it
 /// from its code object.
@@ -62,6 +64,13 @@ pub struct PyOffsets {
     /// the `PyThreadState*` holding the GIL (a thread running bytecode
     /// holds it).
     pub tstate_current: u64,
+    /// Address, in the target, of `_PyRuntime.interpreters.head`: when the
+    /// sampled thread does not hold the GIL (blocked, or in C code that
+    /// released it, as torch ops and autograd do), its `PyThreadState` is
+    /// found in the main interpreter's list (`threads.head`, then `next`).
+    pub interp_head: u64,
+    pub interp_threads_head: u64,
+    pub tstate_next: u64,
     /// `PyThreadState.native_thread_id`: checked against the sampled tid.
     pub tstate_native_thread_id: u64,
     /// `PyThreadState.cframe`, then `_PyCFrame.current_frame`.

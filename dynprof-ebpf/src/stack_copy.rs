@@ -23,7 +23,7 @@ use aya_ebpf::{
 use dynprof_common::{
     SampleEvent, drop_slot,
     unwind::{
-        MAX_PY_FRAMES, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
+        MAX_PY_FRAMES, MAX_PY_THREADS, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
         StackSample, StackSampleHeader,
     },
 };
@@ -38,6 +38,9 @@ static STACK_COPY_BYTES: u32 = 0;
 #[unsafe(no_mangle)]
 static PY: PyOffsets = PyOffsets {
     tstate_current: 0,
+    interp_head: 0,
+    interp_threads_head: 0,
+    tstate_next: 0,
     tstate_native_thread_id: 0,
     tstate_cframe: 0,
     cframe_current_frame: 0,
@@ -113,19 +116,47 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
     true
 }
 
-/// Reads the sampled thread's CPython frames into `buf.py`, innermost
-/// first; returns how many. 0 when the thread does not hold the GIL (it
-/// runs no bytecode now) or no interpreter was recognised.
 #[inline(always)]
-fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
+fn read_u64(addr: u64) -> u64 {
+    unsafe { aya_ebpf::helpers::bpf_probe_read_user(addr as *const u64) }.unwrap_or(0)
+}
+
+/// The `PyThreadState` of thread `tid`: the GIL holder's when that is it
+/// (a thread running bytecode), else from the interpreter's thread list.
+#[inline(always)]
+fn thread_state(py: &PyOffsets, tid: u32) -> u64 {
+    let tstate = read_u64(py.tstate_current);
+    if tstate != 0 && read_u64(tstate + py.tstate_native_thread_id) as u32 == tid {
+        return tstate;
+    }
+    let interp = read_u64(py.interp_head);
+    if interp == 0 {
+        return 0;
+    }
+    let mut t = read_u64(interp + py.interp_threads_head);
+    for _ in 0..MAX_PY_THREADS {
+        if t == 0 {
+            return 0;
+        }
+        if read_u64(t + py.tstate_native_thread_id) as u32 == tid {
+            return t;
+        }
+        t = read_u64(t + py.tstate_next);
+    }
+    0
+}
+
+/// Reads thread `tid`'s CPython frames into `buf.py`, innermost first;
+/// returns how many. 0 for a thread without Python frames, or when no
+/// interpreter was recognised.
+#[inline(always)]
+pub fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
     if py.tstate_current == 0 {
         return 0;
     }
-    let read = |addr: u64| -> u64 {
-        unsafe { aya_ebpf::helpers::bpf_probe_read_user(addr as *const u64) }.unwrap_or(0)
-    };
-    let tstate = read(py.tstate_current);
-    if tstate == 0 || read(tstate + py.tstate_native_thread_id) as u32 != tid {
+    let read = read_u64;
+    let tstate = thread_state(py, tid);
+    if tstate == 0 {
         return 0;
     }
     let cframe = read(tstate + py.tstate_cframe);

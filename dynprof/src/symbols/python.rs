@@ -28,8 +28,12 @@ use crate::sys::procmem::ProcMem;
 /// CPython 3.11 on x86-64 and other LP64 targets.
 pub const PY311: Layout = Layout {
     runtime_tstate_current: 576,
+    runtime_interp_head: 40,
     offsets: PyOffsets {
         tstate_current: 0,
+        interp_head: 0,
+        interp_threads_head: 16,
+        tstate_next: 8,
         tstate_native_thread_id: 160,
         tstate_cframe: 56,
         cframe_current_frame: 8,
@@ -51,8 +55,10 @@ pub const PY311: Layout = Layout {
 pub struct Layout {
     /// `offsetof(_PyRuntimeState, gilstate.tstate_current)`.
     pub runtime_tstate_current: u64,
-    /// What the `cpu` program reads (`tstate_current` is filled in per
-    /// target).
+    /// `offsetof(_PyRuntimeState, interpreters.head)`.
+    pub runtime_interp_head: u64,
+    /// What the `cpu` program reads (`tstate_current` and `interp_head`
+    /// are filled in per target).
     pub offsets: PyOffsets,
     pub code_filename: u64,
     pub code_name: u64,
@@ -117,6 +123,7 @@ pub fn detect(host_pid: u32) -> Option<PyOffsets> {
         };
         let mut o = PY311.offsets;
         o.tstate_current = runtime + PY311.runtime_tstate_current;
+        o.interp_head = runtime + PY311.runtime_interp_head;
         log::debug!("python: CPython 3.11 in PID {host_pid} ({path}), _PyRuntime at {runtime:#x}");
         return Some(o);
     }
@@ -438,11 +445,14 @@ mod tests {
 #include <Python.h>
 #include <internal/pycore_frame.h>
 #include <internal/pycore_runtime.h>
+#include <internal/pycore_interp.h>
 #include <stddef.h>
 #include <stdio.h>
 int main(void) {
-  printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\n",
+  printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\n",
     offsetof(_PyRuntimeState, gilstate.tstate_current),
+    offsetof(_PyRuntimeState, interpreters.head),
+    offsetof(PyInterpreterState, threads.head), offsetof(PyThreadState, next),
     offsetof(PyThreadState, native_thread_id), offsetof(PyThreadState, cframe),
     offsetof(_PyCFrame, current_frame), offsetof(_PyInterpreterFrame, f_code),
     offsetof(_PyInterpreterFrame, previous), offsetof(_PyInterpreterFrame, prev_instr),
@@ -476,6 +486,9 @@ int main(void) {
             got,
             vec![
                 l.runtime_tstate_current,
+                l.runtime_interp_head,
+                o.interp_threads_head,
+                o.tstate_next,
                 o.tstate_native_thread_id,
                 o.tstate_cframe,
                 o.cframe_current_frame,
