@@ -18,6 +18,12 @@ use common::*;
 const PYTHON311: &str = "/usr/bin/python3.11";
 
 fn cpu_window(pid: u32, out: &Path) -> (PathBuf, Vec<(Vec<String>, u64)>) {
+    window(pid, out, "cpu")
+}
+
+/// One window of `collect` ("cpu": cpu.folded, or "offcpu": offcpu.folded,
+/// counts in µs) on 40 steps of `python:train_step`.
+fn window(pid: u32, out: &Path, collect: &str) -> (PathBuf, Vec<(Vec<String>, u64)>) {
     let o = Command::new(dynprof_bin())
         .args([
             "attach",
@@ -26,7 +32,7 @@ fn cpu_window(pid: u32, out: &Path) -> (PathBuf, Vec<(Vec<String>, u64)>) {
             "--marker",
             "python:train_step",
             "--collect",
-            "cpu",
+            collect,
             "--cpu-hz",
             "499",
             "--start-step",
@@ -48,7 +54,7 @@ fn cpu_window(pid: u32, out: &Path) -> (PathBuf, Vec<(Vec<String>, u64)>) {
         .map(|e| e.unwrap().path())
         .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("PROF_"))
         .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
-    let stacks = std::fs::read_to_string(prof.join("cpu.folded"))
+    let stacks = std::fs::read_to_string(prof.join(format!("{collect}.folded")))
         .unwrap()
         .lines()
         .filter_map(|l| {
@@ -269,5 +275,55 @@ fn python_frames_thread_without_the_gil() {
     eprintln!("{named} of {total} zlib samples under [py] zlib_worker");
     assert!(total >= 20, "too few zlib samples: {total}");
     assert!(named as f64 >= 0.9 * total as f64, "{named} of {total}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// offcpu: each step blocks in `wait_for_batch` → `Queue.get` until a
+/// producer thread's item arrives (every 10 ms). The switch-outs carry
+/// their Python frames: the main thread's off-CPU time is under
+/// `[py] train_step;[py] wait_for_batch;[py] Queue.get`, the producer's
+/// sleeps under `[py] producer`.
+#[test]
+fn python_frames_offcpu_queue_wait() {
+    require_privileges!();
+    if !Path::new(PYTHON311).exists() {
+        eprintln!("SKIPPED: no {PYTHON311}");
+        return;
+    }
+    let dir = scratch_dir("python_frames_offcpu_queue_wait");
+    let script = workspace_root().join("tests/fixtures/py_hot.py");
+    let mut p = Proc::spawn_ready(
+        Command::new(PYTHON311)
+            .arg(&script)
+            .args(["--units", "1000", "--queue"]),
+    );
+    let (_, stacks) = window(p.pid, &dir.join("out"), "offcpu");
+    p.terminate();
+    for (s, n) in &stacks {
+        eprintln!("  {n:8} {}", s.join(";"));
+    }
+    let total: u64 = stacks.iter().map(|s| s.1).sum();
+    let py_names = |s: &[String]| -> Vec<String> {
+        s.iter().filter_map(|f| py_fn(f)).map(str::to_string).collect()
+    };
+    let waiting: u64 = stacks
+        .iter()
+        .filter(|(s, _)| {
+            py_names(s)
+                .windows(3)
+                .any(|w| w == ["train_step", "wait_for_batch", "Queue.get"])
+        })
+        .map(|s| s.1)
+        .sum();
+    let producing: u64 = stacks
+        .iter()
+        .filter(|(s, _)| py_names(s).iter().any(|f| f == "producer"))
+        .map(|s| s.1)
+        .sum();
+    eprintln!("off-CPU µs: {total} in all, {waiting} waiting for a batch, {producing} in producer");
+    // 40 steps of ~10 ms each, both threads blocked most of the time.
+    assert!(total >= 200_000, "only {total} µs off-CPU");
+    assert!(waiting as f64 >= 0.3 * total as f64, "{waiting} of {total} µs");
+    assert!(producing as f64 >= 0.3 * total as f64, "{producing} of {total} µs");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -6,6 +6,10 @@ use crate::SampleEvent;
 
 /// Event kind of a [`StackSampleHeader`] record (after [`crate::kind`]'s).
 pub const SAMPLE_STACK: u32 = 5;
+/// Event kind of the Python frames of a thread switched out: the same
+/// layout, without a stack copy; `sample.hdr.ts_ns` is the switch-out time
+/// of the `OffCpuEvent` it belongs to.
+pub const OFFCPU_PYTHON: u32 = 6;
 
 /// The largest copy of the user stack taken per sample, in bytes. The
 /// program tries this size first, then halves down to

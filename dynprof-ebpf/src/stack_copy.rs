@@ -23,7 +23,7 @@ use aya_ebpf::{
 use dynprof_common::{
     SampleEvent, drop_slot,
     unwind::{
-        MAX_PY_FRAMES, MAX_PY_THREADS, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
+        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_PYTHON, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
         StackSample, StackSampleHeader,
     },
 };
@@ -116,6 +116,48 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
     true
 }
 
+/// At the switch-out of target thread `tid` at `ts_ns` (while it is still
+/// `current`): emits its Python frames, if it has any, for user space to
+/// join to the `OffCpuEvent` of the same thread and time.
+#[inline(always)]
+pub fn emit_offcpu_python(tid: u32, ts_ns: u64, flags: u64) {
+    let py = unsafe { core::ptr::read_volatile(&PY) };
+    if py.tstate_current == 0 {
+        return;
+    }
+    let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
+        return;
+    };
+    let py_count = read_python(&py, buf, tid);
+    if py_count == 0 {
+        return;
+    }
+    unsafe {
+        (*buf).hdr = StackSampleHeader {
+            sample: SampleEvent {
+                hdr: dynprof_common::EventHeader {
+                    kind: OFFCPU_PYTHON,
+                    tid,
+                    ts_ns,
+                },
+                user_stack: 0,
+                kernel_stack: 0,
+                cpu: 0,
+                _pad: 0,
+            },
+            ip: 0,
+            sp: 0,
+            bp: 0,
+            len: 0,
+            py_count,
+        };
+    }
+    let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET) };
+    if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
+        crate::count_drop(drop_slot::OFFCPU);
+    }
+}
+
 #[inline(always)]
 fn read_u64(addr: u64) -> u64 {
     unsafe { aya_ebpf::helpers::bpf_probe_read_user(addr as *const u64) }.unwrap_or(0)
@@ -150,7 +192,7 @@ fn thread_state(py: &PyOffsets, tid: u32) -> u64 {
 /// returns how many. 0 for a thread without Python frames, or when no
 /// interpreter was recognised.
 #[inline(always)]
-pub fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
+fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
     if py.tstate_current == 0 {
         return 0;
     }

@@ -18,7 +18,7 @@
 //! spliced in where `_PyEval_EvalFrameDefault` runs (`symbols::python`).
 use std::{cell::RefCell, collections::HashMap, rc::Rc};
 
-use dynprof_common::STACK_EMPTY;
+use dynprof_common::{STACK_EMPTY, unwind::PyFrameRaw};
 
 use super::symbolize::Symbolizer;
 use crate::{
@@ -139,22 +139,39 @@ impl StackStore {
             .filter(|v| !v.is_empty()),
             _ => None,
         };
-        let py: Vec<(String, bool)> = if copy.py.is_empty() {
-            Vec::new()
-        } else {
-            let pid = self.pid.unwrap_or(0);
-            let names = self.py_names.get_or_insert_with(|| PyNames::new(pid));
-            copy.py
-                .iter()
-                .map(|f| (names.frame_name(f), f.is_entry != 0))
-                .collect()
-        };
+        let py = self.name_python(&copy.py);
         self.unwind_time += t0.elapsed();
         self.unwind_count += 1;
-        if ips.is_none() && py.is_empty() {
+        self.intern(Unwound { fp_id, ips, py })
+    }
+
+    /// The user stack id of an off-CPU interval whose Python frames were
+    /// read at its switch-out: its frame-pointer stack with them spliced in.
+    pub fn with_python(&mut self, fp_id: i32, py: &[PyFrameRaw]) -> i32 {
+        let py = self.name_python(py);
+        self.intern(Unwound {
+            fp_id,
+            ips: None,
+            py,
+        })
+    }
+
+    fn name_python(&mut self, py: &[PyFrameRaw]) -> Vec<(String, bool)> {
+        if py.is_empty() {
+            return Vec::new();
+        }
+        let pid = self.pid.unwrap_or(0);
+        let names = self.py_names.get_or_insert_with(|| PyNames::new(pid));
+        py.iter()
+            .map(|f| (names.frame_name(f), f.is_entry != 0))
+            .collect()
+    }
+
+    fn intern(&mut self, key: Unwound) -> i32 {
+        let fp_id = key.fp_id;
+        if key.ips.is_none() && key.py.is_empty() {
             return fp_id;
         }
-        let key = Unwound { fp_id, ips, py };
         if let Some(id) = self.unwound_ids.get(&key) {
             return *id;
         }

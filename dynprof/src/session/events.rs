@@ -2,7 +2,7 @@
 use dynprof_common::{
     ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind,
     unwind::{
-        MAX_PY_FRAMES, PyFrameRaw, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
+        MAX_PY_FRAMES, OFFCPU_PYTHON, PyFrameRaw, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
         StackSampleHeader,
     },
 };
@@ -17,6 +17,13 @@ pub enum Decoded {
     /// A CPU sample with a copy of its user stack (boxed: up to 16 KiB).
     SampleStack(Box<StackCopy>),
     OffCpu(OffCpuEvent),
+    /// The Python frames of a thread at its switch-out; joined to the
+    /// `OffCpu` event of the same tid and `ts_ns`.
+    OffCpuPython {
+        tid: u32,
+        ts_ns: u64,
+        py: Vec<PyFrameRaw>,
+    },
 }
 
 /// A CPU sample with the user registers and the top of the user stack.
@@ -56,16 +63,19 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
         kind::API => Decoded::Api(read(b)?),
         kind::SAMPLE => Decoded::Sample(read(b)?),
         kind::OFFCPU => Decoded::OffCpu(read(b)?),
+        OFFCPU_PYTHON => {
+            let h: StackSampleHeader = read(b)?;
+            Decoded::OffCpuPython {
+                tid: h.sample.hdr.tid,
+                ts_ns: h.sample.hdr.ts_ns,
+                py: py_frames(b, &h)?,
+            }
+        }
         SAMPLE_STACK => {
             let h: StackSampleHeader = read(b)?;
             let len = (h.len as usize).min(STACK_COPY_MAX);
             let stack = b.get(STACK_COPY_OFFSET..)?.get(..len)?.to_vec();
-            let py_bytes = b.get(size_of::<StackSampleHeader>()..STACK_COPY_OFFSET)?;
-            let py = py_bytes
-                .chunks_exact(size_of::<PyFrameRaw>())
-                .take((h.py_count as usize).min(MAX_PY_FRAMES))
-                .filter_map(read::<PyFrameRaw>)
-                .collect();
+            let py = py_frames(b, &h)?;
             let mut sample = h.sample;
             sample.hdr.kind = kind::SAMPLE;
             Decoded::SampleStack(Box::new(StackCopy {
@@ -81,4 +91,16 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
         }
         _ => return None,
     })
+}
+
+/// The Python frames of a `SAMPLE_STACK` or `OFFCPU_PYTHON` record.
+fn py_frames(b: &[u8], h: &StackSampleHeader) -> Option<Vec<PyFrameRaw>> {
+    let py_bytes = b.get(size_of::<StackSampleHeader>()..STACK_COPY_OFFSET)?;
+    Some(
+        py_bytes
+            .chunks_exact(size_of::<PyFrameRaw>())
+            .take((h.py_count as usize).min(MAX_PY_FRAMES))
+            .filter_map(read::<PyFrameRaw>)
+            .collect(),
+    )
 }
