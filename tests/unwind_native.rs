@@ -46,26 +46,35 @@ fn build_deepstack(dir: &Path) -> PathBuf {
 /// One cpu window of 20 steps (20 ms each) through `dynprof attach`;
 /// returns the folded stacks.
 fn cpu_window(pid: u32, out: &Path, stack_copy_kb: Option<&str>) -> Vec<(Vec<String>, u64)> {
+    window_with(
+        pid,
+        out,
+        stack_copy_kb,
+        &["--marker", "exe:step_marker", "--cpu-hz", "499", "--active", "20"],
+    )
+}
+
+fn window_with(
+    pid: u32,
+    out: &Path,
+    stack_copy_kb: Option<&str>,
+    args: &[&str],
+) -> Vec<(Vec<String>, u64)> {
     let mut cmd = Command::new(dynprof_bin());
     cmd.args([
         "attach",
         "--pid",
         &pid.to_string(),
-        "--marker",
-        "exe:step_marker",
         "--collect",
         "cpu",
-        "--cpu-hz",
-        "499",
         "--start-step",
-        "2",
+        "3",
         "--warmup",
         "0",
-        "--active",
-        "20",
         "--json",
-        "-o",
     ])
+    .args(args)
+    .arg("-o")
     .arg(out);
     if let Some(kb) = stack_copy_kb {
         cmd.env("DYNPROF_STACK_COPY_KB", kb);
@@ -145,5 +154,49 @@ fn unwind_native_chain_without_frame_pointers() {
     assert!(total_fp >= 40, "too few samples: {fp_only:?}");
     assert_eq!(full_fp, 0, "frame pointers alone walked the chain");
     p.terminate();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Debian's torch 1.13 job (`tests/fixtures/torch_train.py`): libpython
+/// and libtorch are built without frame pointers. With the stack copy,
+/// most samples are at least 12 user frames deep with a named torch frame;
+/// with frame pointers only (the old path), few are.
+#[test]
+fn unwind_native_pytorch_stacks_are_deep() {
+    require_privileges!();
+    let f = fixtures();
+    let dir = scratch_dir("unwind_native_pytorch_stacks_are_deep");
+    let mut cmd = f.python(&f.torch_train_py);
+    cmd.arg("--log").arg(dir.join("torch.log"));
+    let mut p = Proc::spawn_ready(&mut cmd);
+    // Short steps (~0.4 ms of CPU each here): 600 of them give ~200
+    // samples at 999 Hz.
+    let args = ["--cpu-hz", "999", "--active", "600"];
+    let deep_named = |stacks: &[(Vec<String>, u64)]| -> (u64, u64) {
+        let total = stacks.iter().map(|s| s.1).sum();
+        let good = stacks
+            .iter()
+            .filter(|(s, _)| {
+                let user: Vec<&String> = s.iter().filter(|f| !f.ends_with("_[k]")).collect();
+                user.len() >= 12
+                    && user
+                        .iter()
+                        .any(|f| f.starts_with("at::") || f.starts_with("torch::"))
+            })
+            .map(|s| s.1)
+            .sum();
+        (good, total)
+    };
+    let unwound = window_with(p.pid, &dir.join("unwound"), None, &args);
+    let fp_only = window_with(p.pid, &dir.join("fp"), Some("0"), &args);
+    p.terminate();
+    let (good, total) = deep_named(&unwound);
+    let (good_fp, total_fp) = deep_named(&fp_only);
+    eprintln!(
+        "deep with torch frames: {good} of {total} unwound, {good_fp} of {total_fp} with frame pointers only"
+    );
+    assert!(total >= 80 && total_fp >= 80, "{total} / {total_fp} samples");
+    assert!(good as f64 >= 0.6 * total as f64, "{good} of {total}");
+    assert!(good_fp as f64 <= 0.2 * total_fp as f64, "{good_fp} of {total_fp}");
     let _ = std::fs::remove_dir_all(&dir);
 }
