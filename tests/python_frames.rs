@@ -52,7 +52,12 @@ fn window(pid: u32, out: &Path, collect: &str) -> (PathBuf, Vec<(Vec<String>, u6
     let prof = std::fs::read_dir(out)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("PROF_"))
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("PROF_")
+        })
         .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
     let stacks = std::fs::read_to_string(prof.join(format!("{collect}.folded")))
         .unwrap()
@@ -80,7 +85,11 @@ fn python_frames_hot_function_under_its_caller() {
     }
     let dir = scratch_dir("python_frames_hot_function_under_its_caller");
     let script = workspace_root().join("tests/fixtures/py_hot.py");
-    let mut p = Proc::spawn_ready(Command::new(PYTHON311).arg(&script).args(["--units", "100000"]));
+    let mut p = Proc::spawn_ready(
+        Command::new(PYTHON311)
+            .arg(&script)
+            .args(["--units", "100000"]),
+    );
     let (prof, stacks) = cpu_window(p.pid, &dir.join("out"));
     p.terminate();
     let total: u64 = stacks.iter().map(|s| s.1).sum();
@@ -131,8 +140,14 @@ fn python_frames_hot_function_under_its_caller() {
         in_job as f64 >= 0.8 * total as f64,
         "only {in_job} of {total} samples in hot or cold"
     );
-    assert!(user_mode as f64 >= 0.8 * in_job as f64, "{user_mode} of {in_job}");
-    assert_eq!(joined, user_mode, "Python frames not joined to the interpreter's");
+    assert!(
+        user_mode as f64 >= 0.8 * in_job as f64,
+        "{user_mode} of {in_job}"
+    );
+    assert_eq!(
+        joined, user_mode,
+        "Python frames not joined to the interpreter's"
+    );
     let share = hot as f64 / in_job as f64;
     // The job splits its work 4:1 (80 %).
     assert!(
@@ -141,8 +156,14 @@ fn python_frames_hot_function_under_its_caller() {
     );
     // The flame graph draws them in the Python colour (rgb(80,180,90)).
     let svg = std::fs::read_to_string(prof.join("flamegraph.svg")).unwrap();
-    assert!(svg.contains("[py] hot (py_hot.py:"), "no [py] hot frame in the SVG");
-    assert!(svg.contains("rgb(80,180,90)"), "no frame in the Python colour");
+    assert!(
+        svg.contains("[py] hot (py_hot.py:"),
+        "no [py] hot frame in the SVG"
+    );
+    assert!(
+        svg.contains("rgb(80,180,90)"),
+        "no frame in the Python colour"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -192,10 +213,24 @@ fn python_frames_agree_with_py_spy() {
     }
     let dir = scratch_dir("python_frames_agree_with_py_spy");
     let script = workspace_root().join("tests/fixtures/py_hot.py");
-    let mut p = Proc::spawn_ready(Command::new(PYTHON311).arg(&script).args(["--units", "100000"]));
+    let mut p = Proc::spawn_ready(
+        Command::new(PYTHON311)
+            .arg(&script)
+            .args(["--units", "100000"]),
+    );
     let raw = dir.join("py-spy.txt");
     let spy = Command::new(&py_spy)
-        .args(["record", "--nonblocking", "-r", "499", "-d", "4", "-f", "raw", "-o"])
+        .args([
+            "record",
+            "--nonblocking",
+            "-r",
+            "499",
+            "-d",
+            "4",
+            "-f",
+            "raw",
+            "-o",
+        ])
         .arg(&raw)
         .args(["-p", &p.pid.to_string()])
         .stdout(std::process::Stdio::null())
@@ -248,25 +283,30 @@ fn python_frames_thread_without_the_gil() {
     }
     let dir = scratch_dir("python_frames_thread_without_the_gil");
     let script = workspace_root().join("tests/fixtures/py_hot.py");
-    let mut p = Proc::spawn_ready(
-        Command::new(PYTHON311)
-            .arg(&script)
-            .args(["--units", "100000", "--zlib-thread"]),
-    );
+    let mut p = Proc::spawn_ready(Command::new(PYTHON311).arg(&script).args([
+        "--units",
+        "100000",
+        "--zlib-thread",
+    ]));
     let (_, stacks) = cpu_window(p.pid, &dir.join("out"));
     p.terminate();
     // Samples in zlib's compressor (user mode: no kernel frames).
     let in_zlib: Vec<&(Vec<String>, u64)> = stacks
         .iter()
         .filter(|(s, _)| {
-            s.iter().any(|f| f.starts_with("deflate") || f.contains("libz.so"))
+            s.iter()
+                .any(|f| f.starts_with("deflate") || f.contains("libz.so"))
                 && !s.iter().any(|f| f.ends_with("_[k]"))
         })
         .collect();
     let total: u64 = in_zlib.iter().map(|s| s.1).sum();
     let named: u64 = in_zlib
         .iter()
-        .filter(|(s, _)| s.iter().filter_map(|f| py_fn(f)).any(|f| f == "zlib_worker"))
+        .filter(|(s, _)| {
+            s.iter()
+                .filter_map(|f| py_fn(f))
+                .any(|f| f == "zlib_worker")
+        })
         .map(|s| s.1)
         .sum();
     for (s, n) in in_zlib.iter().take(5) {
@@ -304,7 +344,10 @@ fn python_frames_offcpu_queue_wait() {
     }
     let total: u64 = stacks.iter().map(|s| s.1).sum();
     let py_names = |s: &[String]| -> Vec<String> {
-        s.iter().filter_map(|f| py_fn(f)).map(str::to_string).collect()
+        s.iter()
+            .filter_map(|f| py_fn(f))
+            .map(str::to_string)
+            .collect()
     };
     let waiting: u64 = stacks
         .iter()
@@ -323,7 +366,13 @@ fn python_frames_offcpu_queue_wait() {
     eprintln!("off-CPU µs: {total} in all, {waiting} waiting for a batch, {producing} in producer");
     // 40 steps of ~10 ms each, both threads blocked most of the time.
     assert!(total >= 200_000, "only {total} µs off-CPU");
-    assert!(waiting as f64 >= 0.3 * total as f64, "{waiting} of {total} µs");
-    assert!(producing as f64 >= 0.3 * total as f64, "{producing} of {total} µs");
+    assert!(
+        waiting as f64 >= 0.3 * total as f64,
+        "{waiting} of {total} µs"
+    );
+    assert!(
+        producing as f64 >= 0.3 * total as f64,
+        "{producing} of {total} µs"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

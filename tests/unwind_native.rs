@@ -28,7 +28,14 @@ fn build_deepstack(dir: &Path) -> PathBuf {
     let src = workspace_root().join("tests/fixtures/deepstack.c");
     let out = dir.join("deepstack");
     let o = Command::new("gcc")
-        .args(["-O2", "-g", "-fomit-frame-pointer", "-Wall", "-Wextra", "-I"])
+        .args([
+            "-O2",
+            "-g",
+            "-fomit-frame-pointer",
+            "-Wall",
+            "-Wextra",
+            "-I",
+        ])
         .arg(workspace_root().join("tests/fixtures"))
         .arg("-o")
         .arg(&out)
@@ -50,7 +57,14 @@ fn cpu_window(pid: u32, out: &Path, stack_copy_kb: Option<&str>) -> Vec<(Vec<Str
         pid,
         out,
         stack_copy_kb,
-        &["--marker", "exe:step_marker", "--cpu-hz", "499", "--active", "20"],
+        &[
+            "--marker",
+            "exe:step_marker",
+            "--cpu-hz",
+            "499",
+            "--active",
+            "20",
+        ],
     )
 }
 
@@ -85,7 +99,12 @@ fn window_with(
     let prof = std::fs::read_dir(out)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("PROF_"))
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("PROF_")
+        })
         .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
     std::fs::read_to_string(prof.join("cpu.folded"))
         .unwrap()
@@ -195,8 +214,14 @@ fn unwind_native_pytorch_stacks_are_deep() {
     eprintln!(
         "deep with torch frames: {good} of {total} unwound, {good_fp} of {total_fp} with frame pointers only"
     );
-    assert!(total >= 80 && total_fp >= 80, "{total} / {total_fp} samples");
+    assert!(
+        total >= 80 && total_fp >= 80,
+        "{total} / {total_fp} samples"
+    );
     assert!(good as f64 >= 0.6 * total as f64, "{good} of {total}");
-    assert!(good_fp as f64 <= 0.2 * total_fp as f64, "{good_fp} of {total_fp}");
+    assert!(
+        good_fp as f64 <= 0.2 * total_fp as f64,
+        "{good_fp} of {total_fp}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

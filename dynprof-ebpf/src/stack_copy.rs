@@ -14,17 +14,13 @@
 //! then its `_PyInterpreterFrame` chain, `MAX_PY_FRAMES` at most. They are
 //! read in kernel-mode samples as well (the memory is the current task's).
 use aya_ebpf::{
-    EbpfContext,
-    helpers::generated,
-    macros::map,
-    maps::PerCpuArray,
-    programs::PerfEventContext,
+    EbpfContext, helpers::generated, macros::map, maps::PerCpuArray, programs::PerfEventContext,
 };
 use dynprof_common::{
     SampleEvent, drop_slot,
     unwind::{
-        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_PYTHON, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
-        StackSample, StackSampleHeader,
+        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_PYTHON, PyFrameRaw, PyOffsets, SAMPLE_STACK,
+        STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample, StackSampleHeader,
     },
 };
 
@@ -211,9 +207,10 @@ fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
         if frame == 0 {
             break;
         }
-        let entry: u8 =
-            unsafe { aya_ebpf::helpers::bpf_probe_read_user((frame + py.frame_is_entry) as *const u8) }
-                .unwrap_or(0);
+        let entry: u8 = unsafe {
+            aya_ebpf::helpers::bpf_probe_read_user((frame + py.frame_is_entry) as *const u8)
+        }
+        .unwrap_or(0);
         let f = PyFrameRaw {
             code: read(frame + py.frame_code),
             instr: read(frame + py.frame_prev_instr),

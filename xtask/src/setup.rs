@@ -420,7 +420,11 @@ fn py_spy_venv() {
             std::fs::create_dir_all(parent)
                 .with_context(|| format!("creating {}", parent.display()))?;
         }
-        util::run(Command::new("/usr/bin/python3").args(["-m", "venv"]).arg(dir))?;
+        util::run(
+            Command::new("/usr/bin/python3")
+                .args(["-m", "venv"])
+                .arg(dir),
+        )?;
         util::run(Command::new(dir.join("bin/pip")).args([
             "install",
             "--no-cache-dir",

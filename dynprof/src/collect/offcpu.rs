@@ -151,10 +151,7 @@ impl Collector for OffCpuCollector {
                         // Kept: the interval's own event comes later.
                         let e = match self.python.get(&(tid, rec.ts_ns)) {
                             Some(py) => OffCpuEvent {
-                                user_stack: self
-                                    .store
-                                    .borrow_mut()
-                                    .with_python(e.user_stack, py),
+                                user_stack: self.store.borrow_mut().with_python(e.user_stack, py),
                                 ..e
                             },
                             None => e,

@@ -132,10 +132,11 @@ impl StackStore {
         let fp_id = copy.sample.user_stack;
         let t0 = std::time::Instant::now();
         let ips = match &mut self.sym {
-            Some(sym) if !copy.stack.is_empty() => Some(
-                self.unwinder
-                    .unwind(copy.regs, &copy.stack, |a| sym.unwind_lookup(a)),
-            )
+            Some(sym) if !copy.stack.is_empty() => Some(self.unwinder.unwind(
+                copy.regs,
+                &copy.stack,
+                |a| sym.unwind_lookup(a),
+            ))
             .filter(|v| !v.is_empty()),
             _ => None,
         };

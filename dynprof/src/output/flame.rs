@@ -222,8 +222,8 @@ mod tests {
         ];
         let fill = format!("rgb({},{},{})", PY_COLOUR.r, PY_COLOUR.g, PY_COLOUR.b);
         for palette in [BasicPalette::Hot, BasicPalette::Blue] {
-            let svg = String::from_utf8(render_svg(&lines, "t", "samples", palette).unwrap())
-                .unwrap();
+            let svg =
+                String::from_utf8(render_svg(&lines, "t", "samples", palette).unwrap()).unwrap();
             // Two Python frames, each drawn in the Python colour; no other
             // frame is.
             assert_eq!(svg.matches(&fill).count(), 2, "{svg}");

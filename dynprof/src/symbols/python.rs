@@ -208,8 +208,8 @@ impl PyNames {
         let ptr = |off: u64| mem.u64(code + off).ok();
         let first = mem.read(code + l.code_firstlineno, 4).ok()?;
         let firstlineno = i32::from_le_bytes(first.try_into().ok()?);
-        let qualname = read_str(mem, ptr(l.code_qualname)?)
-            .or_else(|| read_str(mem, ptr(l.code_name)?))?;
+        let qualname =
+            read_str(mem, ptr(l.code_qualname)?).or_else(|| read_str(mem, ptr(l.code_name)?))?;
         let filename = read_str(mem, ptr(l.code_filename)?).unwrap_or_else(|| "?".into());
         let linetable = read_bytes(mem, ptr(l.code_linetable)?).unwrap_or_default();
         Some(CodeInfo {
@@ -392,7 +392,13 @@ mod tests {
         let native = s(&[EVAL_FRAME, "leaf_c"]);
         assert_eq!(
             splice(native, &py),
-            s(&["[py] <module>", EVAL_FRAME, "[py] caller", "[py] hot", "leaf_c"])
+            s(&[
+                "[py] <module>",
+                EVAL_FRAME,
+                "[py] caller",
+                "[py] hot",
+                "leaf_c"
+            ])
         );
         assert_eq!(splice(s(&["a"]), &[]), s(&["a"]));
     }
@@ -474,7 +480,11 @@ int main(void) {
             .arg(&src)
             .output()
             .expect("gcc");
-        assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
+        assert!(
+            cc.status.success(),
+            "{}",
+            String::from_utf8_lossy(&cc.stderr)
+        );
         let out = std::process::Command::new(&exe).output().unwrap();
         let got: Vec<u64> = String::from_utf8_lossy(&out.stdout)
             .split_whitespace()

@@ -40,7 +40,11 @@ pub fn stack_copy_bytes(ring_bytes: u32) -> u32 {
     while size > want.min(fits) {
         size /= 2;
     }
-    if size < STACK_COPY_MIN as u32 { 0 } else { size }
+    if size < STACK_COPY_MIN as u32 {
+        0
+    } else {
+        size
+    }
 }
 
 fn configured_copy_bytes() -> u32 {

@@ -17,7 +17,10 @@ impl ProcMem {
     /// Exactly `len` bytes at `addr` (at most 1 MiB).
     pub fn read(&self, addr: u64, len: usize) -> io::Result<Vec<u8>> {
         if len > 1 << 20 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "read over 1 MiB"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "read over 1 MiB",
+            ));
         }
         let mut buf = vec![0u8; len];
         self.file.read_exact_at(&mut buf, addr)?;
