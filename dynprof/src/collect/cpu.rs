@@ -148,8 +148,16 @@ impl Collector for CpuCollector {
                     store.unwind_time / store.unwind_count as u32
                 );
             }
+            if store.unwound_over_cap > 0 {
+                log::warn!(
+                    "cpu: {} samples kept their frame-pointer stack: over the cap on distinct \
+                     unwound stacks",
+                    store.unwound_over_cap
+                );
+            }
             store.unwind_count = 0;
             store.unwind_time = Default::default();
+            store.unwound_over_cap = 0;
         }
         self.update_hold();
         Ok(())

@@ -44,9 +44,10 @@ struct Unwound {
 /// First id of stacks unwound in user space (the kernel's ids stay below
 /// the `STACKS` map's size).
 pub const UNWOUND_BASE: i32 = 1 << 24;
-/// Distinct unwound stacks kept between two clears; past it, samples keep
-/// their frame-pointer stack (counted in `unwound_over_cap`).
-const MAX_UNWOUND: usize = 1 << 20;
+/// Distinct unwound stacks kept between two clears (at ~1 KiB each, tens
+/// of MiB at most); past it, samples keep their frame-pointer stack
+/// (counted in `unwound_over_cap`).
+const MAX_UNWOUND: usize = 1 << 16;
 
 /// Which stack collector holds ids (bit mask).
 pub const CPU: u8 = 1;

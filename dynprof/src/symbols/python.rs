@@ -166,7 +166,14 @@ pub struct PyNames {
     mem: Option<ProcMem>,
     layout: Layout,
     code: HashMap<u64, Option<CodeInfo>>,
+    /// (code, instr) → name: a line table is scanned once per place, not
+    /// once per sample (the target sizes it, up to [`MAX_LINETABLE`]).
+    names: HashMap<(u64, u64), String>,
 }
+
+/// Code objects and named places remembered at most; past it the caches
+/// start over (a long job that keeps making code, e.g. `exec` in a loop).
+const MAX_CACHED: usize = 1 << 16;
 
 impl PyNames {
     pub fn new(host_pid: u32) -> Self {
@@ -177,12 +184,28 @@ impl PyNames {
             mem,
             layout: PY311,
             code: HashMap::new(),
+            names: HashMap::new(),
         }
     }
 
     /// `[py] qualname (file.py:LINE)`, or `[py] ?` for an unreadable code
     /// object.
     pub fn frame_name(&mut self, f: &PyFrameRaw) -> String {
+        if let Some(n) = self.names.get(&(f.code, f.instr)) {
+            return n.clone();
+        }
+        if self.names.len() >= MAX_CACHED {
+            self.names.clear();
+        }
+        let n = self.name_uncached(f);
+        self.names.insert((f.code, f.instr), n.clone());
+        n
+    }
+
+    fn name_uncached(&mut self, f: &PyFrameRaw) -> String {
+        if self.code.len() >= MAX_CACHED {
+            self.code.clear();
+        }
         if !self.code.contains_key(&f.code) {
             let info = self.read_code(f.code);
             self.code.insert(f.code, info);
