@@ -75,6 +75,10 @@ pub struct Symbolizer {
     /// Set once /proc/PID is gone: stop reading files (each attempt is a
     /// failed open) and answer from the snapshots and the maps.
     exited: bool,
+    /// When the unwinder last re-read the maps for an address outside
+    /// them: a garbage return address in every sample must not cost a
+    /// maps read each (thousands of lines in a PyTorch job).
+    unwind_maps_read: Option<std::time::Instant>,
 }
 
 impl Symbolizer {
@@ -105,6 +109,7 @@ impl Symbolizer {
             kernel_cache: HashMap::new(),
             maps,
             exited: false,
+            unwind_maps_read: None,
         })
     }
 
@@ -233,11 +238,14 @@ impl Symbolizer {
     /// For the native unwinder: the executable mapping at `addr` and its
     /// unwind module, read (once per file) with the file's snapshot.
     pub fn unwind_lookup(&mut self, addr: u64) -> Lookup {
-        if self.mapping(addr).is_none()
-            && !self.exited
-            && let Ok(m) = read_maps(self.pid)
-        {
-            self.maps = m;
+        let stale = self
+            .unwind_maps_read
+            .is_none_or(|t| t.elapsed() >= std::time::Duration::from_millis(500));
+        if self.mapping(addr).is_none() && !self.exited && stale {
+            self.unwind_maps_read = Some(std::time::Instant::now());
+            if let Ok(m) = read_maps(self.pid) {
+                self.maps = m;
+            }
         }
         let Some(m) = self.mapping(addr).cloned() else {
             return Lookup::Nothing;
