@@ -164,6 +164,33 @@ fn python_frames_hot_function_under_its_caller() {
         svg.contains("rgb(80,180,90)"),
         "no frame in the Python colour"
     );
+    // The report's top Python functions: hot first, then cold, by self
+    // samples; caller holds them all (inclusive).
+    let o = Command::new(dynprof_bin())
+        .arg("report")
+        .arg(&prof)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let r = if r.is_array() { r[0].clone() } else { r };
+    let top = r["top_python"].as_array().expect("top_python in the report");
+    let name = |i: usize| top[i]["frame"].as_str().unwrap_or("").to_string();
+    assert_eq!(name(0), "[py] hot (py_hot.py)", "{top:?}");
+    assert_eq!(name(1), "[py] cold (py_hot.py)", "{top:?}");
+    assert_eq!(top[0]["self_samples"].as_u64(), Some(hot), "{top:?}");
+    let caller = top
+        .iter()
+        .find(|f| f["frame"] == "[py] caller (py_hot.py)")
+        .expect("caller in the table");
+    assert!(caller["inclusive_samples"].as_u64().unwrap() >= hot + cold);
+    let text = Command::new(dynprof_bin())
+        .arg("report")
+        .arg(&prof)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&text.stdout).contains("Top Python functions"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

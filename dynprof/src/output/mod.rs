@@ -3,6 +3,7 @@
 pub mod chrome_trace;
 pub mod flame;
 pub mod model;
+pub mod python_top;
 pub mod report;
 pub mod tables;
 

@@ -98,6 +98,8 @@ pub struct Analysis {
     pub cpu_samples: u64,
     pub top_frames_self: Vec<FrameCount>,
     pub top_frames_inclusive: Vec<FrameCount>,
+    /// Python functions of the cpu stacks (`output::python_top`).
+    pub top_python: Vec<FrameCount>,
     /// Self samples of every leaf frame, so a comparison can show a frame
     /// that is in one directory's top list but not another's.
     #[serde(skip)]
@@ -277,6 +279,7 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
 
     let folded_path = dir.join(CPU_FOLDED);
     let mut self_samples = std::collections::HashMap::new();
+    let mut top_python = Vec::new();
     let (cpu_samples, top_frames_self, top_frames_inclusive) = match read_opt(&folded_path)? {
         Some(t) => {
             let stacks =
@@ -288,6 +291,8 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
                 }
             }
             let (s, i) = top_frames(stacks.iter().map(|(s, c)| (s.as_slice(), *c)), TOP);
+            top_python =
+                super::python_top::top_python(stacks.iter().map(|(s, c)| (s.as_slice(), *c)), TOP);
             (total, s, i)
         }
         None => {
@@ -374,6 +379,7 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
         cpu_samples,
         top_frames_self,
         top_frames_inclusive,
+        top_python,
         self_samples,
         drops,
         verdict,
@@ -604,6 +610,22 @@ pub fn render_one(a: &Analysis) -> String {
                     "{:.1}%",
                     100.0 * ratio(f.inclusive_samples, a.cpu_samples)
                 )),
+            ]);
+        }
+        let _ = writeln!(o, "{t}");
+    }
+    if !a.top_python.is_empty() {
+        let _ = writeln!(o, "\nTop Python functions ({} samples):", a.cpu_samples);
+        let mut t = table();
+        t.set_header(vec!["function", "self", "self %", "inclusive", "incl %"]);
+        for f in &a.top_python {
+            let share = |n: u64| format!("{:.1}%", 100.0 * ratio(n, a.cpu_samples));
+            t.add_row(vec![
+                Cell::new(&f.frame),
+                right(f.self_samples),
+                right(share(f.self_samples)),
+                right(f.inclusive_samples),
+                right(share(f.inclusive_samples)),
             ]);
         }
         let _ = writeln!(o, "{t}");
