@@ -175,7 +175,9 @@ fn python_frames_hot_function_under_its_caller() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let r = if r.is_array() { r[0].clone() } else { r };
-    let top = r["top_python"].as_array().expect("top_python in the report");
+    let top = r["top_python"]
+        .as_array()
+        .expect("top_python in the report");
     let name = |i: usize| top[i]["frame"].as_str().unwrap_or("").to_string();
     assert_eq!(name(0), "[py] hot (py_hot.py)", "{top:?}");
     assert_eq!(name(1), "[py] cold (py_hot.py)", "{top:?}");
