@@ -6,6 +6,8 @@
 //! space's marker or API table.
 #![no_std]
 
+pub mod unwind;
+
 /// `bpf_ringbuf_submit`/`query` flags (include/uapi/linux/bpf.h).
 pub mod ringbuf {
     /// Do not notify the consumer: it reads the record on its next tick.

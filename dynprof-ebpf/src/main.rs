@@ -14,6 +14,8 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod stack_copy;
+
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{
@@ -58,7 +60,7 @@ static HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_MARKERS, 0);
 static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(drop_slot::COUNT, 0);
 /// Size is set by user space at load (`--ring-buffer-kb`).
 #[map]
-static EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
+pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 #[map]
 static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
 #[map]
@@ -101,7 +103,7 @@ fn target_tid() -> Option<u32> {
 }
 
 #[inline(always)]
-fn count_drop(slot: u32) {
+pub(crate) fn count_drop(slot: u32) {
     if let Some(p) = DROPS.get_ptr_mut(slot) {
         unsafe { *p += 1 };
     }
@@ -440,21 +442,21 @@ pub fn dynprof_cpu(ctx: PerfEventContext) -> u32 {
     }
     let user_stack = stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::CPU_STACK);
     let kernel_stack = stack_id(&ctx, 0, drop_slot::CPU_STACK);
-    emit(
-        SampleEvent {
-            hdr: EventHeader {
-                kind: kind::SAMPLE,
-                tid,
-                ts_ns: unsafe { bpf_ktime_get_ns() },
-            },
-            user_stack,
-            kernel_stack,
-            cpu: unsafe { bpf_get_smp_processor_id() },
-            _pad: 0,
+    let sample = SampleEvent {
+        hdr: EventHeader {
+            kind: kind::SAMPLE,
+            tid,
+            ts_ns: unsafe { bpf_ktime_get_ns() },
         },
-        drop_slot::CPU,
-        batched(),
-    );
+        user_stack,
+        kernel_stack,
+        cpu: unsafe { bpf_get_smp_processor_id() },
+        _pad: 0,
+    };
+    let flags = batched();
+    if !stack_copy::emit_with_stack(&ctx, sample, flags) {
+        emit(sample, drop_slot::CPU, flags);
+    }
     0
 }
 
@@ -495,6 +497,8 @@ pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
             };
             if OFFCPU_START.insert(tid, rec, 0).is_err() {
                 count_drop(drop_slot::OFFCPU);
+            } else {
+                stack_copy::emit_offcpu_python(tid, now, batched());
             }
         }
     }

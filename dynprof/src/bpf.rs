@@ -165,9 +165,13 @@ impl Kernel {
             log::info!("kernel {}: {f}", paths.release);
         }
         let tgid = pid.0;
+        let stack_copy = crate::symbols::unwind::stack_copy_bytes(ring_bytes);
+        let python = crate::symbols::python::detect(tgid).unwrap_or_default();
         let ebpf = EbpfLoader::new()
             .override_global("TARGET_TGID", &tgid, true)
             .override_global("WAKE_BYTES", &wake_bytes, true)
+            .override_global("STACK_COPY_BYTES", &stack_copy, true)
+            .override_global("PY", &python, true)
             .map_max_entries("EVENTS", ring_bytes)
             .load(OBJECT)
             .map_err(|e| anyhow!("loading dynprof's eBPF programs: {e:#}"))?;

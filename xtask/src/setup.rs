@@ -23,6 +23,10 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("python3", "Debian's /usr/bin/python3 with USDT probes"),
     ("python3-torch", "PyTorch for the real-training tests"),
     (
+        "python3.11-dev",
+        "CPython 3.11's internal headers: the Python frame offsets test",
+    ),
+    (
         "bpftool",
         "the attach/detach leak test lists loaded eBPF programs, links and maps",
     ),
@@ -51,6 +55,7 @@ pub fn run() -> Result<()> {
     debian_packages()?;
     aarch64_target()?;
     tracefs();
+    py_spy_venv();
     cargo_fuzz()?;
     println!("[setup] done");
     Ok(())
@@ -433,6 +438,47 @@ fn tracefs() {
 pub const TORCH2_VERSION: &str = "2.15.0";
 
 /// The venv's default home; tests/pytorch2_attach.rs has the same default.
+/// py-spy 0.4, for tests/python_frames.rs's comparison (which skips, with
+/// a message, without it).
+pub const PY_SPY_VENV: &str = "/var/cache/dynprof/pyspy-venv";
+
+/// Installs py-spy from PyPI into [`PY_SPY_VENV`]. Not fatal: only one
+/// comparison test needs it.
+fn py_spy_venv() {
+    let what = format!("py-spy venv at {PY_SPY_VENV}");
+    let dir = Path::new(PY_SPY_VENV);
+    if dir.join("bin/py-spy").is_file() {
+        say(&what, "ok (already installed)");
+        return;
+    }
+    let installed = (|| -> Result<()> {
+        python3_venv_package()?;
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
+        }
+        util::run(
+            Command::new("/usr/bin/python3")
+                .args(["-m", "venv"])
+                .arg(dir),
+        )?;
+        util::run(Command::new(dir.join("bin/pip")).args([
+            "install",
+            "--no-cache-dir",
+            "--progress-bar",
+            "off",
+            "py-spy>=0.4,<0.5",
+        ]))
+    })();
+    match installed {
+        Ok(()) => say(&what, "installed"),
+        Err(e) => say(
+            &what,
+            &format!("not installed ({e:#}); the py-spy comparison test will skip"),
+        ),
+    }
+}
+
 pub const TORCH2_VENV_DEFAULT: &str = "/var/cache/dynprof/venv-torch2";
 
 /// Written last, so that a venv left half-installed is never taken as done.

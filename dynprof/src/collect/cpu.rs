@@ -5,7 +5,9 @@
 //! periodic work), system-wide; the program keeps only the target's samples,
 //! and only while the window gate is open. User and kernel stacks come from
 //! the `STACKS` map and are symbolized in `drain_into` (blazesym, through
-//! `/proc/PID`, so that containers work).
+//! `/proc/PID`, so that containers work). User-mode samples also carry a
+//! copy of the user stack, unwound from `.eh_frame` on arrival
+//! (`stacks::StackStore::unwind`, docs/stacks.md).
 use anyhow::Result;
 use dynprof_common::SampleEvent;
 
@@ -85,9 +87,20 @@ impl Collector for CpuCollector {
     }
 
     fn on_event(&mut self, ev: &Decoded) {
-        if let Decoded::Sample(s) = ev {
-            self.names.saw(s.hdr.tid);
-            self.events.push(*s);
+        match ev {
+            Decoded::Sample(s) => {
+                self.names.saw(s.hdr.tid);
+                self.events.push(*s);
+            }
+            // Unwound now, while the target's mappings are those of the
+            // sample; only the resulting id is kept (and spilled).
+            Decoded::SampleStack(c) => {
+                self.names.saw(c.sample.hdr.tid);
+                let mut s = c.sample;
+                s.user_stack = self.store.borrow_mut().unwind(c);
+                self.events.push(s);
+            }
+            _ => {}
         }
     }
 
@@ -126,6 +139,27 @@ impl Collector for CpuCollector {
             }
         }
         data.samples.sort_unstable_by_key(|s| (s.ts_ns, s.tid));
+        {
+            let mut store = self.store.borrow_mut();
+            if store.unwind_count > 0 {
+                log::debug!(
+                    "cpu: {} stack copies unwound in {:?} ({:?} each, tables loaded included)",
+                    store.unwind_count,
+                    store.unwind_time,
+                    store.unwind_time / store.unwind_count as u32
+                );
+            }
+            if store.unwound_over_cap > 0 {
+                log::warn!(
+                    "cpu: {} samples kept their frame-pointer stack: over the cap on distinct \
+                     unwound stacks",
+                    store.unwound_over_cap
+                );
+            }
+            store.unwind_count = 0;
+            store.unwind_time = Default::default();
+            store.unwound_over_cap = 0;
+        }
         self.update_hold();
         Ok(())
     }

@@ -12,8 +12,10 @@
 //! Events wait in a bounded [`EventBuf`] (spilled to an unnamed file past a
 //! small chunk, capped by the window's memory budget), so a dense window
 //! does not grow dynprof's memory.
+use std::collections::HashMap;
+
 use anyhow::Result;
-use dynprof_common::OffCpuEvent;
+use dynprof_common::{OffCpuEvent, unwind::PyFrameRaw};
 
 use super::{
     Collector, WindowInfo,
@@ -40,7 +42,14 @@ pub struct OffCpuCollector {
     armed: bool,
     names: ThreadNames,
     drops: DropBase,
+    /// Python frames read at a switch-out, by (tid, switch-out time), until
+    /// the interval's event arrives (or the window is sealed).
+    python: HashMap<(u32, u64), Vec<PyFrameRaw>>,
 }
+
+/// Switch-outs whose Python frames wait for their interval at most; past
+/// it (intervals lost, or never ended) the oldest are forgotten.
+const MAX_PENDING_PYTHON: usize = 65536;
 
 impl OffCpuCollector {
     pub fn new(store: SharedStacks, pool: EventPool) -> Self {
@@ -52,7 +61,16 @@ impl OffCpuCollector {
             armed: false,
             names: ThreadNames::default(),
             drops: DropBase::default(),
+            python: HashMap::new(),
         }
+    }
+
+    /// The event's user stack with the Python frames of its switch-out.
+    fn join_python(&mut self, mut e: OffCpuEvent) -> OffCpuEvent {
+        if let Some(py) = self.python.remove(&(e.hdr.tid, e.hdr.ts_ns)) {
+            e.user_stack = self.store.borrow_mut().with_python(e.user_stack, &py);
+        }
+        e
     }
 
     fn update_hold(&mut self) {
@@ -93,9 +111,20 @@ impl Collector for OffCpuCollector {
     }
 
     fn on_event(&mut self, ev: &Decoded) {
-        if let Decoded::OffCpu(o) = ev {
-            self.names.saw(o.hdr.tid);
-            self.events.push(*o);
+        match ev {
+            Decoded::OffCpu(o) => {
+                self.names.saw(o.hdr.tid);
+                let o = self.join_python(*o);
+                self.events.push(o);
+            }
+            Decoded::OffCpuPython { tid, ts_ns, py } => {
+                if self.python.len() >= MAX_PENDING_PYTHON {
+                    let oldest = self.python.keys().map(|k| k.1).min().unwrap_or(0);
+                    self.python.retain(|k, _| k.1 > oldest);
+                }
+                self.python.insert((*tid, *ts_ns), py.clone());
+            }
+            _ => {}
         }
     }
 
@@ -110,7 +139,7 @@ impl Collector for OffCpuCollector {
                         if rec.ts_ns < start_ts_ns || rec.ts_ns >= end_ts_ns {
                             continue;
                         }
-                        self.in_flight.push(OffCpuEvent {
+                        let e = OffCpuEvent {
                             hdr: dynprof_common::EventHeader {
                                 kind: dynprof_common::kind::OFFCPU,
                                 tid,
@@ -119,7 +148,16 @@ impl Collector for OffCpuCollector {
                             dur_ns: end_ts_ns - rec.ts_ns,
                             user_stack: rec.user_stack,
                             kernel_stack: rec.kernel_stack,
-                        });
+                        };
+                        // Kept: the interval's own event comes later.
+                        let e = match self.python.get(&(tid, rec.ts_ns)) {
+                            Some(py) => OffCpuEvent {
+                                user_stack: self.store.borrow_mut().with_python(e.user_stack, py),
+                                ..e
+                            },
+                            None => e,
+                        };
+                        self.in_flight.push(e);
                     }
                 }
                 Err(e) => log::debug!("offcpu: reading in-flight intervals: {e:#}"),

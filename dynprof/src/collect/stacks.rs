@@ -7,12 +7,47 @@
 //! collector is armed while no stack collector holds unread ids, i.e. before
 //! a new window's gate opens, so a long job never fills it up. Without that
 //! a full map would drop new stacks (counted, never silent, but avoidable).
+//!
+//! Samples that came with a copy of the user stack are unwound from
+//! `.eh_frame` as they arrive ([`StackStore::unwind`]) and get an id of
+//! their own, at or above [`UNWOUND_BASE`], kept with the frame-pointer id
+//! of the same sample: of the two, the frame-pointer stack is used where it
+//! is deeper and agrees with the unwound one on every unwound frame (it
+//! went on where the copy ended), the unwound stack everywhere else.
+//! CPython frames read at the same sample are named on arrival too and
+//! spliced in where `_PyEval_EvalFrameDefault` runs (`symbols::python`).
 use std::{cell::RefCell, collections::HashMap, rc::Rc};
 
-use dynprof_common::STACK_EMPTY;
+use dynprof_common::{STACK_EMPTY, unwind::PyFrameRaw};
 
 use super::symbolize::Symbolizer;
-use crate::{bpf::Kernel, output::model::Stack};
+use crate::{
+    bpf::Kernel,
+    output::model::Stack,
+    session::StackCopy,
+    symbols::{
+        python::{self, PyNames},
+        unwind::NativeUnwinder,
+    },
+};
+
+/// A stack built in user space: the sample's frame-pointer id, the
+/// addresses unwound from its stack copy (leaf first; `None` without a
+/// copy) and its Python frames (innermost first, named, with `is_entry`).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Unwound {
+    fp_id: i32,
+    ips: Option<Vec<u64>>,
+    py: Vec<(String, bool)>,
+}
+
+/// First id of stacks unwound in user space (the kernel's ids stay below
+/// the `STACKS` map's size).
+pub const UNWOUND_BASE: i32 = 1 << 24;
+/// Distinct unwound stacks kept between two clears (at ~1 KiB each, tens
+/// of MiB at most); past it, samples keep their frame-pointer stack
+/// (counted in `unwound_over_cap`).
+const MAX_UNWOUND: usize = 1 << 16;
 
 /// Which stack collector holds ids (bit mask).
 pub const CPU: u8 = 1;
@@ -36,6 +71,17 @@ pub struct StackStore {
     /// Addresses read by `prefetch`, not yet symbolized into the caches:
     /// (is_kernel, id) → the kernel's lookup.
     raw: HashMap<(bool, i32), anyhow::Result<Vec<u64>>>,
+    unwinder: NativeUnwinder,
+    /// Unwound id - UNWOUND_BASE → its stack.
+    unwound: Vec<Unwound>,
+    unwound_ids: HashMap<Unwound, i32>,
+    py_names: Option<PyNames>,
+    /// Samples whose unwound stack was not kept ([`MAX_UNWOUND`]).
+    pub unwound_over_cap: u64,
+    /// Stack copies unwound, and the time it took (the cost per sample
+    /// docs/stacks.md quotes; logged at debug level per window).
+    pub unwind_count: u64,
+    pub unwind_time: std::time::Duration,
 }
 
 impl StackStore {
@@ -57,9 +103,13 @@ impl StackStore {
             self.kernel.clear();
             self.joined.clear();
             self.raw.clear();
+            self.unwound.clear();
+            self.unwound_ids.clear();
         }
         if self.pid != Some(pid) {
             self.pid = Some(pid);
+            self.unwinder = NativeUnwinder::new();
+            self.py_names = None;
             self.sym = match Symbolizer::new(pid) {
                 Ok(s) => Some(s),
                 Err(e) => {
@@ -76,11 +126,76 @@ impl StackStore {
         self.holders &= !who;
     }
 
+    /// Unwinds a sample's stack copy and returns the user stack id to
+    /// record for it (an unwound id, or its frame-pointer id when nothing
+    /// could be unwound).
+    pub fn unwind(&mut self, copy: &StackCopy) -> i32 {
+        let fp_id = copy.sample.user_stack;
+        let t0 = std::time::Instant::now();
+        let ips = match &mut self.sym {
+            Some(sym) if !copy.stack.is_empty() => Some(self.unwinder.unwind(
+                copy.regs,
+                &copy.stack,
+                |a| sym.unwind_lookup(a),
+            ))
+            .filter(|v| !v.is_empty()),
+            _ => None,
+        };
+        let py = self.name_python(&copy.py);
+        self.unwind_time += t0.elapsed();
+        self.unwind_count += 1;
+        self.intern(Unwound { fp_id, ips, py })
+    }
+
+    /// The user stack id of an off-CPU interval whose Python frames were
+    /// read at its switch-out: its frame-pointer stack with them spliced in.
+    pub fn with_python(&mut self, fp_id: i32, py: &[PyFrameRaw]) -> i32 {
+        let py = self.name_python(py);
+        self.intern(Unwound {
+            fp_id,
+            ips: None,
+            py,
+        })
+    }
+
+    fn name_python(&mut self, py: &[PyFrameRaw]) -> Vec<(String, bool)> {
+        if py.is_empty() {
+            return Vec::new();
+        }
+        let pid = self.pid.unwrap_or(0);
+        let names = self.py_names.get_or_insert_with(|| PyNames::new(pid));
+        py.iter()
+            .map(|f| (names.frame_name(f), f.is_entry != 0))
+            .collect()
+    }
+
+    fn intern(&mut self, key: Unwound) -> i32 {
+        let fp_id = key.fp_id;
+        if key.ips.is_none() && key.py.is_empty() {
+            return fp_id;
+        }
+        if let Some(id) = self.unwound_ids.get(&key) {
+            return *id;
+        }
+        if self.unwound.len() >= MAX_UNWOUND {
+            self.unwound_over_cap += 1;
+            return fp_id;
+        }
+        let id = UNWOUND_BASE + self.unwound.len() as i32;
+        self.unwound.push(key.clone());
+        self.unwound_ids.insert(key, id);
+        id
+    }
+
     /// Reads every not yet known stack of `ids` (user id, kernel id) from the
     /// kernel, then symbolizes all their addresses in one batch, so that
     /// the `stack` calls that follow are cache hits.
     pub fn prefetch(&mut self, kernel: &Kernel, ids: impl IntoIterator<Item = (i32, i32)>) {
         for (u, k) in ids {
+            let u = match self.unwound_entry(u) {
+                Some(e) => e.fp_id,
+                None => u,
+            };
             for (id, is_kernel) in [(u, false), (k, true)] {
                 let cached = if is_kernel { &self.kernel } else { &self.user };
                 if id < 0 || cached.contains_key(&id) || self.raw.contains_key(&(is_kernel, id)) {
@@ -97,8 +212,35 @@ impl StackStore {
                 .filter_map(|(_, r)| r.as_ref().ok().map(Vec::as_slice))
                 .collect()
         };
-        let (user, kern) = (pick(false), pick(true));
+        let (mut user, kern) = (pick(false), pick(true));
+        user.extend(self.unwound.iter().filter_map(|e| e.ips.as_deref()));
         sym.warm(&user, &kern);
+    }
+
+    fn unwound_entry(&self, id: i32) -> Option<&Unwound> {
+        let i = id.checked_sub(UNWOUND_BASE)?;
+        self.unwound.get(usize::try_from(i).ok()?)
+    }
+
+    /// The addresses of an unwound id, or of its frame-pointer stack where
+    /// that is deeper and agrees on every unwound frame.
+    fn unwound_addresses(&mut self, kernel: &Kernel, id: i32) -> Option<Vec<u64>> {
+        let e = self.unwound_entry(id)?;
+        let (fp_id, ips) = (e.fp_id, e.ips.clone().unwrap_or_default());
+        if fp_id >= 0 {
+            let fp = match self.raw.remove(&(false, fp_id)) {
+                Some(r) => r,
+                None => kernel.stack(fp_id as u32),
+            };
+            if let Ok(fp) = &fp {
+                let n = fp.iter().position(|&ip| ip == 0).unwrap_or(fp.len());
+                if n > ips.len() && fp[..ips.len()] == ips[..] {
+                    return Some(fp[..n].to_vec());
+                }
+            }
+            self.raw.insert((false, fp_id), fp);
+        }
+        Some(ips)
     }
 
     /// The stack of one event: user frames root first, then the kernel
@@ -138,6 +280,9 @@ impl StackStore {
         }
         let lookup = match self.raw.remove(&(is_kernel, id)) {
             Some(r) => r,
+            None if !is_kernel && id >= UNWOUND_BASE => self
+                .unwound_addresses(kernel, id)
+                .ok_or_else(|| anyhow::anyhow!("unwound stack id {id} is unknown")),
             None => kernel.stack(id as u32),
         };
         let frames = match lookup {
@@ -161,6 +306,10 @@ impl StackStore {
                     .to_string(),
                 ]
             }
+        };
+        let frames = match self.unwound_entry(id) {
+            Some(e) if !is_kernel && !e.py.is_empty() => python::splice(frames, &e.py),
+            _ => frames,
         };
         let cache = if is_kernel {
             &mut self.kernel

@@ -31,7 +31,11 @@ use blazesym::MaybeDefault;
 use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
 
-use crate::symbols::{ElfImage, demangle};
+use crate::symbols::{
+    ElfImage, demangle,
+    elf::UnwindSections,
+    unwind::{self, Lookup},
+};
 use crate::sys::rootfs::{self, TargetRoot};
 
 /// One executable mapping of the target, kept so that an address blazesym
@@ -60,6 +64,9 @@ pub struct Symbolizer {
     kernel_src: Source<'static>,
     /// Per mapped file (`file_key`); `None` when it could not be read.
     snapshots: HashMap<String, Option<Snapshot>>,
+    /// Per mapped file (`file_key`), read with its snapshot: the unwind
+    /// tables, `None` when the file has none or could not be read.
+    unwind_tables: HashMap<String, Option<UnwindSections>>,
     /// Frames per (adjusted) address; a training job's hot loop touches few
     /// distinct IPs, so after warm-up nearly every lookup is a hit.
     user_cache: HashMap<u64, Vec<String>>,
@@ -68,6 +75,10 @@ pub struct Symbolizer {
     /// Set once /proc/PID is gone: stop reading files (each attempt is a
     /// failed open) and answer from the snapshots and the maps.
     exited: bool,
+    /// When the unwinder last re-read the maps for an address outside
+    /// them: a garbage return address in every sample must not cost a
+    /// maps read each (thousands of lines in a PyTorch job).
+    unwind_maps_read: Option<std::time::Instant>,
 }
 
 impl Symbolizer {
@@ -93,10 +104,12 @@ impl Symbolizer {
             blaze,
             kernel_src: Source::Kernel(kernel),
             snapshots: HashMap::new(),
+            unwind_tables: HashMap::new(),
             user_cache: HashMap::new(),
             kernel_cache: HashMap::new(),
             maps,
             exited: false,
+            unwind_maps_read: None,
         })
     }
 
@@ -195,10 +208,7 @@ impl Symbolizer {
             }
         }
         for (key, group) in by_file {
-            if !self.snapshots.contains_key(&key) {
-                let snap = self.snapshot(&key);
-                self.snapshots.insert(key.clone(), snap);
-            }
+            self.ensure_snapshot(&key);
             let Some(Some(snap)) = self.snapshots.get(&key) else {
                 continue;
             };
@@ -225,8 +235,46 @@ impl Symbolizer {
         }
     }
 
-    /// Reads a mapped file's tables into a sealed copy (see the module doc).
-    fn snapshot(&self, key: &str) -> Option<Snapshot> {
+    /// For the native unwinder: the executable mapping at `addr` and its
+    /// unwind module, read (once per file) with the file's snapshot.
+    pub fn unwind_lookup(&mut self, addr: u64) -> Lookup {
+        let stale = self
+            .unwind_maps_read
+            .is_none_or(|t| t.elapsed() >= std::time::Duration::from_millis(500));
+        if self.mapping(addr).is_none() && !self.exited && stale {
+            self.unwind_maps_read = Some(std::time::Instant::now());
+            if let Ok(m) = read_maps(self.pid) {
+                self.maps = m;
+            }
+        }
+        let Some(m) = self.mapping(addr).cloned() else {
+            return Lookup::Nothing;
+        };
+        self.ensure_snapshot(&m.file_key);
+        let module = self
+            .unwind_tables
+            .get(&m.file_key)
+            .and_then(Option::as_ref)
+            .and_then(|t| unwind::module(&m.module, m.start..m.end, m.offset, t));
+        Lookup::Mapping(m.start..m.end, module)
+    }
+
+    /// Reads a mapped file's symbol and unwind tables, once.
+    fn ensure_snapshot(&mut self, key: &str) {
+        if self.snapshots.contains_key(key) {
+            return;
+        }
+        let (snap, tables) = match self.snapshot(key) {
+            Some((s, t)) => (Some(s), t),
+            None => (None, None),
+        };
+        self.snapshots.insert(key.to_string(), snap);
+        self.unwind_tables.insert(key.to_string(), tables);
+    }
+
+    /// Reads a mapped file's tables into a sealed copy (see the module doc),
+    /// and its unwind tables.
+    fn snapshot(&self, key: &str) -> Option<(Snapshot, Option<UnwindSections>)> {
         if self.exited {
             return None;
         }
@@ -261,6 +309,7 @@ impl Symbolizer {
                 return None;
             }
         };
+        let tables = img.unwind_sections();
         let sparse = img.sparse();
         let copy = rootfs::sealed_sparse_copy("dynprof-sym", sparse.file_len(), sparse.chunks());
         let (file, path) = match copy {
@@ -275,10 +324,13 @@ impl Symbolizer {
         // MiB to parse; ELF symbols already name the functions we need
         // (and the copy holds no DWARF).
         elf.debug_syms = false;
-        Some(Snapshot {
-            _file: file,
-            source: Source::Elf(elf),
-        })
+        Some((
+            Snapshot {
+                _file: file,
+                source: Source::Elf(elf),
+            },
+            tables,
+        ))
     }
 
     fn mapping(&self, addr: u64) -> Option<&Mapping> {

@@ -5,10 +5,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use inferno::flamegraph::{self, Options, Palette, color::BasicPalette};
+use inferno::flamegraph::{
+    self, Options, Palette,
+    color::{BasicPalette, PaletteMap},
+};
 
 use super::model::{CpuSample, OffCpuSpan, Stack};
 use super::write_atomic;
+use crate::symbols::python::PY_PREFIX;
 
 pub const CPU_FOLDED: &str = "cpu.folded";
 pub const CPU_SVG: &str = "flamegraph.svg";
@@ -111,11 +115,29 @@ pub fn render_svg(
     opts.title = title.to_string();
     opts.count_name = count_name.to_string();
     opts.colors = Palette::Basic(palette);
+    // Python frames in one colour of their own, off both palettes used.
+    let mut py_colours = PaletteMap::default();
+    for line in lines {
+        let stack = line.rsplit_once(' ').map_or(line.as_str(), |(s, _)| s);
+        for frame in stack.split(';') {
+            if frame.starts_with(PY_PREFIX) && py_colours.get(frame).is_none() {
+                py_colours.insert(frame, PY_COLOUR);
+            }
+        }
+    }
+    opts.palette_map = Some(&mut py_colours);
     let mut out = Vec::new();
     flamegraph::from_lines(&mut opts, lines.iter().map(String::as_str), &mut out)
         .with_context(|| format!("rendering flamegraph {title:?}"))?;
     Ok(out)
 }
+
+/// The fill of `[py]` frames in flame graphs.
+pub const PY_COLOUR: inferno::flamegraph::color::Color = inferno::flamegraph::color::Color {
+    r: 80,
+    g: 180,
+    b: 90,
+};
 
 fn empty_svg(title: &str) -> String {
     let esc = |s: &str| {
@@ -190,6 +212,22 @@ mod tests {
 
     fn st(v: &[&str]) -> Stack {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn python_frames_have_their_own_colour() {
+        let lines = vec![
+            "main;_PyEval_EvalFrameDefault;[py] caller (a.py:3);[py] hot (a.py:9) 5".to_string(),
+            "main;other 1".to_string(),
+        ];
+        let fill = format!("rgb({},{},{})", PY_COLOUR.r, PY_COLOUR.g, PY_COLOUR.b);
+        for palette in [BasicPalette::Hot, BasicPalette::Blue] {
+            let svg =
+                String::from_utf8(render_svg(&lines, "t", "samples", palette).unwrap()).unwrap();
+            // Two Python frames, each drawn in the Python colour; no other
+            // frame is.
+            assert_eq!(svg.matches(&fill).count(), 2, "{svg}");
+        }
     }
 
     #[test]

@@ -92,6 +92,7 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
 
     let folded_path = dir.join(CPU_FOLDED);
     let mut self_samples = std::collections::HashMap::new();
+    let mut top_python = Vec::new();
     let (cpu_samples, top_frames_self, top_frames_inclusive) = match read_opt(&folded_path)? {
         Some(t) => {
             let stacks =
@@ -103,6 +104,8 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
                 }
             }
             let (s, i) = top_frames(stacks.iter().map(|(s, c)| (s.as_slice(), *c)), TOP);
+            top_python =
+                super::python_top::top_python(stacks.iter().map(|(s, c)| (s.as_slice(), *c)), TOP);
             (total, s, i)
         }
         None => {
@@ -189,6 +192,7 @@ pub fn analyze(dir: &Path) -> Result<Analysis> {
         cpu_samples,
         top_frames_self,
         top_frames_inclusive,
+        top_python,
         self_samples,
         drops,
         verdict,

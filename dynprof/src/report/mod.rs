@@ -14,6 +14,7 @@
 //! | `compare` | several side by side |
 mod analyze;
 mod compare;
+mod python_top;
 mod read;
 mod render;
 #[cfg(test)]
@@ -112,6 +113,8 @@ pub struct Analysis {
     pub cpu_samples: u64,
     pub top_frames_self: Vec<FrameCount>,
     pub top_frames_inclusive: Vec<FrameCount>,
+    /// Python functions of the cpu stacks (`report::python_top`).
+    pub top_python: Vec<FrameCount>,
     /// Self samples of every leaf frame, so a comparison can show a frame
     /// that is in one directory's top list but not another's.
     #[serde(skip)]

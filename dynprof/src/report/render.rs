@@ -120,6 +120,22 @@ pub fn render_one(a: &Analysis) -> String {
         }
         let _ = writeln!(o, "{t}");
     }
+    if !a.top_python.is_empty() {
+        let _ = writeln!(o, "\nTop Python functions ({} samples):", a.cpu_samples);
+        let mut t = table();
+        t.set_header(vec!["function", "self", "self %", "inclusive", "incl %"]);
+        for f in &a.top_python {
+            let share = |n: u64| format!("{:.1}%", 100.0 * ratio(n, a.cpu_samples));
+            t.add_row(vec![
+                Cell::new(&f.frame),
+                right(f.self_samples),
+                right(share(f.self_samples)),
+                right(f.inclusive_samples),
+                right(share(f.inclusive_samples)),
+            ]);
+        }
+        let _ = writeln!(o, "{t}");
+    }
     let _ = writeln!(o, "\nverdict: {}", a.verdict.text);
     o
 }

@@ -1,12 +1,54 @@
 //! Decoding ring-buffer records into the `dynprof-common` event structs.
-use dynprof_common::{ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind};
+use dynprof_common::{
+    ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind,
+    unwind::{
+        MAX_PY_FRAMES, OFFCPU_PYTHON, PyFrameRaw, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
+        StackSampleHeader,
+    },
+};
 
-#[derive(Clone, Copy, Debug)]
+use crate::symbols::unwind::UserRegs;
+
+#[derive(Clone, Debug)]
 pub enum Decoded {
     Step(StepEvent),
     Api(ApiEvent),
     Sample(SampleEvent),
+    /// A CPU sample with a copy of its user stack (boxed: up to 16 KiB).
+    SampleStack(Box<StackCopy>),
     OffCpu(OffCpuEvent),
+    /// The Python frames of a thread at its switch-out; joined to the
+    /// `OffCpu` event of the same tid and `ts_ns`.
+    OffCpuPython {
+        tid: u32,
+        ts_ns: u64,
+        py: Vec<PyFrameRaw>,
+    },
+}
+
+/// A CPU sample with the user registers and the top of the user stack.
+#[derive(Clone)]
+pub struct StackCopy {
+    /// `hdr.kind` is `kind::SAMPLE` again; `user_stack` is the frame-pointer
+    /// stack id.
+    pub sample: SampleEvent,
+    pub regs: UserRegs,
+    /// The stack from `regs.sp` up; empty when only Python frames came
+    /// (a kernel-mode sample, or an unreadable stack).
+    pub stack: Vec<u8>,
+    /// CPython frames read at the sample, innermost first.
+    pub py: Vec<PyFrameRaw>,
+}
+
+impl std::fmt::Debug for StackCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StackCopy")
+            .field("sample", &self.sample)
+            .field("regs", &self.regs)
+            .field("stack_bytes", &self.stack.len())
+            .field("py_frames", &self.py.len())
+            .finish()
+    }
 }
 
 fn read<T: Copy>(b: &[u8]) -> Option<T> {
@@ -21,6 +63,44 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
         kind::API => Decoded::Api(read(b)?),
         kind::SAMPLE => Decoded::Sample(read(b)?),
         kind::OFFCPU => Decoded::OffCpu(read(b)?),
+        OFFCPU_PYTHON => {
+            let h: StackSampleHeader = read(b)?;
+            Decoded::OffCpuPython {
+                tid: h.sample.hdr.tid,
+                ts_ns: h.sample.hdr.ts_ns,
+                py: py_frames(b, &h)?,
+            }
+        }
+        SAMPLE_STACK => {
+            let h: StackSampleHeader = read(b)?;
+            let len = (h.len as usize).min(STACK_COPY_MAX);
+            let stack = b.get(STACK_COPY_OFFSET..)?.get(..len)?.to_vec();
+            let py = py_frames(b, &h)?;
+            let mut sample = h.sample;
+            sample.hdr.kind = kind::SAMPLE;
+            Decoded::SampleStack(Box::new(StackCopy {
+                sample,
+                regs: UserRegs {
+                    ip: h.ip,
+                    sp: h.sp,
+                    bp: h.bp,
+                },
+                stack,
+                py,
+            }))
+        }
         _ => return None,
     })
+}
+
+/// The Python frames of a `SAMPLE_STACK` or `OFFCPU_PYTHON` record.
+fn py_frames(b: &[u8], h: &StackSampleHeader) -> Option<Vec<PyFrameRaw>> {
+    let py_bytes = b.get(size_of::<StackSampleHeader>()..STACK_COPY_OFFSET)?;
+    Some(
+        py_bytes
+            .chunks_exact(size_of::<PyFrameRaw>())
+            .take((h.py_count as usize).min(MAX_PY_FRAMES))
+            .filter_map(read::<PyFrameRaw>)
+            .collect(),
+    )
 }

@@ -18,7 +18,7 @@ use tokio::{
 };
 
 pub use clock::{CompletedStep, StepClock, StepSummary};
-pub use events::Decoded;
+pub use events::{Decoded, StackCopy};
 
 use crate::{
     bpf::Kernel,

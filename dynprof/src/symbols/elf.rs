@@ -16,7 +16,7 @@ use std::{
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use object::{
-    Endianness, Object, ObjectSegment, ObjectSymbol, SymbolKind, elf,
+    Endianness, Object, ObjectSection, ObjectSegment, ObjectSymbol, SymbolKind, elf,
     read::{
         ReadRef,
         elf::{FileHeader, SectionHeader as _},
@@ -41,6 +41,10 @@ pub mod limits {
     pub const STAPSDT_NOTES: u64 = 4 << 20;
     /// Any other note section (build id, ABI tag).
     pub const OTHER_NOTES: u64 = 64 << 10;
+    /// `.eh_frame` or `.eh_frame_hdr`, for unwinding (libtorch_cpu's
+    /// `.eh_frame` is tens of MiB). A larger one is not read: stacks
+    /// through that file fall back to frame pointers.
+    pub const EH_FRAME: u64 = 192 << 20;
     /// Everything read from one file.
     pub const TOTAL: u64 = 512 << 20;
     /// Demangling while looking names up in one file.
@@ -281,6 +285,9 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
             }
             continue;
         };
+        if (name == b".eh_frame" || name == b".eh_frame_hdr") && size <= limits::EH_FRAME {
+            wanted.push(("unwind table", off, size, limits::EH_FRAME));
+        }
         match h.sh_type(endian) {
             elf::SHT_SYMTAB | elf::SHT_DYNSYM => {
                 wanted.push(("symbol table", off, size, limits::SYMBOL_TABLE));
@@ -323,6 +330,29 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
         *base = stapsdt_base;
     }
     Ok(stapsdt)
+}
+
+/// What unwinding through one file needs: its unwind tables at their
+/// section addresses, and its `PT_LOAD` segments to turn the file offset of
+/// a mapping into a section address.
+#[derive(Clone, Debug)]
+pub struct UnwindSections {
+    pub eh_frame: (std::ops::Range<u64>, Vec<u8>),
+    pub eh_frame_hdr: Option<(std::ops::Range<u64>, Vec<u8>)>,
+    pub text: Option<std::ops::Range<u64>>,
+    /// (file offset, file size, virtual address) of each loadable segment.
+    pub load_segments: Vec<(u64, u64, u64)>,
+}
+
+impl UnwindSections {
+    /// The section address of file offset `off`, through the loadable
+    /// segment that holds it.
+    pub fn offset_to_vaddr(&self, off: u64) -> Option<u64> {
+        self.load_segments
+            .iter()
+            .find(|(o, size, _)| off >= *o && off - o < (*size).max(1))
+            .map(|(o, _, vaddr)| vaddr + (off - o))
+    }
 }
 
 /// An ELF file's headers, symbol tables and notes, read into memory.
@@ -432,6 +462,33 @@ impl ElfImage {
     /// dynprof owns (see `collect::symbolize`).
     pub fn sparse(&self) -> &Sparse {
         &self.sparse
+    }
+
+    /// The sections a native unwinder needs, copied out of the image
+    /// (`None` for a file without a readable `.eh_frame`).
+    pub fn unwind_sections(&self) -> Option<UnwindSections> {
+        let file = self.file();
+        let section = |name: &str| {
+            let s = file.section_by_name(name)?;
+            let data = s.data().ok().filter(|d| !d.is_empty())?;
+            Some((s.address()..s.address() + s.size(), data.to_vec()))
+        };
+        let eh_frame = section(".eh_frame")?;
+        let text = file
+            .section_by_name(".text")
+            .map(|s| s.address()..s.address() + s.size());
+        Some(UnwindSections {
+            eh_frame,
+            eh_frame_hdr: section(".eh_frame_hdr"),
+            text,
+            load_segments: file
+                .segments()
+                .map(|seg| {
+                    let (off, size) = seg.file_range();
+                    (off, size, seg.address())
+                })
+                .collect(),
+        })
     }
 
     pub fn build_id(&self) -> Option<String> {

@@ -15,6 +15,7 @@
 //! | `lock` | one controller per target: the flock under /run/dynprof |
 //! | `kernel` | probe the running kernel's BPF features (helpers, map types, PMU formats) |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
+//! | `procmem` | read a target's memory (`/proc/PID/mem`): CPython code objects |
 pub mod caps;
 pub mod clock;
 pub mod creds;
@@ -23,6 +24,7 @@ pub mod hostfs;
 pub mod lock;
 pub mod kernel;
 pub mod memory;
+pub mod procmem;
 pub mod rootfs;
 pub mod targetdir;
 pub mod uprobe;

@@ -1,0 +1,105 @@
+//! The user-stack copy that the `cpu` program emits with a sample, so that
+//! user space can unwind code built without frame pointers from its
+//! `.eh_frame` (see `dynprof/src/symbols/unwind.rs` and docs/stacks.md),
+//! and the CPython frames read at the same sample.
+use crate::SampleEvent;
+
+/// Event kind of a [`StackSampleHeader`] record (after [`crate::kind`]'s).
+pub const SAMPLE_STACK: u32 = 5;
+/// Event kind of the Python frames of a thread switched out: the same
+/// layout, without a stack copy; `sample.hdr.ts_ns` is the switch-out time
+/// of the `OffCpuEvent` it belongs to.
+pub const OFFCPU_PYTHON: u32 = 6;
+
+/// The largest copy of the user stack taken per sample, in bytes. The
+/// program tries this size first, then halves down to
+/// [`STACK_COPY_MIN`]: `bpf_probe_read_user` fails as a whole when any
+/// page of the range is unmapped, which happens when the sampled `sp` lies
+/// closer than the copy size to the top of its stack mapping.
+pub const STACK_COPY_MAX: usize = 16384;
+/// The smallest copy tried before the sample is sent without one.
+pub const STACK_COPY_MIN: usize = 1024;
+
+/// Head of a stack-copy record; the Python frames, then `len` bytes of the
+/// user stack from `sp` up, follow it in the ring record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct StackSampleHeader {
+    /// `hdr.kind` is [`SAMPLE_STACK`]; the frame-pointer stack id stays in
+    /// `user_stack`, the fast path when it is deep and agrees.
+    pub sample: SampleEvent,
+    /// User registers at the sample (x86-64: rip, rsp, rbp).
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// Bytes of stack that follow the Python frames.
+    pub len: u32,
+    /// Entries of `py` that are filled, innermost first.
+    pub py_count: u32,
+}
+
+/// CPython frames read per sample at most.
+pub const MAX_PY_FRAMES: usize = 32;
+/// Thread states of the interpreter's list looked at per sample at most.
+pub const MAX_PY_THREADS: usize = 64;
+
+/// One `_PyInterpreterFrame` as read at the sample; user space names it
+/// from its code object.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PyFrameRaw {
+    /// `f_code`: the `PyCodeObject*`.
+    pub code: u64,
+    /// `prev_instr`: the instruction being executed (its line).
+    pub instr: u64,
+    /// `is_entry`: the first frame of one C-level
+    /// `_PyEval_EvalFrameDefault` call.
+    pub is_entry: u32,
+    pub _pad: u32,
+}
+
+/// Where the sampled thread's CPython frames are, set by user space at
+/// load for a target whose interpreter it recognised (all zero: none).
+/// Offsets are in bytes, from the interpreter's own structures.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyOffsets {
+    /// Address, in the target, of `_PyRuntime.gilstate.tstate_current`:
+    /// the `PyThreadState*` holding the GIL (a thread running bytecode
+    /// holds it).
+    pub tstate_current: u64,
+    /// Address, in the target, of `_PyRuntime.interpreters.head`: when the
+    /// sampled thread does not hold the GIL (blocked, or in C code that
+    /// released it, as torch ops and autograd do), its `PyThreadState` is
+    /// found in the main interpreter's list (`threads.head`, then `next`).
+    pub interp_head: u64,
+    pub interp_threads_head: u64,
+    pub tstate_next: u64,
+    /// `PyThreadState.native_thread_id`: checked against the sampled tid.
+    pub tstate_native_thread_id: u64,
+    /// `PyThreadState.cframe`, then `_PyCFrame.current_frame`.
+    pub tstate_cframe: u64,
+    pub cframe_current_frame: u64,
+    /// `_PyInterpreterFrame` fields.
+    pub frame_code: u64,
+    pub frame_previous: u64,
+    pub frame_prev_instr: u64,
+    pub frame_is_entry: u64,
+}
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for PyOffsets {}
+
+/// The per-CPU scratch record the program fills before emitting its first
+/// `size_of::<StackSampleHeader>() + len` bytes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct StackSample {
+    pub hdr: StackSampleHeader,
+    pub py: [PyFrameRaw; MAX_PY_FRAMES],
+    pub stack: [u8; STACK_COPY_MAX],
+}
+
+/// Bytes of a record before its stack copy.
+pub const STACK_COPY_OFFSET: usize =
+    core::mem::size_of::<StackSampleHeader>() + MAX_PY_FRAMES * core::mem::size_of::<PyFrameRaw>();

@@ -1,0 +1,266 @@
+//! The user-stack copy of a CPU sample: registers and the top of the user
+//! stack, for user space to unwind code built without frame pointers from
+//! `.eh_frame` (as `perf --call-graph dwarf` and samply do).
+//!
+//! Only samples taken in user mode are copied: in kernel mode the sampled
+//! registers are the kernel's, and finding the user ones (`task_pt_regs`)
+//! needs `bpf_task_pt_regs` (5.15) or BTF offsets; those samples keep their
+//! frame-pointer stack. Helpers used: `bpf_probe_read_user` (5.5) and
+//! `bpf_ringbuf_output` (5.8), so this loads on 5.10.
+//!
+//! CPython frames are read here too, at the sample, so that they are
+//! exactly those of the sampled instant (read later from user space, the
+//! interpreter would have moved on): the GIL holder's `PyThreadState`,
+//! then its `_PyInterpreterFrame` chain, `MAX_PY_FRAMES` at most. They are
+//! read in kernel-mode samples as well (the memory is the current task's).
+use aya_ebpf::{
+    EbpfContext, helpers::generated, macros::map, maps::PerCpuArray, programs::PerfEventContext,
+};
+use dynprof_common::{
+    SampleEvent, drop_slot,
+    unwind::{
+        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_PYTHON, PyFrameRaw, PyOffsets, SAMPLE_STACK,
+        STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample, StackSampleHeader,
+    },
+};
+
+/// Largest copy in bytes, set by user space at load: 0 disables the copy
+/// (architectures other than x86-64, or `DYNPROF_STACK_COPY_KB=0`).
+#[unsafe(no_mangle)]
+static STACK_COPY_BYTES: u32 = 0;
+
+/// The target's CPython layout, set by user space at load (all zero: not
+/// a recognised CPython).
+#[unsafe(no_mangle)]
+static PY: PyOffsets = PyOffsets {
+    tstate_current: 0,
+    interp_head: 0,
+    interp_threads_head: 0,
+    tstate_next: 0,
+    tstate_native_thread_id: 0,
+    tstate_cframe: 0,
+    cframe_current_frame: 0,
+    frame_code: 0,
+    frame_previous: 0,
+    frame_prev_instr: 0,
+    frame_is_entry: 0,
+};
+
+/// Scratch record: too big for the 512-byte BPF stack.
+#[map]
+static STACK_BUF: PerCpuArray<StackSample> = PerCpuArray::with_max_entries(1, 0);
+
+// x86-64 `struct pt_regs` word indices (arch/x86/include/asm/ptrace.h).
+const RBP: usize = 4;
+const RIP: usize = 16;
+const CS: usize = 17;
+const RSP: usize = 19;
+
+/// Emits `sample` with a copy of the user stack and returns true, or
+/// returns false (copy disabled, kernel-mode sample, unreadable stack) so
+/// that the caller emits the plain sample. A full ring counts a CPU drop.
+#[inline(always)]
+pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u64) -> bool {
+    let max = unsafe { core::ptr::read_volatile(&STACK_COPY_BYTES) } as usize;
+    let py = unsafe { core::ptr::read_volatile(&PY) };
+    if max == 0 && py.tstate_current == 0 {
+        return false;
+    }
+    let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
+        return false;
+    };
+    let py_count = read_python(&py, buf, sample.hdr.tid);
+    // Direct context loads at constant offsets: the verifier rewrites them
+    // to the sampled registers (a helper read of the context would read
+    // `bpf_perf_event_data_kern`, not the registers).
+    let regs = ctx.as_ptr() as *const u64;
+    let (ip, sp, bp, cs) = unsafe {
+        (
+            *regs.add(RIP),
+            *regs.add(RSP),
+            *regs.add(RBP),
+            *regs.add(CS),
+        )
+    };
+    let user_mode = cs & 3 == 3 && sp != 0;
+    sample.hdr.kind = SAMPLE_STACK;
+    unsafe {
+        (*buf).hdr = StackSampleHeader {
+            sample,
+            ip,
+            sp,
+            bp,
+            len: 0,
+            py_count,
+        };
+    }
+    if (!user_mode || !copy_stack(buf, sp, max, flags)) && py_count == 0 {
+        return false;
+    }
+    if !user_mode || unsafe { (*buf).hdr.len } == 0 {
+        // Python frames without a stack copy.
+        unsafe {
+            (*buf).hdr.ip = 0;
+            (*buf).hdr.sp = 0;
+            (*buf).hdr.bp = 0;
+        }
+        let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET) };
+        if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
+            crate::count_drop(drop_slot::CPU);
+        }
+    }
+    true
+}
+
+/// At the switch-out of target thread `tid` at `ts_ns` (while it is still
+/// `current`): emits its Python frames, if it has any, for user space to
+/// join to the `OffCpuEvent` of the same thread and time.
+#[inline(always)]
+pub fn emit_offcpu_python(tid: u32, ts_ns: u64, flags: u64) {
+    let py = unsafe { core::ptr::read_volatile(&PY) };
+    if py.tstate_current == 0 {
+        return;
+    }
+    let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
+        return;
+    };
+    let py_count = read_python(&py, buf, tid);
+    if py_count == 0 {
+        return;
+    }
+    unsafe {
+        (*buf).hdr = StackSampleHeader {
+            sample: SampleEvent {
+                hdr: dynprof_common::EventHeader {
+                    kind: OFFCPU_PYTHON,
+                    tid,
+                    ts_ns,
+                },
+                user_stack: 0,
+                kernel_stack: 0,
+                cpu: 0,
+                _pad: 0,
+            },
+            ip: 0,
+            sp: 0,
+            bp: 0,
+            len: 0,
+            py_count,
+        };
+    }
+    let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET) };
+    if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
+        crate::count_drop(drop_slot::OFFCPU);
+    }
+}
+
+#[inline(always)]
+fn read_u64(addr: u64) -> u64 {
+    unsafe { aya_ebpf::helpers::bpf_probe_read_user(addr as *const u64) }.unwrap_or(0)
+}
+
+/// The `PyThreadState` of thread `tid`: the GIL holder's when that is it
+/// (a thread running bytecode), else from the interpreter's thread list.
+#[inline(always)]
+fn thread_state(py: &PyOffsets, tid: u32) -> u64 {
+    let tstate = read_u64(py.tstate_current);
+    if tstate != 0 && read_u64(tstate + py.tstate_native_thread_id) as u32 == tid {
+        return tstate;
+    }
+    let interp = read_u64(py.interp_head);
+    if interp == 0 {
+        return 0;
+    }
+    let mut t = read_u64(interp + py.interp_threads_head);
+    for _ in 0..MAX_PY_THREADS {
+        if t == 0 {
+            return 0;
+        }
+        if read_u64(t + py.tstate_native_thread_id) as u32 == tid {
+            return t;
+        }
+        t = read_u64(t + py.tstate_next);
+    }
+    0
+}
+
+/// Reads thread `tid`'s CPython frames into `buf.py`, innermost first;
+/// returns how many. 0 for a thread without Python frames, or when no
+/// interpreter was recognised.
+#[inline(always)]
+fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
+    if py.tstate_current == 0 {
+        return 0;
+    }
+    let read = read_u64;
+    let tstate = thread_state(py, tid);
+    if tstate == 0 {
+        return 0;
+    }
+    let cframe = read(tstate + py.tstate_cframe);
+    if cframe == 0 {
+        return 0;
+    }
+    let mut frame = read(cframe + py.cframe_current_frame);
+    let mut n = 0u32;
+    for i in 0..MAX_PY_FRAMES {
+        if frame == 0 {
+            break;
+        }
+        let entry: u8 = unsafe {
+            aya_ebpf::helpers::bpf_probe_read_user((frame + py.frame_is_entry) as *const u8)
+        }
+        .unwrap_or(0);
+        let f = PyFrameRaw {
+            code: read(frame + py.frame_code),
+            instr: read(frame + py.frame_prev_instr),
+            is_entry: entry as u32,
+            _pad: 0,
+        };
+        unsafe { *(&raw mut (*buf).py).cast::<PyFrameRaw>().add(i) = f };
+        n = i as u32 + 1;
+        frame = read(frame + py.frame_previous);
+    }
+    n
+}
+
+/// Tries the stack copy from `STACK_COPY_MAX` down; true once one was
+/// read and emitted.
+#[inline(always)]
+fn copy_stack(buf: *mut StackSample, sp: u64, max: usize, flags: u64) -> bool {
+    if max >= STACK_COPY_MAX && copy::<STACK_COPY_MAX>(buf, sp, flags) {
+        return true;
+    }
+    if max >= 8192 && copy::<8192>(buf, sp, flags) {
+        return true;
+    }
+    if max >= 4096 && copy::<4096>(buf, sp, flags) {
+        return true;
+    }
+    if max >= 2048 && copy::<2048>(buf, sp, flags) {
+        return true;
+    }
+    max >= 1024 && copy::<1024>(buf, sp, flags)
+}
+
+/// Copies `N` bytes from `sp` and emits header + copy; false when the read
+/// fails (some page of the range is unmapped).
+#[inline(always)]
+fn copy<const N: usize>(buf: *mut StackSample, sp: u64, flags: u64) -> bool {
+    let r = unsafe {
+        generated::bpf_probe_read_user(
+            (&raw mut (*buf).stack).cast(),
+            N as u32,
+            sp as *const core::ffi::c_void,
+        )
+    };
+    if r != 0 {
+        return false;
+    }
+    unsafe { (*buf).hdr.len = N as u32 };
+    let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET + N) };
+    if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
+        crate::count_drop(drop_slot::CPU);
+    }
+    true
+}
