@@ -1,0 +1,163 @@
+use super::*;
+
+#[test]
+fn strips_parameters_but_not_templates() {
+    assert_eq!(strip_params("a::b(int)"), "a::b");
+    assert_eq!(strip_params("a::b<c(d)>::e(int)"), "a::b<c(d)>::e");
+    assert_eq!(strip_params("plain"), "plain");
+}
+
+#[test]
+fn cold_fragments_are_not_entry_points() {
+    assert!(is_cold_fragment(
+        "_ZN5torch8autograd6Engine7executeERKSt6vector.cold"
+    ));
+    assert!(is_cold_fragment("foo.cold.3"));
+    assert!(!is_cold_fragment("foo.constprop.0"));
+    assert!(!is_cold_fragment("coldstart"));
+}
+
+#[test]
+fn needles_follow_itanium_mangling() {
+    assert_eq!(
+        mangled_needles("torch::autograd::Engine::execute"),
+        vec!["5torch", "8autograd", "6Engine", "7execute"]
+    );
+}
+
+/// An ELF64 x86-64 executable with only these PT_LOAD program headers,
+/// each `(vaddr, file offset, memsz)`, written to a fresh file.
+fn elf_with_segments(name: &str, loads: &[(u64, u64, u64)]) -> std::path::PathBuf {
+    let mut b = Vec::new();
+    b.extend_from_slice(b"\x7fELF\x02\x01\x01\0\0\0\0\0\0\0\0\0");
+    b.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+    b.extend_from_slice(&62u16.to_le_bytes()); // EM_X86_64
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b.extend_from_slice(&0u64.to_le_bytes()); // e_entry
+    b.extend_from_slice(&64u64.to_le_bytes()); // e_phoff
+    b.extend_from_slice(&0u64.to_le_bytes()); // e_shoff
+    b.extend_from_slice(&0u32.to_le_bytes());
+    for v in [64u16, 56, loads.len() as u16, 64, 0, 0] {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    for &(vaddr, off, memsz) in loads {
+        b.extend_from_slice(&1u32.to_le_bytes()); // PT_LOAD
+        b.extend_from_slice(&5u32.to_le_bytes()); // R X
+        for v in [off, vaddr, vaddr, 0, memsz, 0x1000] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    let path = std::env::temp_dir().join(format!("dynprof-{name}-{}", std::process::id()));
+    std::fs::write(&path, &b).unwrap();
+    path
+}
+
+#[test]
+fn string_range_ending_before_it_starts_is_an_error() {
+    // Found by the `elf` fuzz target: a section name offset past the end
+    // of the string table's range overflowed `end - start`.
+    let sparse = Sparse {
+        len: 200,
+        chunks: vec![(100, b"abc\0".to_vec())],
+        total: 4,
+    };
+    // As the section headers give it: a start past the end.
+    let backwards = std::ops::Range {
+        start: 101,
+        end: 50,
+    };
+    assert_eq!((&sparse).read_bytes_at_until(backwards, 0), Err(()));
+    assert_eq!((&sparse).read_bytes_at_until(101..104, 0), Ok(&b"bc"[..]));
+}
+
+#[test]
+fn segment_ending_past_2_64_does_not_overflow() {
+    // Found by the `elf` fuzz target: `start + size` overflowed (a panic
+    // in debug builds, a wrong offset in release).
+    let path = elf_with_segments(
+        "overflow",
+        &[(u64::MAX - 0xfff, 0, 0x2000), (0x40_0000, 0x1000, 0x1000)],
+    );
+    let img = ElfImage::open(&path);
+    std::fs::remove_file(&path).unwrap();
+    let img = img.unwrap();
+    assert_eq!(img.vaddr_to_offset(u64::MAX), Some(0xfff));
+    assert_eq!(img.vaddr_to_offset(0x40_0010), Some(0x1010));
+    assert_eq!(img.vaddr_to_offset(0x3f_ffff), None);
+    assert_eq!(img.vaddr_to_offset(0x40_1000), None);
+}
+
+#[test]
+fn finds_a_function_in_the_test_binary() {
+    let exe = std::env::current_exe().unwrap();
+    let img = ElfImage::open(&exe).unwrap();
+    let hits = img.find_function("main");
+    assert_eq!(hits.len(), 1, "{hits:?}");
+    assert!(hits[0].file_offset > 0);
+    // Only headers and tables were read, not the code.
+    let size = std::fs::metadata(&exe).unwrap().len();
+    assert!(img.sparse.total < size, "{} of {size}", img.sparse.total);
+}
+
+fn this_binary() -> Vec<u8> {
+    std::fs::read(std::env::current_exe().unwrap()).unwrap()
+}
+
+fn shdr_field(bytes: &mut [u8], name: &str) -> usize {
+    // Offset of the section header of `name` in a little-endian ELF64.
+    let img = ElfImage::from_bytes(Path::new("t"), bytes).unwrap();
+    let file = img.file();
+    let object::File::Elf64(elf) = &file else {
+        panic!("ELF64 expected")
+    };
+    let shoff = elf.elf_header().e_shoff.get(Endianness::Little) as usize;
+    let index = elf
+        .elf_section_table()
+        .section_by_name(Endianness::Little, name.as_bytes())
+        .unwrap()
+        .0
+        .0;
+    shoff + index * 64
+}
+
+#[test]
+fn a_section_claiming_2_pow_60_bytes_is_an_error_not_an_allocation() {
+    let mut bytes = this_binary();
+    let sh = shdr_field(&mut bytes, ".dynsym");
+    // sh_size is at offset 32 of an ELF64 section header.
+    bytes[sh + 32..sh + 40].copy_from_slice(&(1u64 << 60).to_le_bytes());
+    let e = ElfImage::from_bytes(Path::new("huge.so"), &bytes).unwrap_err();
+    let msg = format!("{e:#}");
+    assert!(msg.contains("huge.so is not a valid ELF object"), "{msg}");
+    assert!(msg.contains("over dynprof's cap"), "{msg}");
+}
+
+#[test]
+fn a_truncated_file_is_an_error() {
+    let bytes = this_binary();
+    for keep in [0, 3, 16, 63, 64, 1000, bytes.len() / 2, bytes.len() - 1] {
+        let r = ElfImage::from_bytes(Path::new("cut.so"), &bytes[..keep]);
+        // Section headers sit at the end: every cut loses them.
+        let e = r.unwrap_err();
+        assert!(format!("{e:#}").contains("cut.so"), "{keep}: {e:#}");
+    }
+}
+
+#[test]
+fn a_file_that_shrinks_while_read_is_an_error_not_a_crash() {
+    let dir = std::env::temp_dir().join(format!("dynprof-elf-shrink-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("lib.so");
+    std::fs::write(&path, this_binary()).unwrap();
+    let f = rootfs::open_regular(&path).unwrap();
+    // After fstat, before the reads: what a hostile target does.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let e = ElfImage::from_file(&path, f).unwrap_err();
+    assert!(format!("{e:#}").contains("reading its"), "{e:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

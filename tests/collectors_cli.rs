@@ -1,0 +1,331 @@
+//! The built-in collectors driven through the command line (`dynprof attach`
+//! with windows from flags), `dynprof report` on what they wrote, and the
+//! API sets of other runtimes (a fake CUDA) and user-defined APIs.
+
+#[path = "collectors_util.rs"]
+mod collectors_util;
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use collectors_util::*;
+use common::*;
+use dynprof::{
+    collect::{CollectorOptions, parse_collect},
+    output::chrome_trace::validate_trace,
+};
+
+/// Runs `dynprof attach` on `pid` with `args` (plus `-o out`) to completion
+/// and returns the one PROF directory it wrote.
+fn cli_window(pid: u32, out: &Path, args: &[&str]) -> PathBuf {
+    let o = Command::new(dynprof_bin())
+        .args([
+            "attach",
+            "--pid",
+            &pid.to_string(),
+            "--marker",
+            "exe:optimizer_step",
+            "--json",
+            "-o",
+        ])
+        .arg(out)
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "dynprof attach failed: {stderr}");
+    let dirs: Vec<PathBuf> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("PROF_")
+        })
+        .collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}\n{stderr}");
+    dirs.into_iter().next().unwrap()
+}
+
+fn json_file(p: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+        .unwrap()
+}
+
+/// `--ring-buffer-kb 4`: a one-page ring, thousands of API calls per step.
+/// The window's summary and meta.json count every lost event:
+/// calls recorded + api drops == calls made, exactly.
+#[test]
+fn collectors_cli_small_ring_buffer() {
+    require_privileges!();
+    let _g = serial();
+    let dir = scratch_dir("collectors_cli_small_ring_buffer");
+    let calls_per_step = 4000u64;
+    // 20 ms of host work per step leaves the scheduler time to arm.
+    let (p, _) = acl_trainer(
+        &dir,
+        &[
+            "--calls-per-step",
+            &calls_per_step.to_string(),
+            "--cpu-us",
+            "20000",
+        ],
+    );
+    let prof = cli_window(
+        p.pid,
+        &dir.join("out"),
+        &[
+            "--start-step",
+            "10",
+            "--active",
+            "3",
+            "--collect",
+            "api",
+            "--ring-buffer-kb",
+            "4",
+            // Woken only at boundaries and ticks: a 4 KiB ring must overflow.
+            "--ring-wake-kb",
+            "1024",
+        ],
+    );
+    let summary = json_file(&prof.join("summary.json"));
+    let meta = json_file(&prof.join("meta.json"));
+    let recorded = summary["api_calls"].as_u64().unwrap();
+    let dropped = summary["drops"]["api"].as_u64().unwrap();
+    eprintln!(
+        "recorded {recorded} + dropped {dropped} of {} calls",
+        3 * (calls_per_step + 2)
+    );
+    assert!(dropped > 0, "{summary}");
+    assert_eq!(recorded + dropped, 3 * (calls_per_step + 2), "{summary}");
+    assert_eq!(meta["drops"]["api"].as_u64(), Some(dropped), "{meta}");
+    // `report` says so too.
+    let o = Command::new(dynprof_bin())
+        .arg("report")
+        .arg(&prof)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains(&format!("api={dropped}")), "{text}");
+}
+
+/// The default collectors through `dynprof attach` and `dynprof report`.
+#[test]
+fn collectors_cli_window_and_report() {
+    require_privileges!();
+    let _g = serial();
+    let dir = scratch_dir("collectors_cli_window_and_report");
+    let (p, _) = acl_trainer(
+        &dir,
+        &["--launches", "8", "--kernel-us", "4000", "--cpu-us", "2000"],
+    );
+    let prof = cli_window(
+        p.pid,
+        &dir.join("out"),
+        &[
+            "--start-step",
+            "5",
+            "--warmup",
+            "1",
+            "--active",
+            "4",
+            "--cpu-hz",
+            "499",
+        ],
+    );
+    for f in [
+        "steps.csv",
+        "api_summary.csv",
+        "cpu.folded",
+        "flamegraph.svg",
+        "offcpu.folded",
+        "offcpu.svg",
+        "trace.json",
+        "summary.json",
+        "meta.json",
+    ] {
+        assert!(prof.join(f).is_file(), "{f} missing in {}", prof.display());
+    }
+    let trace = json_file(&prof.join("trace.json"));
+    validate_trace(&trace).unwrap();
+    let rows = steps_csv(&prof);
+    assert_eq!(rows.len(), 4);
+    assert!(rows.iter().all(|r| r["api_calls"] == 10), "{rows:?}");
+    let o = Command::new(dynprof_bin())
+        .arg("report")
+        .arg(&prof)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let r = if r.is_array() { r[0].clone() } else { r };
+    assert_eq!(r["verdict"]["bound"], "device-bound", "{r}");
+}
+
+// ------------------------------------------------------------ CUDA tables
+
+/// A stand-in CUDA runtime (`libcudart.so.12`) and driver (`libcuda.so.1`)
+/// with the real entry-point names, and a trainer that uses them: the CUDA
+/// API tables resolve by library and symbol name exactly as on a GPU host.
+const FAKE_CUDA_C: &str = r#"
+#include <time.h>
+#include <stddef.h>
+static void sleep_us(long us) { struct timespec ts = { us / 1000000, (us % 1000000) * 1000 }; nanosleep(&ts, 0); }
+#define API __attribute__((visibility("default"), noinline))
+#ifdef RUNTIME
+API int cudaLaunchKernel(const void *f, unsigned gx, unsigned bx, void **args, size_t shm, void *s) { return 0; }
+API int cudaMemcpy(void *d, const void *s, size_t n, int kind) { return 0; }
+API int cudaMemcpyAsync(void *d, const void *s, size_t n, int kind, void *st) { return 0; }
+API int cudaStreamSynchronize(void *s) { sleep_us(2000); return 0; }
+API int cudaDeviceSynchronize(void) { sleep_us(1000); return 0; }
+API int cudaEventSynchronize(void *e) { return 0; }
+API int cudaMalloc(void **p, size_t n) { *p = 0; return 0; }
+API int cudaFree(void *p) { return 0; }
+#else
+API int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                       unsigned shm, void *s, void **args, void **extra) { return 0; }
+#endif
+"#;
+
+const CUDA_TRAINER_C: &str = r#"
+#include <stdio.h>
+#include <stddef.h>
+#include <time.h>
+#include <unistd.h>
+int cudaLaunchKernel(const void *, unsigned, unsigned, void **, size_t, void *);
+int cudaMemcpyAsync(void *, const void *, size_t, int, void *);
+int cudaStreamSynchronize(void *);
+int cudaMalloc(void **, size_t);
+int cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+volatile int sink;
+__attribute__((noinline, visibility("default"))) void train_step(int i) { sink = i; }
+__attribute__((noinline, visibility("default"))) void my_allreduce(void) {
+    struct timespec ts = { 0, 500000 }; nanosleep(&ts, 0);
+}
+int main(void) {
+    void *p; char buf[64];
+    cudaMalloc(&p, 64);
+    printf("ready %d\n", getpid()); fflush(stdout);
+    for (int i = 1;; i++) {
+        for (int k = 0; k < 4; k++) cudaLaunchKernel(0, 1, 1, 0, 0, 0);
+        cuLaunchKernel(0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0);
+        cuLaunchKernel(0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0);
+        cudaMemcpyAsync(p, buf, sizeof buf, 1, 0);
+        cudaStreamSynchronize(0);
+        my_allreduce();
+        train_step(i);
+    }
+}
+"#;
+
+fn build_fake_cuda(dir: &Path) -> PathBuf {
+    let src = dir.join("fake_cuda.c");
+    std::fs::write(&src, FAKE_CUDA_C).unwrap();
+    let tsrc = dir.join("cuda_trainer.c");
+    std::fs::write(&tsrc, CUDA_TRAINER_C).unwrap();
+    let gcc = |args: &[&str]| {
+        let o = Command::new("gcc")
+            .current_dir(dir)
+            .args(args)
+            .output()
+            .expect("gcc");
+        assert!(
+            o.status.success(),
+            "gcc {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    let flags = ["-O2", "-g", "-fno-omit-frame-pointer", "-shared", "-fPIC"];
+    gcc(&[
+        &flags[..],
+        &[
+            "-DRUNTIME",
+            "-Wl,-soname,libcudart.so.12",
+            "-o",
+            "libcudart.so.12",
+            "fake_cuda.c",
+        ],
+    ]
+    .concat());
+    gcc(&[
+        &flags[..],
+        &[
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            "libcuda.so.1",
+            "fake_cuda.c",
+        ],
+    ]
+    .concat());
+    gcc(&[
+        "-O2",
+        "-g",
+        "-fno-omit-frame-pointer",
+        "-o",
+        "cuda_trainer",
+        "cuda_trainer.c",
+        "-L.",
+        "-l:libcudart.so.12",
+        "-l:libcuda.so.1",
+        "-Wl,-rpath,$ORIGIN",
+    ]);
+    dir.join("cuda_trainer")
+}
+
+#[test]
+fn collectors_cuda_tables_and_user_api() {
+    require_privileges!();
+    let _g = serial();
+    let dir = scratch_dir("collectors_cuda_tables_and_user_api");
+    let exe = build_fake_cuda(&dir);
+    let p = Proc::spawn_ready(&mut Command::new(&exe));
+    let opts = CollectorOptions {
+        apis: vec![dynprof::collect::apis::parse_api_spec("exe:my_allreduce,wait").unwrap()],
+        ..Default::default()
+    };
+    let run = record_window(
+        p.pid,
+        exe_marker("train_step"),
+        parse_collect("api").unwrap(),
+        opts,
+        (3, 7),
+        4096,
+        &dir,
+        None,
+    );
+    let d = &run.data;
+    assert_eq!(d.steps.len(), 4);
+    let rows = steps_csv(&run.dir);
+    for (i, s) in d.steps.iter().enumerate() {
+        let ours: Vec<_> = d
+            .api_calls
+            .iter()
+            .filter(|c| c.start_ts_ns >= s.start_ts_ns && c.start_ts_ns < s.end_ts_ns)
+            .collect();
+        let counts = count_by(ours.iter().map(|c| c.api.as_str()));
+        let expected: BTreeMap<String, u64> = [
+            ("cudaLaunchKernel".to_string(), 4),
+            ("cuLaunchKernel".to_string(), 2),
+            ("cudaMemcpyAsync".to_string(), 1),
+            ("cudaStreamSynchronize".to_string(), 1),
+            ("my_allreduce".to_string(), 1),
+        ]
+        .into();
+        assert_eq!(counts, expected, "step {}", s.step);
+        for c in &ours {
+            assert_eq!(
+                c.device_wait,
+                c.api == "cudaStreamSynchronize" || c.api == "my_allreduce",
+                "{c:?}"
+            );
+        }
+        // 2 ms synchronize + 0.5 ms user wait, both slept for at least that.
+        assert!(rows[i]["device_wait_ns"] >= 2_500_000, "{:?}", rows[i]);
+    }
+}
