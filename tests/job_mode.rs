@@ -162,10 +162,18 @@ struct Group {
 }
 
 impl Group {
-    fn start(dir: &Path, unshare: bool, wait_training: bool) -> Group {
+    /// With `gate`, the launcher starts no rank until that file exists
+    /// (a launcher waiting for its scheduler's go).
+    fn start(dir: &Path, unshare: bool, wait_training: bool, gate: Option<&Path>) -> Group {
         use std::os::unix::process::CommandExt as _;
         let script = workspace_root().join("tests/fixtures/ddp_train.py");
         let mut sh = String::new();
+        if let Some(g) = gate {
+            sh.push_str(&format!(
+                "while [ ! -e '{}' ]; do sleep 0.05; done\n",
+                g.display()
+            ));
+        }
         for r in 0..WORLD {
             let burn = if r == SLOW { "60" } else { "0" };
             sh.push_str(&format!(
@@ -226,21 +234,27 @@ fn ddp_job_by_launcher_pid() {
     require_privileges!();
     let _one = one_job();
     let dir = scratch_dir("job_mode-launcher");
-    // Attached while the job is still starting: the ranks are importing
-    // torch (over a second here), so discovery finds none at first and
-    // waits (--wait-for-marker) until WORLD_SIZE ranks have loaded it.
-    let g = Group::start(&dir, false, false);
+    // Attached before the launcher has started any rank: discovery finds
+    // none and waits (--wait-for-marker) until WORLD_SIZE ranks have loaded
+    // torch. The launcher starts them once dynprof says it is waiting.
+    let gate = dir.join("go");
+    let _ = std::fs::remove_file(&gate);
+    let g = Group::start(&dir, false, false, Some(&gate));
     let sh = g.leader.id().to_string();
-    let (job, stderr) = attach_job(
-        &dir.join("out"),
-        &["--job", &sh, "--wait-for-marker", "120"],
-        None,
-    );
+    let out = dir.join("out");
+    let args = job_args(&out, &["--job", &sh, "--wait-for-marker", "120"]);
+    let mut d = attach_util::Dynprof::spawn(Command::new(dynprof_bin()).args(&args), args.clone());
+    d.wait_stderr("dynprof: job: waiting for its ranks (", Duration::from_secs(60));
+    std::fs::write(&gate, b"").unwrap();
+    let fin = d.finish(Duration::from_secs(300));
+    assert!(fin.status.success(), "dynprof failed: {fin}");
     assert!(
-        stderr.contains("dynprof: job: waiting for its ranks ("),
-        "{stderr}"
+        fin.stderr
+            .contains(&format!("job of {WORLD} rank(s) (ranks from Rank)")),
+        "{}",
+        fin.stderr
     );
-    check_job(&dir, &job, false);
+    check_job(&dir, &job_dir(&out), false);
 
     // `dynprof ps --jobs` shows the job held by the shell, with its 4 ranks
     // by RANK and the --job reference to use.
@@ -271,7 +285,7 @@ fn ddp_job_by_pid_namespace() {
     require_privileges!();
     let _one = one_job();
     let dir = scratch_dir("job_mode-pidns");
-    let g = Group::start(&dir, true, true);
+    let g = Group::start(&dir, true, true, None);
     // unshare's child is the namespace's PID 1.
     let init = children(g.leader.id());
     assert_eq!(init.len(), 1, "{init:?}");
@@ -280,10 +294,10 @@ fn ddp_job_by_pid_namespace() {
     check_job(&dir, &job, false);
 }
 
-/// Runs `dynprof attach JOB-ARGS` with the test's plan; returns the job directory.
-fn attach_job(out: &Path, job_args: &[&str], stranger: Option<u32>) -> (PathBuf, String) {
+/// `attach JOB-ARGS` with the test's plan, into `out`.
+fn job_args(out: &Path, job: &[&str]) -> Vec<String> {
     let mut args: Vec<&str> = vec!["attach"];
-    args.extend_from_slice(job_args);
+    args.extend_from_slice(job);
     let (w, a) = (WARMUP.to_string(), ACTIVE.to_string());
     args.extend_from_slice(&[
         "--warmup",
@@ -297,6 +311,14 @@ fn attach_job(out: &Path, job_args: &[&str], stranger: Option<u32>) -> (PathBuf,
         "-o",
         out.to_str().unwrap(),
     ]);
+    args.into_iter().map(String::from).collect()
+}
+
+/// Runs `dynprof attach JOB-ARGS` with the test's plan; returns the job
+/// directory and dynprof's stderr.
+fn attach_job(out: &Path, job: &[&str], stranger: Option<u32>) -> (PathBuf, String) {
+    let args = job_args(out, job);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (st, stdout, stderr) = attach_util_run(&args);
     assert!(
         st.success(),
