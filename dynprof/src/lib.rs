@@ -8,6 +8,12 @@
 //! scheduler, and the [`window::collector`] contract it drives) → `collect`
 //! (the collectors and hooks implementing it) → `discover`/`commands`.
 //! No module imports one that imports it back.
+// Every dependency of the library is used by it (the binary and the test
+// crates share the manifest, so the lint is set here, not workspace-wide).
+#![warn(unused_crate_dependencies)]
+// The binary's logger (main.rs); the library only logs through `log`.
+use env_logger as _;
+
 pub mod bpf;
 pub mod cli;
 pub mod collect;
