@@ -60,7 +60,10 @@ fn window(pid: u32, out: &Path, collect: &str) -> (PathBuf, Vec<(Vec<String>, u6
         })
         .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
     let stacks = std::fs::read_to_string(prof.join(format!("{collect}.folded")))
-        .unwrap()
+        .unwrap_or_else(|e| {
+            let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap_or_default();
+            panic!("{}: {e}\nmeta.json: {meta}\nstderr: {stderr}", prof.display())
+        })
         .lines()
         .filter_map(|l| {
             let (s, n) = l.rsplit_once(' ')?;

@@ -34,6 +34,10 @@ pub enum Need {
     TorchNpuDp,
     /// `--chown`: each finished window is handed to another uid.
     Chown,
+    /// Added by this module, never asked for: `perf_event_paranoid` is 3
+    /// or more (Debian's and Ubuntu's kernel patch), where perf_event_open
+    /// needs CAP_SYS_ADMIN whatever else the caller holds.
+    PerfParanoid,
 }
 
 use Capability::*;
@@ -92,6 +96,11 @@ const JOB_FILE_OWNER: Req = (
     CAP_CHOWN,
     "to give the rewritten profiler_config.json to the owner of the job's directory",
 );
+const PERF_PARANOID: Req = (
+    CAP_SYS_ADMIN,
+    "perf_event_paranoid is 3 or more on this host (a Debian/Ubuntu kernel patch): \
+     perf_event_open, for the cpu and offcpu collectors, needs CAP_SYS_ADMIN",
+);
 const JOB_DIR: Req = (
     CAP_DAC_OVERRIDE,
     "to write profiler_config.json into the job's directory, owned by the job's user",
@@ -125,6 +134,7 @@ impl Need {
             }
             Need::TorchNpuDp => vec![PTRACE, JOB_DIR, JOB_FILE_OWNER],
             Need::Chown => vec![WINDOW_OWNER],
+            Need::PerfParanoid => vec![PERF_PARANOID],
         }
     }
 }
@@ -133,6 +143,25 @@ impl Need {
 pub fn sorted(s: &CapsHashSet) -> Vec<Capability> {
     let mut v: Vec<Capability> = s.iter().copied().collect();
     v.sort_by_key(|c| *c as u8);
+    v
+}
+
+/// `/proc/sys/kernel/perf_event_paranoid` (2, the upstream default, when
+/// it cannot be read).
+fn perf_event_paranoid() -> i32 {
+    std::fs::read_to_string("/proc/sys/kernel/perf_event_paranoid")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(2)
+}
+
+/// `needs` plus what this host adds: with `perf_event_paranoid` at 3 or
+/// more, the perf-event collectors need [`Need::PerfParanoid`].
+pub fn with_host_needs(needs: &[Need], paranoid: i32) -> Vec<Need> {
+    let mut v = needs.to_vec();
+    if paranoid >= 3 && needs.iter().any(|n| matches!(n, Need::Cpu | Need::Offcpu)) {
+        v.push(Need::PerfParanoid);
+    }
     v
 }
 
@@ -194,12 +223,14 @@ fn name(n: Need) -> &'static str {
         Need::Msprof => "collector msprof",
         Need::TorchNpuDp => "collector torch-npu-dp",
         Need::Chown => "--chown",
+        Need::PerfParanoid => "perf_event_paranoid",
     }
 }
 
 /// Fails, naming each missing capability and what needs it, unless the
 /// effective set holds everything `needs` asks for.
 pub fn check(needs: &[Need]) -> Result<()> {
+    let needs = &with_host_needs(needs, perf_event_paranoid());
     let eff = caps::read(None, CapSet::Effective).context("reading dynprof's capabilities")?;
     let miss = missing(needs, &eff);
     if miss.is_empty() {
@@ -241,6 +272,7 @@ fn set_to_string(s: &CapsHashSet) -> String {
 /// has a bounding set no larger than that already). Fails closed: any
 /// error, or a set that reads back larger than asked, is an error.
 pub fn drop_after_attach(needs: &[Need]) -> Result<Vec<Capability>> {
+    let needs = &with_host_needs(needs, perf_event_paranoid());
     let wanted = set_of(needs, true);
     let permitted = caps::read(None, CapSet::Permitted).context("reading CapPrm")?;
     let effective = caps::read(None, CapSet::Effective).context("reading CapEff")?;
@@ -499,4 +531,15 @@ mod tests {
         assert!(!set_of(&[Need::Attach, Need::Api], true).contains(&CAP_BPF));
         assert_eq!(sorted(&set_of(&[Need::Attach], true)), vec![CAP_SYS_PTRACE]);
     }
+
+    #[test]
+    fn a_paranoid_3_kernel_keeps_sys_admin_for_the_perf_event_collectors() {
+        let plain = with_host_needs(&[Need::Attach, Need::Cpu], 2);
+        assert!(!set_of(&plain, true).contains(&CAP_SYS_ADMIN));
+        let debian = with_host_needs(&[Need::Attach, Need::Cpu], 3);
+        assert!(set_of(&debian, true).contains(&CAP_SYS_ADMIN));
+        // Without a perf-event collector nothing is added.
+        assert_eq!(with_host_needs(&[Need::Attach, Need::Api], 3).len(), 2);
+    }
+
 }

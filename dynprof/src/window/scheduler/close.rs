@@ -26,7 +26,7 @@ impl Scheduler {
         };
         let mut complete = complete;
         let mut reason = reason;
-        let mut errors: Vec<String> = Vec::new();
+        let mut errors: Vec<String> = w.errors.clone();
 
         let mut hooks_meta = Map::new();
         if s.hooks_started {

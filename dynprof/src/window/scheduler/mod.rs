@@ -112,6 +112,8 @@ struct OpenWindow {
     started_at: String,
     req: PlanRequest,
     info: WindowInfo,
+    /// Collectors the window asked for that could not be armed.
+    errors: Vec<String>,
 }
 
 /// Where a step boundary's actions are carried out.
@@ -135,6 +137,9 @@ pub struct Scheduler {
     opts: SchedulerOptions,
     collectors: Vec<Box<dyn Collector>>,
     armed: Vec<bool>,
+    /// Why each collector's last arming failed (cleared when it arms): a
+    /// window that asked for it records the reason and is not complete.
+    arm_error: Vec<Option<String>>,
     hooks: Vec<Box<dyn WindowHook>>,
     /// Plans, the open window's steps, the deferred request.
     state: WindowState,
@@ -163,6 +168,7 @@ impl Scheduler {
             opts,
             collectors: Vec::new(),
             armed: Vec::new(),
+            arm_error: Vec::new(),
             hooks: Vec::new(),
             window: None,
             written: Vec::new(),
@@ -198,6 +204,7 @@ impl Scheduler {
     pub fn add_collector(&mut self, c: Box<dyn Collector>) {
         self.collectors.push(c);
         self.armed.push(false);
+        self.arm_error.push(None);
     }
 
     /// Registers a hook; it is driven at every window's boundaries.
@@ -347,13 +354,17 @@ impl Scheduler {
                 continue;
             }
             match self.collectors[i].arm(kernel, &target) {
-                Ok(()) => self.armed[i] = true,
+                Ok(()) => {
+                    self.armed[i] = true;
+                    self.arm_error[i] = None;
+                }
                 Err(e) => {
                     let msg = format!(
                         "collector {} could not be armed: {e:#}",
                         self.collectors[i].name()
                     );
                     log::warn!("{msg}");
+                    self.arm_error[i] = Some(msg.clone());
                     if let Some(c) = &mut self.config {
                         c.error(&msg);
                     }
@@ -534,6 +545,18 @@ impl Scheduler {
         let collectors: Vec<usize> = (0..self.collectors.len())
             .filter(|i| self.armed[*i])
             .collect();
+        // A collector the window asked for that is not armed: its data is
+        // missing, and the window must not pass for complete.
+        let errors: Vec<String> = self
+            .collector_indices(req.collect.as_ref())
+            .into_iter()
+            .filter(|i| !self.armed[*i])
+            .map(|i| {
+                self.arm_error[i].clone().unwrap_or_else(|| {
+                    format!("collector {} was not armed", self.collectors[i].name())
+                })
+            })
+            .collect();
         let w = OpenWindow {
             open_ts_ns: ts,
             last_ts_ns: ts,
@@ -545,6 +568,7 @@ impl Scheduler {
             started_at: crate::sys::clock::local_timestamp_human(),
             req,
             info,
+            errors,
         };
         if start_hooks {
             for h in &mut self.hooks {
