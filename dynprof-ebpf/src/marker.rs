@@ -1,0 +1,144 @@
+//! Step and aux markers: count the hit, evaluate the plan, flip the gate,
+//! emit the boundary; and the empty uprobe the bench compares them with.
+use super::*;
+
+/// Does the marker's string argument start with its prefix?
+#[inline(always)]
+fn prefix_matches(regs: *const pt_regs, cfg: &MarkerConfig) -> bool {
+    let Some(mut value) = read_reg(regs, cfg.arg_reg) else {
+        return false;
+    };
+    if cfg.arg_in_memory != 0 {
+        let addr = (value as i64).wrapping_add(cfg.arg_offset) as *const u64;
+        value = match unsafe { bpf_probe_read_user(addr) } {
+            Ok(v) => v,
+            Err(_) => return false,
+        };
+    }
+    if cfg.arg_mode == arg_mode::STD_STRING {
+        // libstdc++: the first word of a std::string is `_M_p`, the data.
+        value = match unsafe { bpf_probe_read_user(value as *const u64) } {
+            Ok(v) => v,
+            Err(_) => return false,
+        };
+    }
+    // Zeroed, so bytes past the string's NUL compare as 0: a prefix that
+    // ends in NUL (user space's `eq=`) then tests whole-string equality.
+    // Left uninitialised on purpose: zeroing it compiles to a memset call,
+    // which BPF cannot make. The helper NUL-terminates what it reads, so a
+    // shorter string mismatches at its NUL before any stale byte is compared,
+    // and a prefix that ends in NUL (user space's `eq=`) tests equality.
+    let mut buf = core::mem::MaybeUninit::<[u8; PREFIX_LEN]>::uninit();
+    let got = unsafe {
+        generated::bpf_probe_read_user_str(
+            buf.as_mut_ptr().cast(),
+            PREFIX_LEN as u32,
+            value as *const _,
+        )
+    };
+    if got < 0 {
+        return false;
+    }
+    let buf = buf.as_ptr() as *const u8;
+    let n = cfg.prefix_len as usize;
+    let mut i = 0;
+    while i < PREFIX_LEN {
+        if i >= n {
+            break;
+        }
+        // SAFETY: i < PREFIX_LEN, the length of both arrays.
+        if unsafe { *buf.add(i) != *cfg.prefix.as_ptr().add(i) } {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// Attached at every step and aux marker; the cookie is the marker index.
+#[uprobe]
+pub fn dynprof_marker(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let marker = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    marker_hit(ctx.regs, tid, marker)
+}
+
+/// [`dynprof_marker`] for kernels without attach cookies: the marker is
+/// found by the probed address.
+#[uprobe]
+pub fn dynprof_marker_ip(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let Some(ip) = read_reg(ctx.regs, reg::IP) else {
+        return 0;
+    };
+    let Some(marker) = (unsafe { MARKER_BY_IP.get(&ip) }).copied() else {
+        count_drop(drop_slot::UNKNOWN_ADDR);
+        return 0;
+    };
+    marker_hit(ctx.regs, tid, marker)
+}
+
+#[inline(always)]
+fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
+    let Some(cfg) = MARKERS.get(marker) else {
+        return 0;
+    };
+    if cfg.arg_mode != arg_mode::NONE && !prefix_matches(regs, cfg) {
+        return 0;
+    }
+    let ts_ns = unsafe { bpf_ktime_get_ns() };
+    if let Some(h) = HITS.get_ptr_mut(marker) {
+        unsafe { *h += 1 };
+    }
+    let Some(state) = STATE.get_ptr_mut(0) else {
+        return 0;
+    };
+    let (step, gate, wake) = if cfg.role == role::STEP {
+        // Several threads may hit step markers; the counter must not lose one.
+        // aya-build links for BPF cpu v1, whose XADD cannot return the old
+        // value: add atomically (no hit is ever lost), then read back. Two
+        // threads hitting at the same instant may read the same index.
+        let k = unsafe {
+            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*state).step_hits, 1);
+            core::ptr::read_volatile(&raw const (*state).step_hits)
+        };
+        let (open, wake) = match PLAN.get(0) {
+            Some(p) => p.at(k),
+            None => (false, false),
+        };
+        let was_open = unsafe { (*state).gate != 0 };
+        unsafe { (*state).gate = open as u64 };
+        (k, open, wake || open != was_open)
+    } else {
+        unsafe { ((*state).step_hits, (*state).gate != 0, false) }
+    };
+    let flags = if wake {
+        ringbuf::FORCE_WAKEUP
+    } else {
+        batched()
+    };
+    emit(
+        StepEvent {
+            hdr: EventHeader {
+                kind: kind::STEP,
+                tid,
+                ts_ns,
+            },
+            marker,
+            role: cfg.role,
+            step,
+            gate: gate as u32,
+            woke: (flags == ringbuf::FORCE_WAKEUP) as u32,
+        },
+        drop_slot::STEP,
+        flags,
+    );
+    0
+}
+
+/// An empty uprobe, the baseline that `cargo xtask bench` compares the
+/// marker program against.
+#[uprobe]
+pub fn dynprof_empty(_ctx: ProbeContext) -> u32 {
+    0
+}

@@ -1,0 +1,53 @@
+//! The offcpu collector: a target thread's time off the CPU, from
+//! sched_switch, with its stacks at switch-out.
+use super::*;
+
+// Offsets in the sched/sched_switch tracepoint record (stable ABI, see
+// /sys/kernel/tracing/events/sched/sched_switch/format).
+const PREV_PID: usize = 24;
+const NEXT_PID: usize = 56;
+
+/// Off-CPU time: remember when a target thread leaves the CPU (with its
+/// stacks, taken while it is still `current`), emit when it comes back.
+#[tracepoint]
+pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(tid) = target_tid() {
+        let prev: i32 = unsafe { ctx.read_at(PREV_PID) }.unwrap_or(-1);
+        if prev as u32 == tid && tid != 0 && gate_open() {
+            let rec = OffCpuStart {
+                ts_ns: now,
+                user_stack: stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::OFFCPU_STACK),
+                kernel_stack: stack_id(&ctx, 0, drop_slot::OFFCPU_STACK),
+            };
+            if OFFCPU_START.insert(tid, rec, 0).is_err() {
+                count_drop(drop_slot::OFFCPU);
+            } else {
+                stack_copy::emit_offcpu_python(tid, now, batched());
+            }
+        }
+    }
+    let next: i32 = unsafe { ctx.read_at(NEXT_PID) }.unwrap_or(0);
+    if next <= 0 {
+        return 0;
+    }
+    let next = next as u32;
+    if let Some(start) = unsafe { OFFCPU_START.get(&next) }.copied() {
+        let _ = OFFCPU_START.remove(&next);
+        emit(
+            OffCpuEvent {
+                hdr: EventHeader {
+                    kind: kind::OFFCPU,
+                    tid: next,
+                    ts_ns: start.ts_ns,
+                },
+                dur_ns: now.saturating_sub(start.ts_ns),
+                user_stack: start.user_stack,
+                kernel_stack: start.kernel_stack,
+            },
+            drop_slot::OFFCPU,
+            batched(),
+        );
+    }
+    0
+}
