@@ -8,6 +8,7 @@
 //! scheduler, and the [`window::collector`] contract it drives) → `collect`
 //! (the collectors and hooks implementing it) → `discover`/`commands`.
 //! No module imports one that imports it back.
+pub mod agent;
 pub mod bpf;
 pub mod cli;
 pub mod collect;

@@ -755,31 +755,8 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
 
 /// `dynprof ps --jobs`.
 pub fn ps_jobs(json_out: bool) -> Result<()> {
-    use crate::job::group::{self, Proc};
-    let procs: Vec<Proc> = crate::discover::scan(true)
-        .into_iter()
-        .map(|i| Proc {
-            cand: crate::job::discover::Candidate {
-                host_pid: i.host_pid,
-                ppid: i.ppid,
-                ai: i.ai,
-                launcher: i.is_launcher(),
-                env: crate::target::RankEnv {
-                    rank: i.rank,
-                    local_rank: i.local_rank,
-                    world_size: i.world_size,
-                },
-            },
-            launcher: i.launcher,
-            child_pidns: if i.ns_pids.len() > 1 {
-                i.pid_ns.clone()
-            } else {
-                None
-            },
-            container: i.container.as_ref().map(|c| c.short().to_string()),
-            comm: i.comm.clone(),
-        })
-        .collect();
+    use crate::job::group;
+    let procs = group::procs_of(&crate::discover::scan(true));
     let jobs = group::group(&procs);
     if json_out {
         for j in &jobs {

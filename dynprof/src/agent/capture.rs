@@ -1,0 +1,284 @@
+//! `POST /capture`: a job-mode window on one job's ranks, run by a child
+//! `dynprof attach --pids …` (the agent detaches from those ranks first and
+//! attaches again when the child is done), written under `--output` as an
+//! ordinary `PROF_JOB_*` directory, listed in `captures.json`.
+//!
+//! Across nodes: every agent given the same `start_at` (UNIX seconds)
+//! starts its window at the same job step, counted from the first step
+//! boundary of its reference rank at or after that instant (see
+//! docs/fleet.md for the clock assumption).
+use std::{process::Stdio, time::Duration};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt as _;
+
+use super::{Shared, metrics::CaptureLabels, metrics::CaptureState};
+use crate::types::{Builtin, HostPid};
+
+/// Largest `active`/`warmup`/`start_step` a request may ask for.
+pub const MAX_STEPS: u64 = 100_000;
+/// How far ahead `start_at` may be.
+pub const MAX_AHEAD: Duration = Duration::from_secs(24 * 3600);
+
+/// The JSON body of `POST /capture`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    /// The job: its `--job` reference (`dynprof ps --jobs`, the `job`
+    /// label), or any rank's host PID with `pid`.
+    #[serde(default)]
+    pub job: Option<String>,
+    #[serde(default)]
+    pub pid: Option<u32>,
+    /// Steps recorded (job steps, as `attach --job --active`).
+    pub active: u64,
+    #[serde(default)]
+    pub warmup: u64,
+    /// Job steps after the alignment (or after the first boundary at or
+    /// after `start_at`) before the window; default: as soon as possible.
+    #[serde(default)]
+    pub start_step: Option<u64>,
+    /// Built-in collectors (`api`, `cpu`, `offcpu`); default all.
+    #[serde(default)]
+    pub collect: Option<Vec<String>>,
+    /// A common start instant (UNIX seconds) for every node's agent.
+    #[serde(default)]
+    pub start_at: Option<f64>,
+}
+
+/// A request checked and tied to the ranks it names.
+#[derive(Debug)]
+pub struct Accepted {
+    pub id: String,
+    pub pids: Vec<HostPid>,
+    pub req: Request,
+}
+
+/// One capture, as `GET /captures` and `captures.json` list it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Record {
+    pub id: String,
+    pub node: String,
+    pub state: CaptureState,
+    pub job: String,
+    pub pids: Vec<HostPid>,
+    pub request: Request,
+    /// The capture's directory under `--output` (it holds the PROF_JOB_*).
+    pub dir: String,
+    /// The `PROF_JOB_*` directory written, relative to `--output`.
+    pub window: Option<String>,
+    pub error: Option<String>,
+    pub requested_at: String,
+}
+
+/// Checks a request's fields (the job is looked up by the caller).
+pub fn validate(r: &Request, now_unix: f64) -> Result<(), String> {
+    match (&r.job, r.pid) {
+        (Some(_), Some(_)) => return Err("give `job` or `pid`, not both".into()),
+        (None, None) => return Err("give `job` (a --job reference, the `job` label) or `pid` (a rank's host PID)".into()),
+        (Some(j), None) if j.is_empty() || j.len() > 128 => {
+            return Err("`job` must be 1..=128 characters".into());
+        }
+        _ => {}
+    }
+    if r.active == 0 || r.active > MAX_STEPS {
+        return Err(format!("`active` must be 1..={MAX_STEPS}"));
+    }
+    if r.warmup > MAX_STEPS || r.start_step.is_some_and(|s| s > MAX_STEPS) {
+        return Err(format!("`warmup` and `start_step` must be at most {MAX_STEPS}"));
+    }
+    if let Some(c) = &r.collect {
+        for name in c {
+            if Builtin::from_name(name).is_none() {
+                return Err(format!(
+                    "unknown collector {:?} in `collect`; known: {}",
+                    crate::sys::hostfs::escape_untrusted(name),
+                    Builtin::names()
+                ));
+            }
+        }
+    }
+    if let Some(t) = r.start_at {
+        if !t.is_finite() || t <= 0.0 {
+            return Err("`start_at` must be a UNIX time in seconds".into());
+        }
+        if t < now_unix - 60.0 {
+            return Err(format!("`start_at` {t} is more than a minute in the past (now {now_unix:.3}); are the clocks synced?"));
+        }
+        if t > now_unix + MAX_AHEAD.as_secs_f64() {
+            return Err("`start_at` is more than 24 h ahead".into());
+        }
+    }
+    Ok(())
+}
+
+/// The child's command line (after the program name).
+pub fn child_args(a: &Accepted, out: &std::path::Path) -> Vec<String> {
+    let r = &a.req;
+    let mut v = vec![
+        "attach".to_string(),
+        "--pids".into(),
+        a.pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","),
+        "--active".into(),
+        r.active.to_string(),
+        "--warmup".into(),
+        r.warmup.to_string(),
+        "--output".into(),
+        out.display().to_string(),
+    ];
+    if let Some(s) = r.start_step {
+        v.extend(["--start-step".into(), s.to_string()]);
+    }
+    if let Some(c) = &r.collect {
+        v.extend(["--collect".into(), c.join(",")]);
+    }
+    if let Some(t) = r.start_at {
+        v.extend(["--start-at".into(), format!("{t:.6}")]);
+    }
+    v
+}
+
+fn set_state(shared: &Shared, id: &str, f: impl FnOnce(&mut Record)) {
+    let text = {
+        let mut st = shared.lock();
+        let Some(r) = st.captures.iter_mut().find(|r| r.id == id) else {
+            return;
+        };
+        f(r);
+        let by = |s| st.captures.iter().filter(|r| r.state == s).count() as i64;
+        for s in [CaptureState::running, CaptureState::written, CaptureState::failed] {
+            shared
+                .metrics
+                .captures
+                .get_or_create(&CaptureLabels {
+                    node: shared.cfg.node.clone(),
+                    state: s,
+                })
+                .set(by(s));
+        }
+        serde_json::to_vec_pretty(&st.captures).unwrap_or_default()
+    };
+    if let Err(e) = shared.output.dir().write_atomic(INDEX_FILE, &text) {
+        eprintln!("dynprof: agent: writing {INDEX_FILE}: {e}");
+    }
+}
+
+/// The index of captures under `--output`.
+pub const INDEX_FILE: &str = "captures.json";
+
+/// Registers a new capture as running.
+pub fn register(shared: &Shared, rec: Record) {
+    let id = rec.id.clone();
+    shared.lock().captures.push(rec);
+    set_state(shared, &id, |_| {});
+}
+
+/// Runs the child and records the outcome.
+pub async fn execute(shared: &Shared, a: Accepted) {
+    let id = a.id.clone();
+    let dir_name = format!("CAPTURE_{id}");
+    let out = match shared.output.dir().create_subdir(&dir_name, 0o755) {
+        Ok(d) => d.path().to_path_buf(),
+        Err(e) => {
+            set_state(shared, &id, |r| {
+                r.state = CaptureState::failed;
+                r.error = Some(format!("creating {dir_name}: {e}"));
+            });
+            return;
+        }
+    };
+    eprintln!(
+        "dynprof: agent: capture {id}: job-mode window on PIDs {:?}",
+        a.pids.iter().map(|p| p.0).collect::<Vec<_>>()
+    );
+    let mut cmd = tokio::process::Command::new("/proc/self/exe");
+    cmd.args(child_args(&a, &out))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let result = async {
+        let mut child = cmd.spawn().map_err(|e| format!("starting dynprof attach: {e}"))?;
+        let mut err = String::new();
+        if let Some(mut s) = child.stderr.take() {
+            // Bounded: a capture says a few lines per rank.
+            let _ = (&mut s).take(1 << 20).read_to_string(&mut err).await;
+        }
+        let st = child.wait().await.map_err(|e| format!("waiting for dynprof attach: {e}"))?;
+        for l in err.lines() {
+            eprintln!("dynprof: agent: capture {id}: {}", l.strip_prefix("dynprof: ").unwrap_or(l));
+        }
+        if st.success() {
+            Ok(())
+        } else {
+            let last = err
+                .lines()
+                .rev()
+                .find(|l| l.contains("error"))
+                .or_else(|| err.lines().last())
+                .unwrap_or("")
+                .to_string();
+            Err(format!("dynprof attach exited with {st}: {last}"))
+        }
+    }
+    .await;
+    let window = std::fs::read_dir(&out).ok().and_then(|rd| {
+        rd.filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .find(|n| n.starts_with(crate::job::JOB_DIR_PREFIX))
+            .map(|n| format!("{dir_name}/{n}"))
+    });
+    set_state(shared, &id, |r| {
+        r.window = window;
+        match result {
+            Ok(()) => r.state = CaptureState::written,
+            Err(e) => {
+                r.state = CaptureState::failed;
+                r.error = Some(e);
+            }
+        }
+    });
+    eprintln!("dynprof: agent: capture {id} done");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(v: serde_json::Value) -> Result<Request, String> {
+        let r: Request = serde_json::from_value(v).map_err(|e| e.to_string())?;
+        validate(&r, 1_800_000_000.0).map(|_| r)
+    }
+
+    #[test]
+    fn requests_checked() {
+        use serde_json::json;
+        assert!(req(json!({"job": "4242", "active": 3})).is_ok());
+        assert!(req(json!({"pid": 7, "active": 3, "warmup": 1, "collect": ["cpu"], "start_at": 1_800_000_010.5})).is_ok());
+        for bad in [
+            json!({"active": 3}),
+            json!({"job": "1", "pid": 1, "active": 3}),
+            json!({"job": "1", "active": 0}),
+            json!({"job": "1", "active": 3, "collect": ["gpu"]}),
+            json!({"job": "1", "active": 3, "start_at": 1.0}),
+            json!({"job": "1", "active": 3, "start_at": 1_900_000_000.0}),
+            json!({"job": "1", "active": 3, "bogus": 1}),
+            json!({"job": "1", "active": "three"}),
+            json!({"job": "", "active": 3}),
+        ] {
+            assert!(req(bad.clone()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn child_command_line() {
+        let a = Accepted {
+            id: "x".into(),
+            pids: vec![HostPid(10), HostPid(11)],
+            req: serde_json::from_value(serde_json::json!({"job": "9", "active": 2, "start_at": 5.25, "collect": ["cpu", "offcpu"]})).unwrap(),
+        };
+        assert_eq!(
+            child_args(&a, std::path::Path::new("/o")).join(" "),
+            "attach --pids 10,11 --active 2 --warmup 0 --output /o --collect cpu,offcpu --start-at 5.250000"
+        );
+    }
+}
