@@ -69,6 +69,15 @@ pub struct AttachArgs {
 
     #[command(flatten)]
     pub ring: RingArgs,
+
+    /// Job mode across nodes: a common start instant (UNIX seconds, e.g.
+    /// `date +%s.%N` plus a margin). The window starts --start-step S
+    /// (default 10) job steps after the reference rank's first step
+    /// boundary at or after that instant, so every node's dynprof given the
+    /// same instant and S records the same iterations (clocks NTP-synced
+    /// well within a step; docs/fleet.md).
+    #[arg(long, value_name = "UNIX_SECS", value_parser = crate::cli::secs(crate::cli::Zero::Refused))]
+    pub start_at: Option<Duration>,
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
@@ -80,6 +89,9 @@ pub async fn run(args: AttachArgs) -> Result<()> {
             return super::job::run(args.clone(), crate::job::discover::JobRef::pids(p)?).await;
         }
         _ => {}
+    }
+    if args.start_at.is_some() {
+        bail!("--start-at is for job mode (--job or --pids)");
     }
     let Some(pid) = args.pid else {
         bail!("give --pid, --job or --pids");
