@@ -46,6 +46,8 @@ pub struct Config {
     pub rescan: Duration,
     pub linger: Duration,
     pub ring_bytes: u32,
+    /// Follow only the processes below this one (tests).
+    pub only_under: Option<HostPid>,
 }
 
 /// One attached process, as `/captures` and the logs describe it.

@@ -89,6 +89,29 @@ impl Observer<AgentCmd> for StepMetrics {
     }
 }
 
+/// The processes below `root` (through their parents).
+fn below(infos: &[crate::discover::ProcInfo], root: HostPid) -> Vec<crate::discover::ProcInfo> {
+    let parent: HashMap<HostPid, HostPid> = infos
+        .iter()
+        .filter_map(|i| Some((i.host_pid, i.ppid?)))
+        .collect();
+    let under = |mut p: HostPid| {
+        for _ in 0..64 {
+            match parent.get(&p) {
+                Some(pp) if *pp == root => return true,
+                Some(pp) => p = *pp,
+                None => return false,
+            }
+        }
+        false
+    };
+    infos
+        .iter()
+        .filter(|i| under(i.host_pid))
+        .cloned()
+        .collect()
+}
+
 /// The slow, read-only part of an attach (blocking thread): open the
 /// process, take its lock, resolve `--marker auto`, read its labels.
 struct Prepared {
@@ -140,14 +163,7 @@ struct Follower {
 
 impl Follower {
     fn set_attached_gauge(&self) {
-        let n = self.shared.lock().attached.len();
-        self.shared
-            .metrics
-            .attached
-            .get_or_create(&NodeLabels {
-                node: self.shared.cfg.node.clone(),
-            })
-            .set(n as i64);
+        set_attached_gauge(&self.shared);
     }
 
     async fn rescan(&mut self) {
@@ -157,6 +173,10 @@ impl Follower {
                 log::error!("scan: {e}");
                 return;
             }
+        };
+        let infos = match self.shared.cfg.only_under {
+            Some(root) => below(&infos, root),
+            None => infos,
         };
         let jobs = job::group::group(&job::group::procs_of(&infos));
         let alive: HashSet<HostPid> = infos.iter().map(|i| i.host_pid).collect();
@@ -246,6 +266,17 @@ impl Follower {
     }
 }
 
+fn set_attached_gauge(shared: &Shared) {
+    let n = shared.lock().attached.len();
+    shared
+        .metrics
+        .attached
+        .get_or_create(&NodeLabels {
+            node: shared.cfg.node.clone(),
+        })
+        .set(n as i64);
+}
+
 async fn attach_and_run(
     shared: &Shared,
     pid: HostPid,
@@ -300,6 +331,7 @@ async fn attach_and_run(
             job: job.to_string(),
         },
     );
+    set_attached_gauge(shared);
     let lock = p.lock;
     let mut session = Session::new(kernel, p.target, p.probes);
     let mut observers: Vec<Box<dyn Observer<AgentCmd>>> = vec![Box::new(StepMetrics {

@@ -43,6 +43,12 @@ pub struct AgentArgs {
     #[arg(long, default_value_t = 256, value_name = "KIB", allow_negative_numbers = true,
           value_parser = crate::cli::ring_kb)]
     pub ring_buffer_kb: u32,
+
+    /// Tests only: follow just the processes below this PID (so a test's
+    /// agent leaves the host's other jobs alone).
+    #[arg(long, value_name = "PID", hide = true,
+          value_parser = crate::cli::int(1, crate::cli::PID_MAX))]
+    pub only_under: Option<u32>,
 }
 
 /// Reads the token: one line, at least 16 characters.
@@ -88,6 +94,7 @@ pub fn config(a: &AgentArgs) -> Result<crate::agent::Config> {
         rescan: a.rescan,
         linger: a.linger,
         ring_bytes: super::driver::ring_bytes(a.ring_buffer_kb)?,
+        only_under: a.only_under.map(crate::types::HostPid),
     })
 }
 
