@@ -100,7 +100,12 @@ struct Agent {
 }
 
 impl Agent {
+    /// Follows the test's own children.
     fn start(dir: &Path, name: &str, extra: &[&str]) -> Agent {
+        Self::start_under(dir, name, std::process::id(), extra)
+    }
+
+    fn start_under(dir: &Path, name: &str, under: u32, extra: &[&str]) -> Agent {
         let port = free_port();
         let stderr = dir.join(format!("{name}.stderr"));
         let child = Command::new(dynprof_bin())
@@ -108,15 +113,25 @@ impl Agent {
             .arg("--output")
             .arg(dir.join(format!("{name}-out")))
             .args(["--rescan", "0.5", "--node", name])
-            .args(["--only-under", &std::process::id().to_string()])
+            .args(["--only-under", &under.to_string()])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr).unwrap())
             .spawn()
             .expect("starting dynprof agent");
-        let a = Agent { child, port, stderr };
-        wait_for(T, "the agent's /readyz", || a.get("/readyz").filter(|(s, _)| *s == 200), || a.log());
+        let mut a = Agent { child, port, stderr };
+        wait_for(
+            T,
+            "the agent's /readyz",
+            || {
+                if let Ok(Some(st)) = a.child.try_wait() {
+                    panic!("the agent exited ({st}):\n{}", a.log());
+                }
+                a.get("/readyz").filter(|(s, _)| *s == 200)
+            },
+            String::new,
+        );
         a
     }
 
@@ -425,5 +440,127 @@ fn token_rules() {
     assert_eq!(a.get("/metrics").map(|r| r.0), Some(200));
     assert_eq!(http(a.port, "POST", "/metrics", &[], "").map(|r| r.0), Some(405));
     drop(a);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The training iteration whose optimizer.step() call holds `ts`.
+fn iteration_at(log: &[LogLine], ts: u64, what: &str) -> u64 {
+    let hits: Vec<&LogLine> = log.iter().filter(|l| l.before <= ts && ts <= l.after).collect();
+    assert_eq!(hits.len(), 1, "{what}: boundary {ts} is inside {} optimizer.step() calls", hits.len());
+    hits[0].index
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+fn mono_now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Two "nodes": one 2-rank DDP job (gloo, lockstep) whose rank 0 only
+/// agent A follows and rank 1 only agent B (each under its own shell, as on
+/// two hosts). One capture request to each, with the same start instant,
+/// records the same training iterations on both, after that instant.
+#[test]
+fn two_agents_with_one_start_instant_capture_the_same_iterations() {
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_two_nodes");
+    let port = free_port().to_string();
+    let script = workspace_root().join("tests/fixtures/ddp_train.py");
+    // A shell stays the rank's parent (`; :` keeps it from exec'ing): the
+    // rank is "under" it for --only-under.
+    let mut shells: Vec<Proc> = (0..2)
+        .map(|r| {
+            let mut cmd = Command::new("sh");
+            cmd.args(["-c", "\"$@\"; :", "sh", PYTHON3])
+                .arg(&script)
+                .arg("--log")
+                .arg(dir.join(format!("rank{r}.log")))
+                .args(["--burn-ms", "30"])
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", "0")
+                .env("WORLD_SIZE", "2")
+                .stderr(Stdio::null());
+            Proc::spawn(&mut cmd)
+        })
+        .collect();
+    for s in &mut shells {
+        s.pid = wait_ready(&mut s.child).expect("rank ready");
+    }
+    struct Ranks(Vec<u32>);
+    impl Drop for Ranks {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                // SAFETY: kill(2) on the ranks this test started.
+                unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+            }
+        }
+    }
+    let ranks = Ranks(shells.iter().map(|s| s.pid).collect());
+    let agents: Vec<Agent> = shells
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let a = Agent::start_under(&dir, &format!("node{i}"), s.host_pid(), &[]);
+            wait_for(T, "the rank attached", || a.metric("dynprof_steps_total", s.pid), || a.log());
+            a
+        })
+        .collect();
+    // Each agent sees its own rank only.
+    assert_eq!(agents[0].metric("dynprof_steps_total", ranks.0[1]), None);
+    assert_eq!(agents[1].metric("dynprof_steps_total", ranks.0[0]), None);
+
+    let start_at = unix_now() + 3.0;
+    let start_mono = mono_now_ns() + 3_000_000_000;
+    for (a, pid) in agents.iter().zip(&ranks.0) {
+        let body = format!(r#"{{"pid": {pid}, "warmup": 1, "active": 3, "start_step": 40, "collect": ["offcpu"], "start_at": {start_at:.6}}}"#);
+        let (st, resp) = http(a.port, "POST", "/capture", &[], &body).unwrap();
+        assert_eq!(st, 202, "{resp}");
+    }
+    let mut iterations = Vec::new();
+    for (i, (a, pid)) in agents.iter().zip(&ranks.0).enumerate() {
+        let rec = wait_for(
+            T,
+            "the capture to finish",
+            || {
+                let (_, b) = a.get("/captures")?;
+                let v: serde_json::Value = serde_json::from_str(&b).ok()?;
+                (v[0]["state"] != "running").then(|| v[0].clone())
+            },
+            String::new,
+        );
+        assert_eq!(rec["state"], "written", "{rec}\n{}", a.log());
+        // The index file on disk says the same.
+        let out = dir.join(format!("node{i}-out"));
+        let index: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("captures.json")).unwrap()).unwrap();
+        assert_eq!(index[0]["window"], rec["window"]);
+        let csv = std::fs::read_to_string(out.join(rec["window"].as_str().unwrap()).join("job_steps.csv")).unwrap();
+        let log = log_lines_of(dir.join(format!("rank{i}.log")), "step");
+        let its: Vec<u64> = csv
+            .lines()
+            .skip(1)
+            .map(|l| {
+                let ts: u64 = l.split(',').nth(2).unwrap().parse().unwrap();
+                assert!(ts > start_mono, "node{i}: a recorded step starts before the common instant");
+                iteration_at(&log, ts, &format!("node{i} (PID {pid})"))
+            })
+            .collect();
+        assert_eq!(its.len(), 3, "node{i}: {csv}");
+        iterations.push(its);
+    }
+    assert_eq!(iterations[0], iterations[1], "both nodes recorded the same training iterations");
+    drop(agents);
+    drop(ranks);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -76,8 +76,16 @@ pub struct AttachArgs {
     /// boundary at or after that instant, so every node's dynprof given the
     /// same instant and S records the same iterations (clocks NTP-synced
     /// well within a step; docs/fleet.md).
-    #[arg(long, value_name = "UNIX_SECS", value_parser = crate::cli::secs(crate::cli::Zero::Refused))]
+    #[arg(long, value_name = "UNIX_SECS", value_parser = unix_time)]
     pub start_at: Option<Duration>,
+}
+
+/// `--start-at`: seconds since the UNIX epoch, fractions allowed.
+fn unix_time(s: &str) -> Result<Duration, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v < 1e11 => Ok(Duration::from_secs_f64(v)),
+        _ => Err(format!("{s} is not a UNIX time in seconds (e.g. `date +%s.%N`)")),
+    }
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
