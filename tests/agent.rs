@@ -38,7 +38,13 @@ fn free_port() -> u16 {
 }
 
 /// A minimal HTTP/1.1 client (one request per connection): status and body.
-fn http(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Option<(u16, String)> {
+fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
     let mut req = format!(
@@ -56,7 +62,10 @@ fn http(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &st
     let resp = String::from_utf8_lossy(&resp).into_owned();
     let status = resp.split_whitespace().nth(1)?.parse().ok()?;
     let (head, rest) = resp.split_once("\r\n\r\n")?;
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         dechunk(rest)
     } else {
         rest.to_string()
@@ -79,7 +88,12 @@ fn dechunk(mut s: &str) -> String {
 
 /// Polls `f` every 50 ms until it returns Some, or panics after `timeout`
 /// with `what` and the last state `show` gives.
-fn wait_for<R>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<R>, show: impl Fn() -> String) -> R {
+fn wait_for<R>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Option<R>,
+    show: impl Fn() -> String,
+) -> R {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(r) = f() {
@@ -120,7 +134,11 @@ impl Agent {
             .stderr(std::fs::File::create(&stderr).unwrap())
             .spawn()
             .expect("starting dynprof agent");
-        let mut a = Agent { child, port, stderr };
+        let mut a = Agent {
+            child,
+            port,
+            stderr,
+        };
         wait_for(
             T,
             "the agent's /readyz",
@@ -201,7 +219,12 @@ fn map_value(info: &MapInfo) -> Option<Vec<u8>> {
     // SAFETY: BPF_MAP_LOOKUP_ELEM reads key_size bytes at `key` and writes
     // value_size bytes to `value`, both valid for this call.
     let rc = unsafe {
-        libc::syscall(libc::SYS_bpf, 1 as libc::c_long, attr.as_mut_ptr(), std::mem::size_of_val(&attr))
+        libc::syscall(
+            libc::SYS_bpf,
+            1 as libc::c_long,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
     };
     (rc == 0).then_some(value)
 }
@@ -214,13 +237,22 @@ fn marker_programs_for(pid: u32) -> usize {
         if p.name_as_str() != Some("dynprof_marker") {
             continue;
         }
-        let hit = p.map_ids().ok().flatten().unwrap_or_default().into_iter().any(|id| {
-            let Ok(m) = MapInfo::from_id(id) else { return false };
-            m.name_as_str().is_some_and(|n| n.contains("rodata"))
-                && map_value(&m).is_some_and(|v| {
-                    v.chunks_exact(4).any(|c| u32::from_le_bytes(c.try_into().unwrap()) == pid)
-                })
-        });
+        let hit = p
+            .map_ids()
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+            .into_iter()
+            .any(|id| {
+                let Ok(m) = MapInfo::from_id(id) else {
+                    return false;
+                };
+                m.name_as_str().is_some_and(|n| n.contains("rodata"))
+                    && map_value(&m).is_some_and(|v| {
+                        v.chunks_exact(4)
+                            .any(|c| u32::from_le_bytes(c.try_into().unwrap()) == pid)
+                    })
+            });
         if hit {
             n += 1;
         }
@@ -280,7 +312,12 @@ fn prometheus_scrapes_agent_and_step_count_matches_job_log() {
     let (mut job, log) = torch_job(&dir, STEPS, Some(&start));
     let agent = Agent::start(&dir, "node-a", &[]);
     // Attached before the first step: the series exists, at zero.
-    let at_attach = wait_for(T, "the job's series in /metrics", || agent.metric("dynprof_steps_total", job.pid), || agent.log());
+    let at_attach = wait_for(
+        T,
+        "the job's series in /metrics",
+        || agent.metric("dynprof_steps_total", job.pid),
+        || agent.log(),
+    );
     assert_eq!(at_attach, 0.0, "no step was taken before --start-file");
 
     let prom_port = free_port();
@@ -296,7 +333,10 @@ fn prometheus_scrapes_agent_and_step_count_matches_job_log() {
     let mut prom_proc = Proc::spawn(
         Command::new(prom)
             .arg(format!("--config.file={}", cfg.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
             .stderr(std::fs::File::create(dir.join("prometheus.stderr")).unwrap()),
     );
@@ -311,16 +351,33 @@ fn prometheus_scrapes_agent_and_step_count_matches_job_log() {
         T,
         "Prometheus to hold the final step count",
         || prom_query(prom_port, &q).filter(|v| *v == logged as f64),
-        || format!("prometheus says {:?}; agent says {:?}\n{}", prom_query(prom_port, &q), agent.metric("dynprof_steps_total", job.pid), agent.log()),
+        || {
+            format!(
+                "prometheus says {:?}; agent says {:?}\n{}",
+                prom_query(prom_port, &q),
+                agent.metric("dynprof_steps_total", job.pid),
+                agent.log()
+            )
+        },
     );
     assert_eq!(got, logged as f64);
     // Every step but the first closes one interval: STEPS - 1 observations.
     let qc = format!("dynprof_step_duration_seconds_count{{pid=\"{}\"}}", job.pid);
-    let count = wait_for(T, "the histogram's count", || prom_query(prom_port, &qc).filter(|v| *v == (logged - 1) as f64), || format!("{:?}", prom_query(prom_port, &qc)));
+    let count = wait_for(
+        T,
+        "the histogram's count",
+        || prom_query(prom_port, &qc).filter(|v| *v == (logged - 1) as f64),
+        || format!("{:?}", prom_query(prom_port, &qc)),
+    );
     assert_eq!(count, (logged - 1) as f64);
     // The attached gauge dropped to zero once the job exited.
     let qa = "dynprof_attached_targets{node=\"node-a\"}";
-    wait_for(T, "attached_targets back to 0", || prom_query(prom_port, qa).filter(|v| *v == 0.0), || agent.log());
+    wait_for(
+        T,
+        "attached_targets back to 0",
+        || prom_query(prom_port, qa).filter(|v| *v == 0.0),
+        || agent.log(),
+    );
     prom_proc.terminate();
     drop(agent);
     let _ = std::fs::remove_dir_all(&dir);
@@ -333,9 +390,20 @@ fn agent_sigkill_and_restart_attaches_once_and_leaks_nothing() {
     let dir = scratch_dir("agent_restart");
     let (job, _log) = torch_job(&dir, 0, None);
     let mut a = Agent::start(&dir, "first", &[]);
-    wait_for(T, "steps counted by the first agent", || a.metric("dynprof_steps_total", job.pid).filter(|v| *v >= 3.0), || a.log());
+    wait_for(
+        T,
+        "steps counted by the first agent",
+        || {
+            a.metric("dynprof_steps_total", job.pid)
+                .filter(|v| *v >= 3.0)
+        },
+        || a.log(),
+    );
     let programs = marker_programs_for(job.pid);
-    assert!(programs >= 1, "the first agent's step-marker program is loaded");
+    assert!(
+        programs >= 1,
+        "the first agent's step-marker program is loaded"
+    );
     let perf = perf_fds_of(a.child.id());
     assert!(perf >= 1, "the first agent holds its uprobe perf events");
 
@@ -344,26 +412,72 @@ fn agent_sigkill_and_restart_attaches_once_and_leaks_nothing() {
     let line = wait_for(
         T,
         "the second agent to be refused the job",
-        || b.log().lines().find(|l| l.contains(&format!("cannot attach to PID {}", job.pid))).map(str::to_string),
+        || {
+            b.log()
+                .lines()
+                .find(|l| l.contains(&format!("cannot attach to PID {}", job.pid)))
+                .map(str::to_string)
+        },
         || b.log(),
     );
-    assert!(line.contains("already controlled by another dynprof"), "{line}");
-    assert_eq!(b.metric("dynprof_steps_total", job.pid), None, "no series: not attached");
+    assert!(
+        line.contains("already controlled by another dynprof"),
+        "{line}"
+    );
+    assert_eq!(
+        b.metric("dynprof_steps_total", job.pid),
+        None,
+        "no series: not attached"
+    );
     assert_eq!(marker_programs_for(job.pid), programs, "no second attach");
     drop(b);
 
     // SIGKILL: its programs (and uprobes) go with its fds.
     a.kill9();
-    wait_for(T, "the killed agent's programs to be unloaded", || (marker_programs_for(job.pid) == 0).then_some(()), || format!("{} still loaded", marker_programs_for(job.pid)));
+    wait_for(
+        T,
+        "the killed agent's programs to be unloaded",
+        || (marker_programs_for(job.pid) == 0).then_some(()),
+        || format!("{} still loaded", marker_programs_for(job.pid)),
+    );
 
     // Restarted: attaches again, exactly once, and counts again.
     let c = Agent::start(&dir, "restarted", &[]);
-    let first = wait_for(T, "the restarted agent's series", || c.metric("dynprof_steps_total", job.pid), || c.log());
-    wait_for(T, "metrics to resume", || c.metric("dynprof_steps_total", job.pid).filter(|v| *v >= first + 3.0), || c.log());
-    assert_eq!(marker_programs_for(job.pid), programs, "attached once, as the first agent was");
-    assert_eq!(c.log().matches(&format!("attached to PID {}", job.pid)).count(), 1, "{}", c.log());
+    let first = wait_for(
+        T,
+        "the restarted agent's series",
+        || c.metric("dynprof_steps_total", job.pid),
+        || c.log(),
+    );
+    wait_for(
+        T,
+        "metrics to resume",
+        || {
+            c.metric("dynprof_steps_total", job.pid)
+                .filter(|v| *v >= first + 3.0)
+        },
+        || c.log(),
+    );
+    assert_eq!(
+        marker_programs_for(job.pid),
+        programs,
+        "attached once, as the first agent was"
+    );
+    assert_eq!(
+        c.log()
+            .matches(&format!("attached to PID {}", job.pid))
+            .count(),
+        1,
+        "{}",
+        c.log()
+    );
     drop(c);
-    wait_for(T, "programs unloaded after SIGTERM", || (marker_programs_for(job.pid) == 0).then_some(()), String::new);
+    wait_for(
+        T,
+        "programs unloaded after SIGTERM",
+        || (marker_programs_for(job.pid) == 0).then_some(()),
+        String::new,
+    );
     drop(job);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -383,16 +497,30 @@ fn bad_requests_get_4xx_and_agent_keeps_running() {
         (r#"{"job": "1", "active": 3, "start_at": 12}"#, 400),
         (r#"{"job": "no-such-job", "active": 3}"#, 404),
     ] {
-        let (st, resp) = http(a.port, "POST", "/capture", &[("Content-Type", "application/json")], body).expect("answered");
+        let (st, resp) = http(
+            a.port,
+            "POST",
+            "/capture",
+            &[("Content-Type", "application/json")],
+            body,
+        )
+        .expect("answered");
         assert_eq!(st, want, "{body} -> {resp}");
-        let v: serde_json::Value = serde_json::from_str(&resp).unwrap_or_else(|e| panic!("{body}: not JSON ({e}): {resp}"));
+        let v: serde_json::Value = serde_json::from_str(&resp)
+            .unwrap_or_else(|e| panic!("{body}: not JSON ({e}): {resp}"));
         assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{resp}");
     }
     // Too large a body.
     let big = format!("{{\"job\": \"{}\", \"active\": 1}}", "x".repeat(100_000));
-    assert_eq!(http(a.port, "POST", "/capture", &[], &big).map(|r| r.0), Some(413));
+    assert_eq!(
+        http(a.port, "POST", "/capture", &[], &big).map(|r| r.0),
+        Some(413)
+    );
     assert_eq!(a.get("/healthz").map(|r| r.0), Some(200));
-    assert_eq!(a.get("/captures").map(|r| (r.0, r.1.trim().to_string())), Some((200, "[]".into())));
+    assert_eq!(
+        a.get("/captures").map(|r| (r.0, r.1.trim().to_string())),
+        Some((200, "[]".into()))
+    );
     drop(a);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -410,7 +538,10 @@ fn token_rules() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("refusing to listen on 0.0.0.0:0 without --token-file"), "{err}");
+    assert!(
+        err.contains("refusing to listen on 0.0.0.0:0 without --token-file"),
+        "{err}"
+    );
 
     // A token too short to be one.
     let weak = dir.join("weak");
@@ -427,26 +558,50 @@ fn token_rules() {
     std::fs::write(&tok, "0123456789abcdef0123456789abcdef\n").unwrap();
     let a = Agent::start(&dir, "tok", &["--token-file", tok.to_str().unwrap()]);
     let body = r#"{"job": "no-such-job", "active": 3}"#;
-    for hdr in [vec![], vec![("Authorization", "Bearer wrong-token-wrong-token-xx")], vec![("Authorization", "0123456789abcdef0123456789abcdef")]] {
+    for hdr in [
+        vec![],
+        vec![("Authorization", "Bearer wrong-token-wrong-token-xx")],
+        vec![("Authorization", "0123456789abcdef0123456789abcdef")],
+    ] {
         let (st, resp) = http(a.port, "POST", "/capture", &hdr, body).unwrap();
         assert_eq!(st, 401, "{hdr:?}: {resp}");
-        assert_eq!(http(a.port, "GET", "/captures", &hdr, "").map(|r| r.0), Some(401));
+        assert_eq!(
+            http(a.port, "GET", "/captures", &hdr, "").map(|r| r.0),
+            Some(401)
+        );
     }
     // The right token gets through to the request itself.
     let good = [("Authorization", "Bearer 0123456789abcdef0123456789abcdef")];
-    assert_eq!(http(a.port, "POST", "/capture", &good, body).map(|r| r.0), Some(404));
-    assert_eq!(http(a.port, "GET", "/captures", &good, "").map(|r| r.0), Some(200));
+    assert_eq!(
+        http(a.port, "POST", "/capture", &good, body).map(|r| r.0),
+        Some(404)
+    );
+    assert_eq!(
+        http(a.port, "GET", "/captures", &good, "").map(|r| r.0),
+        Some(200)
+    );
     // /metrics stays open and read-only.
     assert_eq!(a.get("/metrics").map(|r| r.0), Some(200));
-    assert_eq!(http(a.port, "POST", "/metrics", &[], "").map(|r| r.0), Some(405));
+    assert_eq!(
+        http(a.port, "POST", "/metrics", &[], "").map(|r| r.0),
+        Some(405)
+    );
     drop(a);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The training iteration whose optimizer.step() call holds `ts`.
 fn iteration_at(log: &[LogLine], ts: u64, what: &str) -> u64 {
-    let hits: Vec<&LogLine> = log.iter().filter(|l| l.before <= ts && ts <= l.after).collect();
-    assert_eq!(hits.len(), 1, "{what}: boundary {ts} is inside {} optimizer.step() calls", hits.len());
+    let hits: Vec<&LogLine> = log
+        .iter()
+        .filter(|l| l.before <= ts && ts <= l.after)
+        .collect();
+    assert_eq!(
+        hits.len(),
+        1,
+        "{what}: boundary {ts} is inside {} optimizer.step() calls",
+        hits.len()
+    );
     hits[0].index
 }
 
@@ -458,7 +613,10 @@ fn unix_now() -> f64 {
 }
 
 fn mono_now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec we pass.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -512,7 +670,12 @@ fn two_agents_with_one_start_instant_capture_the_same_iterations() {
         .enumerate()
         .map(|(i, s)| {
             let a = Agent::start_under(&dir, &format!("node{i}"), s.host_pid(), &[]);
-            wait_for(T, "the rank attached", || a.metric("dynprof_steps_total", s.pid), || a.log());
+            wait_for(
+                T,
+                "the rank attached",
+                || a.metric("dynprof_steps_total", s.pid),
+                || a.log(),
+            );
             a
         })
         .collect();
@@ -523,7 +686,9 @@ fn two_agents_with_one_start_instant_capture_the_same_iterations() {
     let start_at = unix_now() + 3.0;
     let start_mono = mono_now_ns() + 3_000_000_000;
     for (a, pid) in agents.iter().zip(&ranks.0) {
-        let body = format!(r#"{{"pid": {pid}, "warmup": 1, "active": 3, "start_step": 40, "collect": ["offcpu"], "start_at": {start_at:.6}}}"#);
+        let body = format!(
+            r#"{{"pid": {pid}, "warmup": 1, "active": 3, "start_step": 40, "collect": ["offcpu"], "start_at": {start_at:.6}}}"#
+        );
         let (st, resp) = http(a.port, "POST", "/capture", &[], &body).unwrap();
         assert_eq!(st, 202, "{resp}");
     }
@@ -543,23 +708,34 @@ fn two_agents_with_one_start_instant_capture_the_same_iterations() {
         // The index file on disk says the same.
         let out = dir.join(format!("node{i}-out"));
         let index: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("captures.json")).unwrap()).unwrap();
+            serde_json::from_str(&std::fs::read_to_string(out.join("captures.json")).unwrap())
+                .unwrap();
         assert_eq!(index[0]["window"], rec["window"]);
-        let csv = std::fs::read_to_string(out.join(rec["window"].as_str().unwrap()).join("job_steps.csv")).unwrap();
+        let csv = std::fs::read_to_string(
+            out.join(rec["window"].as_str().unwrap())
+                .join("job_steps.csv"),
+        )
+        .unwrap();
         let log = log_lines_of(dir.join(format!("rank{i}.log")), "step");
         let its: Vec<u64> = csv
             .lines()
             .skip(1)
             .map(|l| {
                 let ts: u64 = l.split(',').nth(2).unwrap().parse().unwrap();
-                assert!(ts > start_mono, "node{i}: a recorded step starts before the common instant");
+                assert!(
+                    ts > start_mono,
+                    "node{i}: a recorded step starts before the common instant"
+                );
                 iteration_at(&log, ts, &format!("node{i} (PID {pid})"))
             })
             .collect();
         assert_eq!(its.len(), 3, "node{i}: {csv}");
         iterations.push(its);
     }
-    assert_eq!(iterations[0], iterations[1], "both nodes recorded the same training iterations");
+    assert_eq!(
+        iterations[0], iterations[1],
+        "both nodes recorded the same training iterations"
+    );
     drop(agents);
     drop(ranks);
     let _ = std::fs::remove_dir_all(&dir);

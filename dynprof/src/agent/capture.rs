@@ -75,7 +75,12 @@ pub struct Record {
 pub fn validate(r: &Request, now_unix: f64) -> Result<(), String> {
     match (&r.job, r.pid) {
         (Some(_), Some(_)) => return Err("give `job` or `pid`, not both".into()),
-        (None, None) => return Err("give `job` (a --job reference, the `job` label) or `pid` (a rank's host PID)".into()),
+        (None, None) => {
+            return Err(
+                "give `job` (a --job reference, the `job` label) or `pid` (a rank's host PID)"
+                    .into(),
+            );
+        }
         (Some(j), None) if j.is_empty() || j.len() > 128 => {
             return Err("`job` must be 1..=128 characters".into());
         }
@@ -85,7 +90,9 @@ pub fn validate(r: &Request, now_unix: f64) -> Result<(), String> {
         return Err(format!("`active` must be 1..={MAX_STEPS}"));
     }
     if r.warmup > MAX_STEPS || r.start_step.is_some_and(|s| s > MAX_STEPS) {
-        return Err(format!("`warmup` and `start_step` must be at most {MAX_STEPS}"));
+        return Err(format!(
+            "`warmup` and `start_step` must be at most {MAX_STEPS}"
+        ));
     }
     if let Some(c) = &r.collect {
         for name in c {
@@ -103,7 +110,9 @@ pub fn validate(r: &Request, now_unix: f64) -> Result<(), String> {
             return Err("`start_at` must be a UNIX time in seconds".into());
         }
         if t < now_unix - 60.0 {
-            return Err(format!("`start_at` {t} is more than a minute in the past (now {now_unix:.3}); are the clocks synced?"));
+            return Err(format!(
+                "`start_at` {t} is more than a minute in the past (now {now_unix:.3}); are the clocks synced?"
+            ));
         }
         if t > now_unix + MAX_AHEAD.as_secs_f64() {
             return Err("`start_at` is more than 24 h ahead".into());
@@ -118,7 +127,11 @@ pub fn child_args(a: &Accepted, out: &std::path::Path) -> Vec<String> {
     let mut v = vec![
         "attach".to_string(),
         "--pids".into(),
-        a.pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","),
+        a.pids
+            .iter()
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
         "--active".into(),
         r.active.to_string(),
         "--warmup".into(),
@@ -146,7 +159,11 @@ fn set_state(shared: &Shared, id: &str, f: impl FnOnce(&mut Record)) {
         };
         f(r);
         let by = |s| st.captures.iter().filter(|r| r.state == s).count() as i64;
-        for s in [CaptureState::running, CaptureState::written, CaptureState::failed] {
+        for s in [
+            CaptureState::running,
+            CaptureState::written,
+            CaptureState::failed,
+        ] {
             shared
                 .metrics
                 .captures
@@ -198,15 +215,23 @@ pub async fn execute(shared: &Shared, a: Accepted) {
         .stderr(Stdio::piped())
         .kill_on_drop(true);
     let result = async {
-        let mut child = cmd.spawn().map_err(|e| format!("starting dynprof attach: {e}"))?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("starting dynprof attach: {e}"))?;
         let mut err = String::new();
         if let Some(mut s) = child.stderr.take() {
             // Bounded: a capture says a few lines per rank.
             let _ = (&mut s).take(1 << 20).read_to_string(&mut err).await;
         }
-        let st = child.wait().await.map_err(|e| format!("waiting for dynprof attach: {e}"))?;
+        let st = child
+            .wait()
+            .await
+            .map_err(|e| format!("waiting for dynprof attach: {e}"))?;
         for l in err.lines() {
-            eprintln!("dynprof: agent: capture {id}: {}", l.strip_prefix("dynprof: ").unwrap_or(l));
+            eprintln!(
+                "dynprof: agent: capture {id}: {}",
+                l.strip_prefix("dynprof: ").unwrap_or(l)
+            );
         }
         if st.success() {
             Ok(())

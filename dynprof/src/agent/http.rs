@@ -75,8 +75,9 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 /// Who may start captures: with a token configured, whoever presents it;
 /// without one (the agent then listens on loopback only), loopback peers.
-fn authorize(s: &Shared, peer: SocketAddr, headers: &HeaderMap) -> Result<(), Response> {
-    match &s.cfg.token {
+/// The refusal, if any.
+fn denied(s: &Shared, peer: SocketAddr, headers: &HeaderMap) -> Option<Response> {
+    let r: Result<(), Response> = match &s.cfg.token {
         Some(tok) => {
             let given = headers
                 .get(header::AUTHORIZATION)
@@ -97,7 +98,8 @@ fn authorize(s: &Shared, peer: SocketAddr, headers: &HeaderMap) -> Result<(), Re
             StatusCode::FORBIDDEN,
             "capture requests are accepted from loopback only (no --token-file)",
         )),
-    }
+    };
+    r.err()
 }
 
 async fn get_captures(
@@ -105,7 +107,7 @@ async fn get_captures(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(r) = authorize(&s, peer, &headers) {
+    if let Some(r) = denied(&s, peer, &headers) {
         return r;
     }
     let list = s.lock().captures.clone();
@@ -118,7 +120,7 @@ async fn post_capture(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(r) = authorize(&s, peer, &headers) {
+    if let Some(r) = denied(&s, peer, &headers) {
         return r;
     }
     let req: Request = match serde_json::from_slice(&body) {
@@ -126,7 +128,9 @@ async fn post_capture(
         Err(e) => {
             return error(
                 StatusCode::BAD_REQUEST,
-                format!("malformed capture request: {e}; expected e.g. {{\"job\": \"4242\", \"warmup\": 1, \"active\": 3}}"),
+                format!(
+                    "malformed capture request: {e}; expected e.g. {{\"job\": \"4242\", \"warmup\": 1, \"active\": 3}}"
+                ),
             );
         }
     };
@@ -153,7 +157,10 @@ async fn post_capture(
         let pids: Vec<HostPid> = j.ranks.iter().map(|m| m.host_pid).collect();
         let job = j.job_ref.clone();
         if pids.iter().any(|p| st.busy.contains(p)) {
-            return error(StatusCode::CONFLICT, format!("a capture of job {job} is already running"));
+            return error(
+                StatusCode::CONFLICT,
+                format!("a capture of job {job} is already running"),
+            );
         }
         // Marked busy now, so a second request is refused at once.
         st.busy.extend(pids.iter().copied());

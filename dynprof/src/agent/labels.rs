@@ -100,7 +100,10 @@ mod tests {
         let c = parse_cgroup_line(&format!("0::/system.slice/docker-{ID}.scope")).unwrap();
         assert_eq!(c.pod_uid, None);
         assert_eq!(
-            pod_names(Some(&c), &env(&[("HOSTNAME", "abc"), ("POD_NAMESPACE", "x")])),
+            pod_names(
+                Some(&c),
+                &env(&[("HOSTNAME", "abc"), ("POD_NAMESPACE", "x")])
+            ),
             (None, None)
         );
         assert_eq!(pod_names(None, &env(&[("HOSTNAME", "abc")])), (None, None));
@@ -120,10 +123,7 @@ mod tests {
             "",
             &"a".repeat(254),
         ] {
-            let (pod, ns) = pod_names(
-                Some(&c),
-                &env(&[("HOSTNAME", bad), ("POD_NAMESPACE", bad)]),
-            );
+            let (pod, ns) = pod_names(Some(&c), &env(&[("HOSTNAME", bad), ("POD_NAMESPACE", bad)]));
             assert_eq!((pod, ns), (None, None), "{bad:?}");
         }
         assert!(is_k8s_name(&"a".repeat(253)));

@@ -128,9 +128,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         }
     });
     let local = tokio::task::LocalSet::new();
-    local
-        .run_until(targets::follow(shared, capture_rx))
-        .await
+    local.run_until(targets::follow(shared, capture_rx)).await
 }
 
 /// The previous scan's failures, retried with a growing pause so a
@@ -151,9 +149,7 @@ impl Backoff {
     fn failed(&mut self, pid: HostPid, now: std::time::Instant) -> bool {
         let e = self.0.entry(pid).or_insert((now, 0));
         let first = e.1 == 0;
-        let pause = Self::FIRST
-            .saturating_mul(1 << e.1.min(10))
-            .min(Self::MAX);
+        let pause = Self::FIRST.saturating_mul(1 << e.1.min(10)).min(Self::MAX);
         *e = (now + pause, e.1 + 1);
         first
     }

@@ -72,7 +72,7 @@ impl Observer<AgentCmd> for StepMetrics {
     fn on_tick(&mut self, ctx: &mut Ctx) -> Result<()> {
         // Losses change rarely: read the drop counters once a second.
         self.ticks += 1;
-        if self.ticks % 10 == 0
+        if self.ticks.is_multiple_of(10)
             && let Ok(d) = ctx.kernel.drops()
         {
             let total = d.step + d.api + d.cpu + d.offcpu + d.cpu_stack + d.offcpu_stack;
@@ -204,7 +204,10 @@ impl Follower {
         self.lingering.retain(|(at, l)| {
             let keep = *at > now;
             // A process taken back after a capture has its series again.
-            let again = l.pid.parse().is_ok_and(|p| running.contains_key(&HostPid(p)));
+            let again = l
+                .pid
+                .parse()
+                .is_ok_and(|p| running.contains_key(&HostPid(p)));
             if !keep && !again {
                 self.shared.metrics.remove(l);
             }
@@ -288,7 +291,11 @@ async fn attach_and_run(
         Ok(r) => r?,
         Err(e) => bail!("resolving panicked: {e}"),
     };
-    let mut kernel = Kernel::load(pid, shared.cfg.ring_bytes, u64::from(shared.cfg.ring_bytes / 4))?;
+    let mut kernel = Kernel::load(
+        pid,
+        shared.cfg.ring_bytes,
+        u64::from(shared.cfg.ring_bytes / 4),
+    )?;
     // Under the lock: undo what a killed dynprof (agent) left raised.
     kernel.repair_semaphores(&lock::lock_dir());
     for pr in probes::attach_order(&p.probes) {
@@ -405,7 +412,10 @@ pub(super) async fn follow(
             _ = sigint.recv() => break,
         }
     }
-    eprintln!("dynprof: agent: stopping; detaching from {} process(es)", f.running.len());
+    eprintln!(
+        "dynprof: agent: stopping; detaching from {} process(es)",
+        f.running.len()
+    );
     for (_, r) in f.running.drain() {
         let _ = r.tx.send(AgentCmd::Stop);
         let _ = r.task.await;

@@ -13,7 +13,12 @@ pub struct AgentArgs {
 
     /// Where captures are written (one CAPTURE_<id>/PROF_JOB_* per capture,
     /// and the index captures.json). Must be a directory only root can change.
-    #[arg(long, short = 'o', value_name = "DIR", default_value = "/var/lib/dynprof/captures")]
+    #[arg(
+        long,
+        short = 'o',
+        value_name = "DIR",
+        default_value = "/var/lib/dynprof/captures"
+    )]
     pub output: PathBuf,
 
     /// The `node` label (default: $NODE_NAME, else the host name). In a
@@ -85,7 +90,11 @@ pub fn config(a: &AgentArgs) -> Result<crate::agent::Config> {
             a.listen
         );
     }
-    let node = a.node.clone().filter(|n| !n.is_empty()).unwrap_or_else(host_name);
+    let node = a
+        .node
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(host_name);
     Ok(crate::agent::Config {
         listen: a.listen,
         output: a.output.clone(),

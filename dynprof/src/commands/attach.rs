@@ -84,7 +84,9 @@ pub struct AttachArgs {
 fn unix_time(s: &str) -> Result<Duration, String> {
     match s.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 && v < 1e11 => Ok(Duration::from_secs_f64(v)),
-        _ => Err(format!("{s} is not a UNIX time in seconds (e.g. `date +%s.%N`)")),
+        _ => Err(format!(
+            "{s} is not a UNIX time in seconds (e.g. `date +%s.%N`)"
+        )),
     }
 }
 

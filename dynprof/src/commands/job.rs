@@ -269,7 +269,9 @@ impl StartAt {
         };
         Self {
             mono_ns,
-            after_steps: start_step.filter(|s| *s > 0).map_or(Self::DEFAULT_AFTER, |s| s as u64),
+            after_steps: start_step
+                .filter(|s| *s > 0)
+                .map_or(Self::DEFAULT_AFTER, |s| s as u64),
         }
     }
 }
