@@ -622,15 +622,23 @@ fn mono_now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// How the test asks both "nodes" for a capture: it returns the common
+/// start instant in this host's CLOCK_MONOTONIC.
+enum Trigger {
+    /// `POST /capture` to each agent with the same `start_at`.
+    Http,
+    /// One save of the shared `profiler_config.json` (both agents watch it).
+    ConfigDir(PathBuf),
+}
+
+const CONFIG_LEAD_S: u64 = 4;
+
 /// Two "nodes": one 2-rank DDP job (gloo, lockstep) whose rank 0 only
 /// agent A follows and rank 1 only agent B (each under its own shell, as on
-/// two hosts). One capture request to each, with the same start instant,
-/// records the same training iterations on both, after that instant.
-#[test]
-fn two_agents_with_one_start_instant_capture_the_same_iterations() {
-    require_privileges!();
-    let _g = one();
-    let dir = scratch_dir("agent_two_nodes");
+/// two hosts). One capture trigger makes both record the same training
+/// iterations (each rank's own log says which), after the common instant.
+fn two_nodes(tag: &str, trigger: Trigger) {
+    let dir = scratch_dir(tag);
     let port = free_port().to_string();
     let script = workspace_root().join("tests/fixtures/ddp_train.py");
     // A shell stays the rank's parent (`; :` keeps it from exec'ing): the
@@ -665,11 +673,16 @@ fn two_agents_with_one_start_instant_capture_the_same_iterations() {
         }
     }
     let ranks = Ranks(shells.iter().map(|s| s.pid).collect());
+    let lead = CONFIG_LEAD_S.to_string();
+    let extra: Vec<&str> = match &trigger {
+        Trigger::Http => vec![],
+        Trigger::ConfigDir(d) => vec!["--config-dir", d.to_str().unwrap(), "--config-lead", &lead],
+    };
     let agents: Vec<Agent> = shells
         .iter()
         .enumerate()
         .map(|(i, s)| {
-            let a = Agent::start_under(&dir, &format!("node{i}"), s.host_pid(), &[]);
+            let a = Agent::start_under(&dir, &format!("node{i}"), s.host_pid(), &extra);
             wait_for(
                 T,
                 "the rank attached",
@@ -683,15 +696,47 @@ fn two_agents_with_one_start_instant_capture_the_same_iterations() {
     assert_eq!(agents[0].metric("dynprof_steps_total", ranks.0[1]), None);
     assert_eq!(agents[1].metric("dynprof_steps_total", ranks.0[0]), None);
 
-    let start_at = unix_now() + 3.0;
-    let start_mono = mono_now_ns() + 3_000_000_000;
-    for (a, pid) in agents.iter().zip(&ranks.0) {
-        let body = format!(
-            r#"{{"pid": {pid}, "warmup": 1, "active": 3, "start_step": 40, "collect": ["offcpu"], "start_at": {start_at:.6}}}"#
-        );
-        let (st, resp) = http(a.port, "POST", "/capture", &[], &body).unwrap();
-        assert_eq!(st, 202, "{resp}");
-    }
+    let start_mono = match &trigger {
+        Trigger::Http => {
+            let start_at = unix_now() + 3.0;
+            let start_mono = mono_now_ns() + 3_000_000_000;
+            for (a, pid) in agents.iter().zip(&ranks.0) {
+                let body = format!(
+                    r#"{{"pid": {pid}, "warmup": 1, "active": 3, "start_step": 40, "collect": ["offcpu"], "start_at": {start_at:.6}}}"#
+                );
+                let (st, resp) = http(a.port, "POST", "/capture", &[], &body).unwrap();
+                assert_eq!(st, 202, "{resp}");
+            }
+            start_mono
+        }
+        Trigger::ConfigDir(d) => {
+            let file = d.join("profiler_config.json");
+            // A bad save first: a log line on each node, nothing started.
+            std::fs::write(&file, "{\"active\": 0}").unwrap();
+            for a in &agents {
+                wait_for(
+                    T,
+                    "the bad config's log line",
+                    || a.log().contains("invalid field `active`").then_some(()),
+                    || a.log(),
+                );
+            }
+            std::fs::write(
+                &file,
+                r#"{"start_step": 40, "warmup": 1, "active": 3, "activities": []}"#,
+            )
+            .unwrap();
+            let mtime = std::fs::metadata(&file)
+                .unwrap()
+                .modified()
+                .unwrap()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs_f64();
+            let ahead = mtime + CONFIG_LEAD_S as f64 - unix_now();
+            (mono_now_ns() as f64 + ahead * 1e9) as u64
+        }
+    };
     let mut iterations = Vec::new();
     for (i, (a, pid)) in agents.iter().zip(&ranks.0).enumerate() {
         let rec = wait_for(
@@ -700,9 +745,9 @@ fn two_agents_with_one_start_instant_capture_the_same_iterations() {
             || {
                 let (_, b) = a.get("/captures")?;
                 let v: serde_json::Value = serde_json::from_str(&b).ok()?;
-                (v[0]["state"] != "running").then(|| v[0].clone())
+                (v.as_array()?.len() == 1 && v[0]["state"] != "running").then(|| v[0].clone())
             },
-            String::new,
+            || a.log(),
         );
         assert_eq!(rec["state"], "written", "{rec}\n{}", a.log());
         // The index file on disk says the same.
@@ -736,7 +781,27 @@ fn two_agents_with_one_start_instant_capture_the_same_iterations() {
         iterations[0], iterations[1],
         "both nodes recorded the same training iterations"
     );
+    assert_eq!(agents[0].get("/healthz").map(|r| r.0), Some(200));
     drop(agents);
     drop(ranks);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_agents_with_one_start_instant_capture_the_same_iterations() {
+    require_privileges!();
+    let _g = one();
+    two_nodes("agent_two_nodes", Trigger::Http);
+}
+
+/// The shared config dir: one save, both nodes, the same iterations; a bad
+/// save before it is a log line on each node and starts nothing.
+#[test]
+fn two_agents_sharing_a_config_dir_capture_the_same_iterations() {
+    require_privileges!();
+    let _g = one();
+    let cfg = scratch_dir("agent_shared_cfg").join("prof_cfg");
+    std::fs::create_dir_all(&cfg).unwrap();
+    two_nodes("agent_two_nodes_cfg", Trigger::ConfigDir(cfg.clone()));
+    let _ = std::fs::remove_dir_all(cfg.parent().unwrap());
 }

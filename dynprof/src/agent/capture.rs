@@ -180,6 +180,82 @@ fn set_state(shared: &Shared, id: &str, f: impl FnOnce(&mut Record)) {
     }
 }
 
+/// Why a request was not accepted: an HTTP status and the message.
+#[derive(Debug)]
+pub struct Refused(pub u16, pub String);
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Checks a request, ties it to the job's ranks on this node (those whose
+/// rank `ranks` lists, when given), registers it as running and hands it to
+/// the event loop.
+pub fn accept(shared: &Shared, req: Request, ranks: Option<&[i64]>) -> Result<Record, Refused> {
+    validate(&req, unix_now()).map_err(|e| Refused(400, e))?;
+    let (id, pids, job) = {
+        let mut st = shared.lock();
+        let found = st.jobs.iter().find(|j| match (&req.job, req.pid) {
+            (Some(r), _) => j.job_ref == *r,
+            (None, Some(p)) => j.ranks.iter().any(|m| m.host_pid == HostPid(p)),
+            _ => false,
+        });
+        let Some(j) = found else {
+            return Err(Refused(
+                404,
+                "no such job on this node (GET /metrics shows the `job` and `pid` labels of the attached ranks)".into(),
+            ));
+        };
+        let pids: Vec<HostPid> = j
+            .ranks
+            .iter()
+            .filter(|m| ranks.is_none_or(|r| r.contains(&i64::from(m.rank.0))))
+            .map(|m| m.host_pid)
+            .collect();
+        let job = j.job_ref.clone();
+        if pids.is_empty() {
+            return Err(Refused(
+                404,
+                format!("job {job} has no rank of `rank_list` on this node"),
+            ));
+        }
+        if pids.iter().any(|p| st.busy.contains(p)) {
+            return Err(Refused(
+                409,
+                format!("a capture of job {job} is already running"),
+            ));
+        }
+        // Marked busy now, so a second request is refused at once.
+        st.busy.extend(pids.iter().copied());
+        let id = format!(
+            "{}_{}",
+            crate::sys::clock::local_timestamp(),
+            st.captures.len() + 1
+        );
+        (id, pids, job)
+    };
+    let rec = Record {
+        id: id.clone(),
+        node: shared.cfg.node.clone(),
+        state: CaptureState::running,
+        job,
+        pids: pids.clone(),
+        request: req.clone(),
+        dir: format!("CAPTURE_{id}"),
+        window: None,
+        error: None,
+        requested_at: crate::sys::clock::local_timestamp_human(),
+    };
+    register(shared, rec.clone());
+    if shared.capture_tx.send(Accepted { id, pids, req }).is_err() {
+        return Err(Refused(503, "the agent is stopping".into()));
+    }
+    Ok(rec)
+}
+
 /// The index of captures under `--output`.
 pub const INDEX_FILE: &str = "captures.json";
 

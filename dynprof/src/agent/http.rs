@@ -18,10 +18,8 @@ use serde_json::json;
 
 use super::{
     Shared,
-    capture::{self, Accepted, Record, Request},
-    metrics::CaptureState,
+    capture::{self, Refused, Request},
 };
-use crate::types::HostPid;
 
 /// The routes (the Kubernetes probes and the PodMonitor name them too:
 /// tests/deploy_manifests.rs checks they agree).
@@ -134,58 +132,11 @@ async fn post_capture(
             );
         }
     };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0);
-    if let Err(e) = capture::validate(&req, now) {
-        return error(StatusCode::BAD_REQUEST, e);
+    match capture::accept(&s, req, None) {
+        Ok(rec) => (StatusCode::ACCEPTED, Json(rec)).into_response(),
+        Err(Refused(code, msg)) => error(
+            StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_REQUEST),
+            msg,
+        ),
     }
-    let (id, pids, job) = {
-        let mut st = s.lock();
-        let found = st.jobs.iter().find(|j| match (&req.job, req.pid) {
-            (Some(r), _) => j.job_ref == *r,
-            (None, Some(p)) => j.ranks.iter().any(|m| m.host_pid == HostPid(p)),
-            _ => false,
-        });
-        let Some(j) = found else {
-            return error(
-                StatusCode::NOT_FOUND,
-                "no such job on this node (GET /metrics shows the `job` and `pid` labels of the attached ranks)",
-            );
-        };
-        let pids: Vec<HostPid> = j.ranks.iter().map(|m| m.host_pid).collect();
-        let job = j.job_ref.clone();
-        if pids.iter().any(|p| st.busy.contains(p)) {
-            return error(
-                StatusCode::CONFLICT,
-                format!("a capture of job {job} is already running"),
-            );
-        }
-        // Marked busy now, so a second request is refused at once.
-        st.busy.extend(pids.iter().copied());
-        let id = format!(
-            "{}_{}",
-            crate::sys::clock::local_timestamp(),
-            st.captures.len() + 1
-        );
-        (id, pids, job)
-    };
-    let rec = Record {
-        id: id.clone(),
-        node: s.cfg.node.clone(),
-        state: CaptureState::running,
-        job,
-        pids: pids.clone(),
-        request: req.clone(),
-        dir: format!("CAPTURE_{id}"),
-        window: None,
-        error: None,
-        requested_at: crate::sys::clock::local_timestamp_human(),
-    };
-    capture::register(&s, rec.clone());
-    if s.capture_tx.send(Accepted { id, pids, req }).is_err() {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "the agent is stopping");
-    }
-    (StatusCode::ACCEPTED, Json(rec)).into_response()
 }

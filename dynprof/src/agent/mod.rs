@@ -17,6 +17,7 @@
 //! semaphores a killed one left raised (`Kernel::repair_semaphores`) before
 //! it attaches again.
 pub mod capture;
+pub mod config_dir;
 pub mod http;
 pub mod labels;
 pub mod metrics;
@@ -46,6 +47,10 @@ pub struct Config {
     pub rescan: Duration,
     pub linger: Duration,
     pub ring_bytes: u32,
+    /// The shared `profiler_config.json` directory, and the lead added to
+    /// its modification time for the common start instant.
+    pub config_dir: Option<PathBuf>,
+    pub config_lead: Duration,
     /// Follow only the processes below this one (tests).
     pub only_under: Option<HostPid>,
 }

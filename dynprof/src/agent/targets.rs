@@ -16,6 +16,7 @@ use tokio::{
 use super::{
     Backoff, Shared, TargetInfo,
     capture::{self, Accepted},
+    config_dir::ConfigDir,
     labels,
     metrics::{NodeLabels, TargetLabels, TargetSeries},
 };
@@ -365,6 +366,41 @@ async fn attach_and_run(
     Ok(l)
 }
 
+/// A new save of the shared config file: a capture of every job here.
+fn config_saved(shared: &Shared, c: &mut ConfigDir) {
+    let Some(asked) = c.poll() else { return };
+    let file = c.file().display();
+    let asked = match asked {
+        Ok(a) => a,
+        Err(why) => {
+            eprintln!("dynprof: agent: {file}: {why}; ignored");
+            return;
+        }
+    };
+    let jobs: Vec<String> = shared
+        .lock()
+        .jobs
+        .iter()
+        .map(|j| j.job_ref.clone())
+        .collect();
+    if jobs.is_empty() {
+        eprintln!("dynprof: agent: {file} saved, but no job runs on this node");
+    }
+    for job in jobs {
+        let mut req = asked.req.clone();
+        req.job = Some(job.clone());
+        match capture::accept(shared, req, asked.ranks.as_deref()) {
+            Ok(r) => eprintln!(
+                "dynprof: agent: {file} saved: capture {} of job {job}",
+                r.id
+            ),
+            Err(capture::Refused(_, why)) => {
+                eprintln!("dynprof: agent: {file} saved: job {job}: {why}")
+            }
+        }
+    }
+}
+
 /// The agent's event loop: scans every `--rescan`, runs captures, stops on
 /// SIGTERM/SIGINT (every session detaches on the same signal).
 pub(super) async fn follow(
@@ -380,6 +416,17 @@ pub(super) async fn follow(
         lingering: Vec::new(),
     };
     f.set_attached_gauge();
+    let mut config = match &shared.cfg.config_dir {
+        Some(d) => {
+            let c = ConfigDir::new(d, shared.cfg.config_lead)?;
+            eprintln!(
+                "dynprof: agent: watching {} (each save captures every job on this node, on the same iterations as the other nodes)",
+                c.file().display()
+            );
+            Some(c)
+        }
+        None => None,
+    };
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Vec<HostPid>>();
     let mut tick = tokio::time::interval(shared.cfg.rescan);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -387,7 +434,12 @@ pub(super) async fn follow(
     let mut sigint = signal(SignalKind::interrupt())?;
     loop {
         tokio::select! {
-            _ = tick.tick() => f.rescan().await,
+            _ = tick.tick() => {
+                f.rescan().await;
+                if let Some(c) = &mut config {
+                    config_saved(&shared, c);
+                }
+            }
             Some(e) = ended_rx.recv() => f.ended(e),
             Some(acc) = captures.recv() => {
                 f.release(&acc.pids).await;

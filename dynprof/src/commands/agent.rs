@@ -49,6 +49,20 @@ pub struct AgentArgs {
           value_parser = crate::cli::ring_kb)]
     pub ring_buffer_kb: u32,
 
+    /// Watch DIR/profiler_config.json (the torch_npu schema), shared by
+    /// every node's agent on shared storage: each save captures every job
+    /// on every node, on the same iterations (docs/fleet.md).
+    #[arg(long, value_name = "DIR")]
+    pub config_dir: Option<PathBuf>,
+
+    /// With --config-dir: the common start instant is the file's
+    /// modification time plus SECS (unless the file's
+    /// metadata.dynprof_start_at gives one). More than --rescan, so every
+    /// node has seen the save by then.
+    #[arg(long, value_name = "SECS", default_value = "15", allow_negative_numbers = true,
+          value_parser = crate::cli::secs(crate::cli::Zero::Refused))]
+    pub config_lead: Duration,
+
     /// Tests only: follow just the processes below this PID (so a test's
     /// agent leaves the host's other jobs alone).
     #[arg(long, value_name = "PID", hide = true,
@@ -104,6 +118,8 @@ pub fn config(a: &AgentArgs) -> Result<crate::agent::Config> {
         linger: a.linger,
         ring_bytes: super::driver::ring_bytes(a.ring_buffer_kb)?,
         only_under: a.only_under.map(crate::types::HostPid),
+        config_dir: a.config_dir.clone(),
+        config_lead: a.config_lead,
     })
 }
 
