@@ -44,7 +44,15 @@ pub struct Request {
     /// A common start instant (UNIX seconds) for every node's agent.
     #[serde(default)]
     pub start_at: Option<f64>,
+    /// Seconds after which the capture gives up (the ranks are handed back
+    /// to the agent); default 600.
+    #[serde(default)]
+    pub timeout_s: Option<u64>,
 }
+
+/// Default and largest `timeout_s`.
+pub const DEFAULT_TIMEOUT_S: u64 = 600;
+pub const MAX_TIMEOUT_S: u64 = 86_400;
 
 /// A request checked and tied to the ranks it names.
 #[derive(Debug)]
@@ -105,6 +113,9 @@ pub fn validate(r: &Request, now_unix: f64) -> Result<(), String> {
             }
         }
     }
+    if r.timeout_s.is_some_and(|t| t == 0 || t > MAX_TIMEOUT_S) {
+        return Err(format!("`timeout_s` must be 1..={MAX_TIMEOUT_S}"));
+    }
     if let Some(t) = r.start_at {
         if !t.is_finite() || t <= 0.0 {
             return Err("`start_at` must be a UNIX time in seconds".into());
@@ -121,9 +132,13 @@ pub fn validate(r: &Request, now_unix: f64) -> Result<(), String> {
     Ok(())
 }
 
-/// The child's command line (after the program name).
-pub fn child_args(a: &Accepted, out: &std::path::Path) -> Vec<String> {
+/// The child's command line (after the program name). `timeout_s` counts
+/// from `start_at` when that is ahead of `now_unix`.
+pub fn child_args(a: &Accepted, out: &std::path::Path, now_unix: f64) -> Vec<String> {
     let r = &a.req;
+    let wait = r
+        .start_at
+        .map_or(0, |t| (t - now_unix).max(0.0).ceil() as u64);
     let mut v = vec![
         "attach".to_string(),
         "--pids".into(),
@@ -138,6 +153,8 @@ pub fn child_args(a: &Accepted, out: &std::path::Path) -> Vec<String> {
         r.warmup.to_string(),
         "--output".into(),
         out.display().to_string(),
+        "--duration".into(),
+        (r.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S) + wait).to_string(),
     ];
     if let Some(s) = r.start_step {
         v.extend(["--start-step".into(), s.to_string()]);
@@ -285,7 +302,7 @@ pub async fn execute(shared: &Shared, a: Accepted) {
         a.pids.iter().map(|p| p.0).collect::<Vec<_>>()
     );
     let mut cmd = tokio::process::Command::new("/proc/self/exe");
-    cmd.args(child_args(&a, &out))
+    cmd.args(child_args(&a, &out, unix_now()))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -298,6 +315,8 @@ pub async fn execute(shared: &Shared, a: Accepted) {
         if let Some(mut s) = child.stderr.take() {
             // Bounded: a capture says a few lines per rank.
             let _ = (&mut s).take(1 << 20).read_to_string(&mut err).await;
+            // The rest is dropped, but read: a full pipe would stall it.
+            let _ = tokio::io::copy(&mut s, &mut tokio::io::sink()).await;
         }
         let st = child
             .wait()
@@ -365,6 +384,7 @@ mod tests {
             json!({"job": "1", "active": 3, "bogus": 1}),
             json!({"job": "1", "active": "three"}),
             json!({"job": "", "active": 3}),
+            json!({"job": "1", "active": 3, "timeout_s": 0}),
         ] {
             assert!(req(bad.clone()).is_err(), "{bad}");
         }
@@ -378,8 +398,8 @@ mod tests {
             req: serde_json::from_value(serde_json::json!({"job": "9", "active": 2, "start_at": 5.25, "collect": ["cpu", "offcpu"]})).unwrap(),
         };
         assert_eq!(
-            child_args(&a, std::path::Path::new("/o")).join(" "),
-            "attach --pids 10,11 --active 2 --warmup 0 --output /o --collect cpu,offcpu --start-at 5.250000"
+            child_args(&a, std::path::Path::new("/o"), 0.0).join(" "),
+            "attach --pids 10,11 --active 2 --warmup 0 --output /o --duration 606 --collect cpu,offcpu --start-at 5.250000"
         );
     }
 }

@@ -122,6 +122,7 @@ pub fn asked(
             start_step: (p.plan.start_step > 0).then_some(p.plan.start_step as u64),
             collect: Some(collect),
             start_at: Some(start_at),
+            timeout_s: None,
         },
         ranks: p.is_rank.then_some(p.rank_list),
     })
