@@ -775,6 +775,23 @@ fn two_nodes(tag: &str, trigger: Trigger) {
             })
             .collect();
         assert_eq!(its.len(), 3, "node{i}: {csv}");
+        // The documented rule: B is the first boundary at or after the
+        // instant (optimizer.step() of iteration B), the window starts 40
+        // steps later, and 1 step of warmup precedes the 3 recorded.
+        let c = log
+            .iter()
+            .find(|l| l.after >= start_mono)
+            .expect("the job stepped past the instant");
+        let bs: Vec<u64> = if c.before >= start_mono {
+            vec![c.index]
+        } else {
+            // The instant fell inside that optimizer.step() call.
+            vec![c.index, c.index + 1]
+        };
+        assert!(
+            bs.iter().any(|b| its == [b + 41, b + 42, b + 43]),
+            "node{i}: recorded iterations {its:?}, expected B+41.. with B in {bs:?}"
+        );
         iterations.push(its);
     }
     assert_eq!(
