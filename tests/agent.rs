@@ -822,3 +822,67 @@ fn two_agents_sharing_a_config_dir_capture_the_same_iterations() {
     two_nodes("agent_two_nodes_cfg", Trigger::ConfigDir(cfg.clone()));
     let _ = std::fs::remove_dir_all(cfg.parent().unwrap());
 }
+
+/// SIGTERM while a capture waits for its window: the capture's child
+/// detaches, the agent records the capture as failed in captures.json,
+/// exits 0, and no dynprof program stays loaded for the job.
+#[test]
+fn sigterm_during_a_capture_detaches_everything_and_records_it() {
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_stop_capture");
+    let (job, _log) = torch_job(&dir, 0, None);
+    let mut a = Agent::start(&dir, "stopping", &[]);
+    wait_for(
+        T,
+        "the job attached",
+        || a.metric("dynprof_steps_total", job.pid),
+        || a.log(),
+    );
+    // A window far ahead: the child attaches and waits.
+    let body = format!(
+        r#"{{"pid": {}, "start_step": 100000, "active": 1}}"#,
+        job.pid
+    );
+    let (st, resp) = http(a.port, "POST", "/capture", &[], &body).unwrap();
+    assert_eq!(st, 202, "{resp}");
+    let (st, resp) = http(a.port, "POST", "/capture", &[], &body).unwrap();
+    assert_eq!(st, 409, "a second capture of the same job: {resp}");
+    wait_for(
+        T,
+        "the capture's child attached",
+        || {
+            (marker_programs_for(job.pid) == 1 && a.log().contains("rank 0: attached"))
+                .then_some(())
+        },
+        || a.log(),
+    );
+    // SAFETY: kill(2) on our own child, not reaped yet.
+    unsafe { libc::kill(a.child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = a.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent did not stop:\n{}",
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}\n{}", a.log());
+    assert!(
+        a.log().contains("stopping 1 running capture(s)"),
+        "{}",
+        a.log()
+    );
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("stopping-out/captures.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(index[0]["state"], "failed", "{index}");
+    assert_eq!(marker_programs_for(job.pid), 0, "nothing left attached");
+    drop(job);
+    let _ = std::fs::remove_dir_all(&dir);
+}

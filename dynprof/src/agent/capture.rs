@@ -10,7 +10,7 @@
 use std::{process::Stdio, time::Duration};
 
 use serde::{Deserialize, Serialize};
-use tokio::io::AsyncReadExt as _;
+use tokio::io::AsyncBufReadExt as _;
 
 use super::{Shared, metrics::CaptureLabels, metrics::CaptureState};
 use crate::types::{Builtin, HostPid};
@@ -284,7 +284,8 @@ pub fn register(shared: &Shared, rec: Record) {
 }
 
 /// Runs the child and records the outcome.
-pub async fn execute(shared: &Shared, a: Accepted) {
+/// `stop` changes when the agent is stopping.
+pub async fn execute(shared: &Shared, a: Accepted, mut stop: tokio::sync::watch::Receiver<()>) {
     let id = a.id.clone();
     let dir_name = format!("CAPTURE_{id}");
     let out = match shared.output.dir().create_subdir(&dir_name, 0o755) {
@@ -305,39 +306,62 @@ pub async fn execute(shared: &Shared, a: Accepted) {
     cmd.args(child_args(&a, &out, unix_now()))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
+        .stderr(Stdio::piped());
     let result = async {
         let mut child = cmd
             .spawn()
             .map_err(|e| format!("starting dynprof attach: {e}"))?;
-        let mut err = String::new();
-        if let Some(mut s) = child.stderr.take() {
-            // Bounded: a capture says a few lines per rank.
-            let _ = (&mut s).take(1 << 20).read_to_string(&mut err).await;
-            // The rest is dropped, but read: a full pipe would stall it.
-            let _ = tokio::io::copy(&mut s, &mut tokio::io::sink()).await;
-        }
-        let st = child
-            .wait()
-            .await
-            .map_err(|e| format!("waiting for dynprof attach: {e}"))?;
-        for l in err.lines() {
-            eprintln!(
-                "dynprof: agent: capture {id}: {}",
-                l.strip_prefix("dynprof: ").unwrap_or(l)
-            );
-        }
+        let stderr = child.stderr.take();
+        // The child's stderr, passed on line by line as it comes; the last
+        // lines are kept for the record's error.
+        let read = async {
+            let mut tail: std::collections::VecDeque<String> = Default::default();
+            if let Some(s) = stderr {
+                let mut lines = tokio::io::BufReader::new(s).lines();
+                let mut bytes = 0usize;
+                while let Ok(Some(l)) = lines.next_line().await {
+                    bytes += l.len();
+                    // Bounded: a capture says a few lines per rank.
+                    if bytes > 1 << 20 {
+                        continue;
+                    }
+                    eprintln!(
+                        "dynprof: agent: capture {id}: {}",
+                        l.strip_prefix("dynprof: ").unwrap_or(&l)
+                    );
+                    if tail.len() == 20 {
+                        tail.pop_front();
+                    }
+                    tail.push_back(l);
+                }
+            }
+            tail
+        };
+        let wait = async {
+            tokio::select! {
+                st = child.wait() => st,
+                _ = stop.changed() => {
+                    // The agent is stopping: the child detaches and writes
+                    // what it has (SIGTERM), as `dynprof attach` does.
+                    if let Some(pid) = child.id() {
+                        let _ = crate::sys::signal::terminate(pid);
+                    }
+                    child.wait().await
+                }
+            }
+        };
+        let (tail, st) = tokio::join!(read, wait);
+        let st = st.map_err(|e| format!("waiting for dynprof attach: {e}"))?;
         if st.success() {
             Ok(())
         } else {
-            let last = err
-                .lines()
+            let last = tail
+                .iter()
                 .rev()
                 .find(|l| l.contains("error"))
-                .or_else(|| err.lines().last())
-                .unwrap_or("")
-                .to_string();
+                .or_else(|| tail.back())
+                .cloned()
+                .unwrap_or_default();
             Err(format!("dynprof attach exited with {st}: {last}"))
         }
     }

@@ -36,6 +36,10 @@ pub(super) fn needs() -> Vec<Need> {
     vec![Need::Attach, Need::Api, Need::Cpu, Need::Offcpu]
 }
 
+/// How long a stopping agent waits for its captures to write what they
+/// have (under the DaemonSet's 30 s grace period).
+const CAPTURE_STOP: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Commands into one process's session.
 pub(super) enum AgentCmd {
     /// Detach (the process goes to a capture, or the agent stops).
@@ -428,6 +432,8 @@ pub(super) async fn follow(
         None => None,
     };
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Vec<HostPid>>();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
+    let mut capturing: Vec<JoinHandle<()>> = Vec::new();
     let mut tick = tokio::time::interval(shared.cfg.rescan);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -445,11 +451,13 @@ pub(super) async fn follow(
                 f.release(&acc.pids).await;
                 let shared = Arc::clone(&shared);
                 let done = done_tx.clone();
-                tokio::task::spawn_local(async move {
+                let stop = stop_rx.clone();
+                capturing.retain(|h| !h.is_finished());
+                capturing.push(tokio::task::spawn_local(async move {
                     let pids = acc.pids.clone();
-                    capture::execute(&shared, acc).await;
+                    capture::execute(&shared, acc, stop).await;
                     let _ = done.send(pids);
-                });
+                }));
             }
             Some(pids) = done_rx.recv() => {
                 let mut st = shared.lock();
@@ -471,6 +479,23 @@ pub(super) async fn follow(
     for (_, r) in f.running.drain() {
         let _ = r.tx.send(AgentCmd::Stop);
         let _ = r.task.await;
+    }
+    // Running captures: their children detach and write what they have.
+    capturing.retain(|h| !h.is_finished());
+    if !capturing.is_empty() {
+        eprintln!(
+            "dynprof: agent: stopping {} running capture(s)",
+            capturing.len()
+        );
+        let _ = stop_tx.send(());
+        let all = async {
+            for h in capturing {
+                let _ = h.await;
+            }
+        };
+        if tokio::time::timeout(CAPTURE_STOP, all).await.is_err() {
+            eprintln!("dynprof: agent: a capture did not stop within {CAPTURE_STOP:?}; leaving it");
+        }
     }
     Ok(())
 }

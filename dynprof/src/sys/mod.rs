@@ -15,6 +15,7 @@
 //! | `lock` | one controller per target: the flock under /run/dynprof |
 //! | `kernel` | probe the running kernel's BPF features (helpers, map types, PMU formats) |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
+//! | `signal` | SIGTERM to dynprof's own children (the agent's captures) |
 pub mod caps;
 pub mod clock;
 pub mod creds;
@@ -24,5 +25,6 @@ pub mod lock;
 pub mod kernel;
 pub mod memory;
 pub mod rootfs;
+pub mod signal;
 pub mod targetdir;
 pub mod uprobe;
