@@ -59,12 +59,13 @@ Endpoints:
                    dynprof_attached_targets, dynprof_events_lost_total, dynprof_captures
                    (labels node, pid, rank, job, container, pod_uid, pod, namespace)
   GET  /healthz    alive;  GET /readyz: the first scan is done
-  POST /capture    {\"job\": \"4242\", \"warmup\": 1, \"active\": 3, \"collect\": [\"cpu\"], \"start_at\": 1764745200}
+  POST /capture    {\"job\": \"4242\", \"warmup\": 1, \"active\": 3, \"collect\": [\"cpu\"]}
+                   (+ \"start_at\": UNIX secs: the same iterations on every node)
   GET  /captures   the captures and their PROF_JOB_* directories
   (/capture and /captures: loopback peers, or `Authorization: Bearer <token>` with --token-file)
 
 Examples:
-  sudo dynprof agent                                         # 127.0.0.1:9464, captures in /var/lib/dynprof/captures
+  sudo dynprof agent                                   # 127.0.0.1:9464
   sudo dynprof agent --listen 0.0.0.0:9464 --token-file /etc/dynprof/token --node gpu-17
   curl -s localhost:9464/metrics | grep dynprof_steps_total
   curl -s -XPOST localhost:9464/capture -d '{\"job\": \"4242\", \"active\": 3}'")]
