@@ -13,7 +13,11 @@
 #![warn(unused_crate_dependencies)]
 // The binary's logger (main.rs); the library only logs through `log`.
 use env_logger as _;
+// A dev-dependency of tests/deploy_manifests.rs, not of the unit tests.
+#[cfg(test)]
+use serde_yaml as _;
 
+pub mod agent;
 pub mod bpf;
 pub mod cli;
 pub mod collect;

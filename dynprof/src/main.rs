@@ -49,6 +49,27 @@ Examples:
         after_help = "Examples:\n  sudo dynprof ps\n  sudo dynprof ps --all --json\n  sudo dynprof ps --jobs"
     )]
     Ps(dynprof::commands::ps::PsArgs),
+    /// Node daemon: finds the AI jobs on this host by itself, attaches step
+    /// markers to every rank (step timing only, idle cost), follows jobs
+    /// that start and end, serves per-rank step time to Prometheus, and
+    /// runs job-mode captures on request (docs/fleet.md).
+    #[command(after_help = "\
+Endpoints:
+  GET  /metrics    Prometheus/OpenMetrics: dynprof_steps_total, dynprof_step_duration_seconds,
+                   dynprof_attached_targets, dynprof_events_lost_total, dynprof_captures
+                   (labels node, pid, rank, job, container, pod_uid, pod, namespace)
+  GET  /healthz    alive;  GET /readyz: the first scan is done
+  POST /capture    {\"job\": \"4242\", \"warmup\": 1, \"active\": 3, \"collect\": [\"cpu\"]}
+                   (+ \"start_at\": UNIX secs: the same iterations on every node)
+  GET  /captures   the captures and their PROF_JOB_* directories
+  (/capture and /captures: loopback peers, or `Authorization: Bearer <token>` with --token-file)
+
+Examples:
+  sudo dynprof agent                                   # 127.0.0.1:9464
+  sudo dynprof agent --listen 0.0.0.0:9464 --token-file /etc/dynprof/token --node gpu-17
+  curl -s localhost:9464/metrics | grep dynprof_steps_total
+  curl -s -XPOST localhost:9464/capture -d '{\"job\": \"4242\", \"active\": 3}'")]
+    Agent(dynprof::commands::agent::AgentArgs),
 }
 
 fn main() {
@@ -80,5 +101,6 @@ fn run(cli: Cli) -> Result<()> {
         },
         Command::ProbeCost(p) => dynprof::commands::probe_cost::run(&p),
         Command::Ps(p) => dynprof::commands::ps::run(&p),
+        Command::Agent(a) => rt.block_on(dynprof::commands::agent::run(a)),
     }
 }

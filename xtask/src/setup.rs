@@ -31,6 +31,14 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
         "the attach/detach leak test lists loaded eBPF programs, links and maps",
     ),
     (
+        "prometheus",
+        "tests/agent.rs: a real Prometheus scrapes `dynprof agent`",
+    ),
+    (
+        "systemd",
+        "tests/deploy_manifests.rs: systemd-analyze verify of the agent's unit",
+    ),
+    (
         "gcc-aarch64-linux-gnu",
         "the aarch64 cross build (linker for aarch64-unknown-linux-gnu; docs/portability.md)",
     ),

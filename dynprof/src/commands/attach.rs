@@ -69,6 +69,25 @@ pub struct AttachArgs {
 
     #[command(flatten)]
     pub ring: RingArgs,
+
+    /// Job mode across nodes: a common start instant (UNIX seconds, e.g.
+    /// `date +%s.%N` plus a margin). The window starts --start-step S
+    /// (default 10) job steps after the reference rank's first step
+    /// boundary at or after that instant, so every node's dynprof given the
+    /// same instant and S records the same iterations (clocks NTP-synced
+    /// well within a step; docs/fleet.md).
+    #[arg(long, value_name = "UNIX_SECS", value_parser = unix_time)]
+    pub start_at: Option<Duration>,
+}
+
+/// `--start-at`: seconds since the UNIX epoch, fractions allowed.
+fn unix_time(s: &str) -> Result<Duration, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v < 1e11 => Ok(Duration::from_secs_f64(v)),
+        _ => Err(format!(
+            "{s} is not a UNIX time in seconds (e.g. `date +%s.%N`)"
+        )),
+    }
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
@@ -80,6 +99,9 @@ pub async fn run(args: AttachArgs) -> Result<()> {
             return super::job::run(args.clone(), crate::job::discover::JobRef::pids(p)?).await;
         }
         _ => {}
+    }
+    if args.start_at.is_some() {
+        bail!("--start-at is for job mode (--job or --pids)");
     }
     let Some(pid) = args.pid else {
         bail!("give --pid, --job or --pids");

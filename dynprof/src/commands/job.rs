@@ -246,12 +246,43 @@ type CtlRank = (
     Rc<std::cell::Cell<bool>>,
 );
 
+/// `--start-at`, in this host's CLOCK_MONOTONIC.
+#[derive(Clone, Copy, Debug)]
+struct StartAt {
+    mono_ns: u64,
+    after_steps: u64,
+}
+
+impl StartAt {
+    /// Default job steps after the first boundary at the instant.
+    const DEFAULT_AFTER: u64 = 10;
+
+    fn new(unix: Duration, start_step: Option<i64>) -> Self {
+        let real_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let mono_now = crate::sys::clock::monotonic_ns();
+        let mono_ns = if unix >= real_now {
+            mono_now + (unix - real_now).as_nanos() as u64
+        } else {
+            mono_now.saturating_sub((real_now - unix).as_nanos() as u64)
+        };
+        Self {
+            mono_ns,
+            after_steps: start_step
+                .filter(|s| *s > 0)
+                .map_or(Self::DEFAULT_AFTER, |s| s as u64),
+        }
+    }
+}
+
 /// Polls the taps until the ranks align, then sends every rank its plan.
 /// Returns the alignment and the job steps planned, or why not.
 async fn control(
     mut ranks: Vec<CtlRank>,
     plan: crate::window::Plan,
     collect: Vec<Builtin>,
+    start_at: Option<StartAt>,
 ) -> Result<(Alignment, u64, bool), String> {
     let mut said = String::new();
     let started = std::time::Instant::now();
@@ -288,8 +319,32 @@ async fn control(
                     .find(|h| h.rank == Some(a.reference))
                     .and_then(|h| h.hits.last())
                     .map_or(0, |h| h.step);
-                let (start, moved) =
-                    align::job_start(plan.start_step, now, align::lead_steps(a.period_ns));
+                let lead = align::lead_steps(a.period_ns);
+                let (start, moved) = match start_at {
+                    None => align::job_start(plan.start_step, now, lead),
+                    Some(at) => {
+                        // The reference rank's first boundary at or after
+                        // the common instant; until it is seen, wait.
+                        let first = snap
+                            .iter()
+                            .find(|h| h.rank == Some(a.reference))
+                            .and_then(|h| h.hits.iter().find(|x| x.ts_ns >= at.mono_ns))
+                            .map(|x| x.step);
+                        let Some(b) = first else {
+                            tokio::time::sleep(POLL).await;
+                            continue;
+                        };
+                        let want = b + at.after_steps;
+                        let (s, moved) = align::job_start(want as i64, now, lead);
+                        if moved {
+                            eprintln!(
+                                "dynprof: job: WARNING: job step {want} ({} after the first boundary at --start-at) is too close to be planned; other nodes may start at {want}",
+                                at.after_steps
+                            );
+                        }
+                        (s, moved)
+                    }
+                };
                 for (r, _, tx, _) in &ranks {
                     let Some(own) = a.own_step(*r, start) else {
                         return Err(format!("rank {r} has no step for job step {start}"));
@@ -367,6 +422,9 @@ fn rank_window(rank_dir: &Path) -> Option<String> {
 
 pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     let plan = job_plan(&args)?;
+    let start_at = args
+        .start_at
+        .map(|t| StartAt::new(t, args.window.start_step));
     crate::sys::caps::check(&driver::needs(&args.window, &Mode::Flags)?)?;
     let (members, source) = discover_waiting(&job_ref, args.window.wait_for_marker)?;
     crate::bpf::preflight()?;
@@ -509,7 +567,7 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                     (member, r)
                 }));
             }
-            let ctl = control(ctl_ranks, plan, collect).await;
+            let ctl = control(ctl_ranks, plan, collect, start_at).await;
             if let Err(why) = &ctl {
                 eprintln!("dynprof: job: cannot align the ranks: {why}; detaching");
                 for tx in &all_tx {
@@ -755,31 +813,8 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
 
 /// `dynprof ps --jobs`.
 pub fn ps_jobs(json_out: bool) -> Result<()> {
-    use crate::job::group::{self, Proc};
-    let procs: Vec<Proc> = crate::discover::scan(true)
-        .into_iter()
-        .map(|i| Proc {
-            cand: crate::job::discover::Candidate {
-                host_pid: i.host_pid,
-                ppid: i.ppid,
-                ai: i.ai,
-                launcher: i.is_launcher(),
-                env: crate::target::RankEnv {
-                    rank: i.rank,
-                    local_rank: i.local_rank,
-                    world_size: i.world_size,
-                },
-            },
-            launcher: i.launcher,
-            child_pidns: if i.ns_pids.len() > 1 {
-                i.pid_ns.clone()
-            } else {
-                None
-            },
-            container: i.container.as_ref().map(|c| c.short().to_string()),
-            comm: i.comm.clone(),
-        })
-        .collect();
+    use crate::job::group;
+    let procs = group::procs_of(&crate::discover::scan(true));
     let jobs = group::group(&procs);
     if json_out {
         for j in &jobs {

@@ -1,4 +1,5 @@
 //! The subcommands' implementations; `main.rs` only parses.
+pub mod agent;
 pub mod args;
 pub mod attach;
 pub mod driver;

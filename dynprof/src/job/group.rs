@@ -54,6 +54,35 @@ pub struct JobGroup {
     pub ranks: Vec<Member>,
 }
 
+/// What grouping needs of each process `dynprof ps` found (shared by
+/// `ps --jobs` and `dynprof agent`).
+pub fn procs_of(infos: &[crate::discover::ProcInfo]) -> Vec<Proc> {
+    infos
+        .iter()
+        .map(|i| Proc {
+            cand: Candidate {
+                host_pid: i.host_pid,
+                ppid: i.ppid,
+                ai: i.ai,
+                launcher: i.is_launcher(),
+                env: crate::target::RankEnv {
+                    rank: i.rank,
+                    local_rank: i.local_rank,
+                    world_size: i.world_size,
+                },
+            },
+            launcher: i.launcher,
+            child_pidns: if i.ns_pids.len() > 1 {
+                i.pid_ns.clone()
+            } else {
+                None
+            },
+            container: i.container.as_ref().map(|c| c.short().to_string()),
+            comm: i.comm.clone(),
+        })
+        .collect()
+}
+
 /// Groups the AI processes of `procs` into jobs (see the module doc).
 pub fn group(procs: &[Proc]) -> Vec<JobGroup> {
     let by_pid: HashMap<HostPid, &Proc> = procs.iter().map(|p| (p.cand.host_pid, p)).collect();

@@ -16,6 +16,7 @@
 //! | `kernel` | probe the running kernel's BPF features (helpers, map types, PMU formats) |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 //! | `procmem` | read a target's memory (`/proc/PID/mem`): CPython code objects |
+//! | `signal` | SIGTERM to dynprof's own children (the agent's captures) |
 pub mod caps;
 pub mod clock;
 pub mod creds;
@@ -26,5 +27,6 @@ pub mod kernel;
 pub mod memory;
 pub mod procmem;
 pub mod rootfs;
+pub mod signal;
 pub mod targetdir;
 pub mod uprobe;
