@@ -192,7 +192,10 @@ fn torch_npu_dp_never_writes_through_the_jobs_links() {
         Command::new("setpriv")
             .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
             .arg(PYTHON3)
-            .args(["-c", "import os, time; print('ready %d' % os.getpid(), flush=True); time.sleep(600)"]),
+            .args([
+                "-c",
+                "import os, time; print('ready %d' % os.getpid(), flush=True); time.sleep(600)",
+            ]),
     );
     let target = Target::open(HostPid(p.host_pid())).unwrap();
     let args = VendorArgs {

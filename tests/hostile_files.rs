@@ -233,7 +233,8 @@ fn library_truncated_in_a_loop_while_attaching() {
         if !e.status.success() {
             assert!(
                 e.stderr.contains("hostile_fn_19999")
-                    && e.stderr.contains("truncated or replaced after dynprof read it"),
+                    && e.stderr
+                        .contains("truncated or replaced after dynprof read it"),
                 "attach {i}: {}",
                 e.stderr
             );

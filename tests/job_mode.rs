@@ -244,7 +244,10 @@ fn ddp_job_by_launcher_pid() {
     let out = dir.join("out");
     let args = job_args(&out, &["--job", &sh, "--wait-for-marker", "120"]);
     let mut d = attach_util::Dynprof::spawn(Command::new(dynprof_bin()).args(&args), args.clone());
-    d.wait_stderr("dynprof: job: waiting for its ranks (", Duration::from_secs(60));
+    d.wait_stderr(
+        "dynprof: job: waiting for its ranks (",
+        Duration::from_secs(60),
+    );
     std::fs::write(&gate, b"").unwrap();
     let fin = d.finish(Duration::from_secs(300));
     assert!(fin.status.success(), "dynprof failed: {fin}");

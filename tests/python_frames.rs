@@ -62,7 +62,10 @@ fn window(pid: u32, out: &Path, collect: &str) -> (PathBuf, Vec<(Vec<String>, u6
     let stacks = std::fs::read_to_string(prof.join(format!("{collect}.folded")))
         .unwrap_or_else(|e| {
             let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap_or_default();
-            panic!("{}: {e}\nmeta.json: {meta}\nstderr: {stderr}", prof.display())
+            panic!(
+                "{}: {e}\nmeta.json: {meta}\nstderr: {stderr}",
+                prof.display()
+            )
         })
         .lines()
         .filter_map(|l| {

@@ -429,7 +429,11 @@ fn a_symlink_in_the_targets_root_never_leads_dynprof_to_the_host() {
     );
     for (from, to) in &binds {
         std::fs::create_dir_all(inside(to)).unwrap();
-        script += &format!(" && mount --bind {} {}", from.display(), inside(to).display());
+        script += &format!(
+            " && mount --bind {} {}",
+            from.display(),
+            inside(to).display()
+        );
     }
     script += &format!(
         " && exec chroot {} /fx/{} --steps 0 --step-ms 20 --log {}",

@@ -109,7 +109,10 @@ fn window_with(
     std::fs::read_to_string(prof.join("cpu.folded"))
         .unwrap_or_else(|e| {
             let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap_or_default();
-            panic!("{}: {e}\nmeta.json: {meta}\nstderr: {stderr}", prof.display())
+            panic!(
+                "{}: {e}\nmeta.json: {meta}\nstderr: {stderr}",
+                prof.display()
+            )
         })
         .lines()
         .filter_map(|l| {

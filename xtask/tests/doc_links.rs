@@ -8,7 +8,6 @@ use std::{
     path::{Component, Path, PathBuf},
 };
 
-
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()

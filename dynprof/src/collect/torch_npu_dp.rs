@@ -177,7 +177,11 @@ impl TorchNpuDp {
             return BTreeSet::new();
         };
         targetdir::list_subdirs(root, &self.prof_dir, "")
-            .map(|v| v.into_iter().filter(|n| n.ends_with("_ascend_pt")).collect())
+            .map(|v| {
+                v.into_iter()
+                    .filter(|n| n.ends_with("_ascend_pt"))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -280,7 +284,10 @@ impl WindowHook for TorchNpuDp {
             uid: st.st_uid,
             gid: st.st_gid,
         };
-        let file = format!("{}/profiler_config.json", self.config_dir.trim_end_matches('/'));
+        let file = format!(
+            "{}/profiler_config.json",
+            self.config_dir.trim_end_matches('/')
+        );
         let read = targetdir::read_capped(&root, &file, 0, MAX_TEMPLATE + 1);
         match read {
             Ok((b, size)) if size as usize <= MAX_TEMPLATE => {

@@ -80,13 +80,25 @@ const SETNS_MNT: Req = (
 );
 const MSPROF_SETID: [Req; 2] = [
     (CAP_SETUID, "to start msprof as the job's uid (setresuid)"),
-    (CAP_SETGID, "to start msprof with the job's gid and groups (setresgid, setgroups)"),
+    (
+        CAP_SETGID,
+        "to start msprof with the job's gid and groups (setresgid, setgroups)",
+    ),
 ];
 const MSPROF_REST: [Req; 4] = [
     (CAP_SETPCAP, "to give msprof the job's bounding set"),
-    (CAP_DAC_OVERRIDE, "to move msprof into the job's cgroup (cgroup.procs)"),
-    (CAP_CHOWN, "to hand msprof's output directory to the job's uid"),
-    (CAP_DAC_READ_SEARCH, "to read the job's /proc files and root for msprof"),
+    (
+        CAP_DAC_OVERRIDE,
+        "to move msprof into the job's cgroup (cgroup.procs)",
+    ),
+    (
+        CAP_CHOWN,
+        "to hand msprof's output directory to the job's uid",
+    ),
+    (
+        CAP_DAC_READ_SEARCH,
+        "to read the job's /proc files and root for msprof",
+    ),
 ];
 const WINDOW_OWNER: Req = (
     CAP_CHOWN,
@@ -541,5 +553,4 @@ mod tests {
         // Without a perf-event collector nothing is added.
         assert_eq!(with_host_needs(&[Need::Attach, Need::Api], 3).len(), 2);
     }
-
 }

@@ -355,10 +355,8 @@ mod tests {
     fn replace_read_and_list_never_leave_the_root() {
         let base =
             std::env::temp_dir().join(format!("dynprof-targetdir-rw-{}", std::process::id()));
-        let host = std::env::temp_dir().join(format!(
-            "dynprof-targetdir-rw-host-{}",
-            std::process::id()
-        ));
+        let host =
+            std::env::temp_dir().join(format!("dynprof-targetdir-rw-host-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&base);
         let _ = std::fs::remove_dir_all(&host);
         std::fs::create_dir_all(base.join("job/log")).unwrap();
@@ -368,8 +366,11 @@ mod tests {
         // The job plants links: at the final name, and at a log name.
         symlink(&victim, base.join("job/profiler_config.json")).unwrap();
         symlink(&victim, base.join("job/log/dp_x.log")).unwrap();
-        std::fs::write(base.join("job/log/dp_y.log"), "Start Dynamic Profiler at 7 step.\n")
-            .unwrap();
+        std::fs::write(
+            base.join("job/log/dp_y.log"),
+            "Start Dynamic Profiler at 7 step.\n",
+        )
+        .unwrap();
         rustix::fs::mknodat(
             rustix::fs::CWD,
             base.join("job/log/dp_fifo.log"),

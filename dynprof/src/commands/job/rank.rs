@@ -1,0 +1,160 @@
+//! One rank: what its tap records of the session, resolving its markers
+//! on a thread, attaching it with its own kernel object and scheduler.
+use super::*;
+
+/// What one rank's tap saw.
+#[derive(Default)]
+pub(super) struct TapData {
+    pub(super) hits: VecDeque<(Hit, u32)>,
+    /// Threads that crossed a step boundary: only their off-CPU time is
+    /// kept (gloo's and the data loader's own threads are idle most of
+    /// the time and would fill the buffer for nothing).
+    pub(super) step_tids: Vec<u32>,
+    pub(super) offcpu: Vec<OffCpu>,
+    pub(super) offcpu_dropped: u64,
+}
+
+/// A session observer that records the rank's boundaries and the off-CPU
+/// intervals (present while the offcpu collector is armed).
+pub(super) struct StepTap(pub(super) Rc<RefCell<TapData>>);
+
+impl<C> Observer<C> for StepTap {
+    fn on_event(&mut self, ev: &Decoded, _c: Option<&CompletedStep>, _ctx: &mut Ctx) -> Result<()> {
+        let mut d = self.0.borrow_mut();
+        match ev {
+            Decoded::Step(s) if s.role == dynprof_common::role::STEP => {
+                if d.hits.len() == MAX_HITS {
+                    d.hits.pop_front();
+                }
+                d.hits.push_back((
+                    Hit {
+                        step: s.step,
+                        ts_ns: s.hdr.ts_ns,
+                    },
+                    s.hdr.tid,
+                ));
+                if !d.step_tids.contains(&s.hdr.tid) {
+                    d.step_tids.push(s.hdr.tid);
+                }
+            }
+            Decoded::OffCpu(o) if d.step_tids.contains(&o.hdr.tid) => {
+                if d.offcpu.len() < MAX_OFFCPU {
+                    d.offcpu.push(OffCpu {
+                        tid: o.hdr.tid,
+                        ts_ns: o.hdr.ts_ns,
+                        dur_ns: o.dur_ns,
+                    });
+                } else {
+                    d.offcpu_dropped += 1;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+    // `wants_exit` stays false: the session ends when the scheduler (or a
+    // limit) says so.
+}
+
+/// One attached rank, ready to run.
+pub(super) struct Attached {
+    pub(super) member: Member,
+    pub(super) session: Session,
+    pub(super) observers: Vec<Box<dyn Observer<Command>>>,
+    pub(super) tx: mpsc::UnboundedSender<Command>,
+    pub(super) rx: mpsc::UnboundedReceiver<Command>,
+    pub(super) tap: Rc<RefCell<TapData>>,
+    pub(super) lock: lock::TargetLock,
+}
+
+/// What the job report records per rank.
+#[derive(Default, Clone)]
+pub(super) struct RankOutcome {
+    pub(super) problem: Option<String>,
+    pub(super) window_dir: Option<String>,
+    pub(super) summary: Option<serde_json::Value>,
+}
+
+/// A rank whose markers are resolved (the slow, read-only part of attach:
+/// ELF symbols of libtorch), done for all ranks at once on threads.
+pub(super) struct Resolved {
+    pub(super) target: Target,
+    pub(super) lock: lock::TargetLock,
+    pub(super) resolved: Vec<probes::ResolvedProbe>,
+}
+
+pub(super) fn resolve_rank(args: &AttachArgs, m: &Member) -> Result<Resolved> {
+    let target = Target::open(m.host_pid)?;
+    let lock = lock::acquire(target.host_pid, "attach")?;
+    let markers = markers_or_auto(&args.markers);
+    let wait = match args.window.wait_for_marker {
+        Some(d) if !d.is_zero() => MarkerWait::For(d),
+        _ => MarkerWait::No,
+    };
+    let (resolved, _) = resolve_waiting(&target, &markers, wait, false)?;
+    Ok(Resolved {
+        target,
+        lock,
+        resolved,
+    })
+}
+
+pub(super) fn attach_rank(
+    args: &AttachArgs,
+    m: &Member,
+    r: Resolved,
+    rank_out: &Path,
+    collect: &[Builtin],
+) -> Result<Attached> {
+    let Resolved {
+        target,
+        lock,
+        resolved,
+    } = r;
+    let mut kernel = args.ring.load(target.host_pid)?;
+    kernel.repair_semaphores(&lock::lock_dir());
+    let mut sched = Scheduler::new(SchedulerOptions {
+        output: rank_out.to_path_buf(),
+        exit_when_done: true,
+        idle_timeout: None,
+        json: false,
+        collect: Some(collect.to_vec()),
+        chown: args.window.chown_owner(target.host_pid)?,
+    });
+    for c in driver::collectors(&args.window)? {
+        sched.add_collector(c);
+    }
+    for h in args.window.build_hooks(&target)? {
+        sched.add_hook(h);
+    }
+    // No plan yet: it comes once the ranks are aligned.
+    sched.begin(&mut kernel, &target, None)?;
+    for p in probes::attach_order(&resolved) {
+        kernel.attach_marker(p)?;
+    }
+    let (tx, rx) = mpsc::unbounded_channel::<Command>();
+    let rank = m.rank;
+    let _ = tx.send(Command::SetNoticePrinter(SetNoticePrinter(Box::new(
+        move |msg| eprintln!("dynprof: rank {rank}: {msg}"),
+    ))));
+    let tap = Rc::new(RefCell::new(TapData::default()));
+    let observers: Vec<Box<dyn Observer<Command>>> =
+        vec![Box::new(StepTap(Rc::clone(&tap))), Box::new(sched)];
+    Ok(Attached {
+        member: m.clone(),
+        session: Session::new(kernel, target, resolved),
+        observers,
+        tx,
+        rx,
+        tap,
+        lock,
+    })
+}
+
+pub(super) fn quit(tx: &mpsc::UnboundedSender<Command>) {
+    let (reply, _r) = std::sync::mpsc::channel();
+    let _ = tx.send(Command::Console(ConsoleCommand {
+        req: ConsoleRequest::Quit,
+        reply,
+    }));
+}
