@@ -13,11 +13,14 @@ mod api;
 mod attach_time;
 mod ctx;
 mod fig;
+mod idle;
 mod json;
 mod probe;
 mod procs;
+mod sites;
 mod stats;
 mod torch;
+mod torch_seg;
 mod trigger;
 
 use std::time::Instant;
@@ -41,7 +44,9 @@ pub struct Opts {
     pub no_build: bool,
 }
 
-const SECTIONS: [&str; 5] = ["probe", "torch", "attach", "api", "trigger"];
+const SECTIONS: [&str; 7] = [
+    "probe", "sites", "idle", "torch", "attach", "api", "trigger",
+];
 
 fn parse(args: &[String]) -> Result<Opts> {
     let mut o = Opts {
@@ -125,9 +130,23 @@ pub fn run(args: &[String]) -> Result<()> {
 
     let mut sections: Vec<Section> = Vec::new();
     type Runner = fn(&Ctx) -> Result<Section>;
-    // Section 6 first: sections 1 uses its per-hit cost.
-    let plan: [(&str, &str, Runner); 5] = [
-        ("probe", "6. Step-marker program cost per hit", probe::run),
+    // Sections 6 and 7 first: section 8 uses the per-trap cost of 7.
+    let plan: [(&str, &str, Runner); 7] = [
+        (
+            "probe",
+            "6. Probe cost per hit by first instruction (hitloop)",
+            probe::run,
+        ),
+        (
+            "sites",
+            "7. Probe cost per trap at PyTorch's own probe sites",
+            sites::run,
+        ),
+        (
+            "idle",
+            "8. Idle overhead on PyTorch, resolved (thread CPU per step)",
+            idle::run,
+        ),
         (
             "torch",
             "1. Overhead on real PyTorch (steps/s ÷ bare) and 5. footprint",
