@@ -12,6 +12,7 @@
  *   bench_push    push %rbx                 the kernel emulates it
  *   bench_nop5    nopl 0x0(%rax,%rax,1)     5-byte nop, skipped
  *   bench_riprel  mov hitloop_sink(%rip),%rdx  single-stepped out of line
+ *   bench_endbr   endbr64                   what CET builds begin with
  * Every site leaves %rdi (the name) alone, so the marker's string filter
  * (arg=0:cstr) reads the same string at each.
  *
@@ -36,6 +37,7 @@ void bench_hit(const char *name) {
 void bench_push(const char *name);
 void bench_nop5(const char *name);
 void bench_riprel(const char *name);
+void bench_endbr(const char *name);
 
 #if defined(__x86_64__)
 __asm__(
@@ -58,13 +60,20 @@ __asm__(
     "bench_riprel:\n"
     "    mov hitloop_sink(%rip), %rdx\n"
     "    ret\n"
-    ".size bench_riprel, .-bench_riprel\n");
+    ".size bench_riprel, .-bench_riprel\n"
+    ".globl bench_endbr\n"
+    ".type bench_endbr,@function\n"
+    "bench_endbr:\n"
+    "    .byte 0xf3, 0x0f, 0x1e, 0xfa\n"
+    "    ret\n"
+    ".size bench_endbr, .-bench_endbr\n");
 #else
 /* Other architectures: plain C, so the fixture still builds; the classes
  * above are x86-64's. */
 __attribute__((noinline, noipa, used, visibility("default"))) void bench_push(const char *n) { bench_hit(n); }
 __attribute__((noinline, noipa, used, visibility("default"))) void bench_nop5(const char *n) { bench_hit(n); }
 __attribute__((noinline, noipa, used, visibility("default"))) void bench_riprel(const char *n) { bench_hit(n); }
+__attribute__((noinline, noipa, used, visibility("default"))) void bench_endbr(const char *n) { bench_hit(n); }
 #endif
 
 static uint64_t clock_ns(clockid_t c) {
@@ -90,6 +99,7 @@ int main(void) {
         else if (!strcmp(site, "push")) fn = bench_push;
         else if (!strcmp(site, "nop5")) fn = bench_nop5;
         else if (!strcmp(site, "riprel")) fn = bench_riprel;
+        else if (!strcmp(site, "endbr")) fn = bench_endbr;
         else {
             printf("error unknown site %s\n", site);
             fflush(stdout);

@@ -292,6 +292,13 @@ pub fn dynprof_empty(_ctx: ProbeContext) -> u32 {
     0
 }
 
+/// An empty return probe: with [`dynprof_empty`] at the same function, the
+/// kernel's floor under the api collector's entry + return probes.
+#[uretprobe]
+pub fn dynprof_empty_ret(_ctx: RetProbeContext) -> u32 {
+    0
+}
+
 /// Entry of a traced runtime API; the cookie is the API index.
 #[uprobe]
 pub fn dynprof_api_enter(ctx: ProbeContext) -> u32 {

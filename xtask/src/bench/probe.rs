@@ -24,10 +24,11 @@ use super::{
 
 /// One probed function of hitloop: (key, instruction class, N quick, N full).
 /// N keeps each timed loop ≥ ~0.3 s with a probe attached.
-const SITES: [(&str, &str, u64, u64); 3] = [
+const SITES: [(&str, &str, u64, u64); 4] = [
     ("push", "push %rbx (emulated)", 300_000, 1_000_000),
     ("nop5", "5-byte nop", 300_000, 1_000_000),
     ("riprel", "rip-relative mov (single-stepped)", 40_000, 150_000),
+    ("endbr", "endbr64", 40_000, 150_000),
 ];
 
 /// (name, program, filter appended to the marker spec).
