@@ -14,6 +14,7 @@ mod attach_time;
 mod ctx;
 mod fig;
 mod idle;
+mod job;
 mod json;
 mod probe;
 mod procs;
@@ -44,8 +45,8 @@ pub struct Opts {
     pub no_build: bool,
 }
 
-const SECTIONS: [&str; 7] = [
-    "probe", "sites", "idle", "torch", "attach", "api", "trigger",
+const SECTIONS: [&str; 8] = [
+    "probe", "sites", "idle", "torch", "attach", "api", "trigger", "job",
 ];
 
 fn parse(args: &[String]) -> Result<Opts> {
@@ -131,7 +132,7 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut sections: Vec<Section> = Vec::new();
     type Runner = fn(&Ctx) -> Result<Section>;
     // Sections 6 and 7 first: section 8 uses the per-trap cost of 7.
-    let plan: [(&str, &str, Runner); 7] = [
+    let plan: [(&str, &str, Runner); 8] = [
         (
             "probe",
             "6. Probe cost per hit by first instruction (hitloop)",
@@ -159,6 +160,7 @@ pub fn run(args: &[String]) -> Result<()> {
         ),
         ("trigger", "3. Trigger precision and latency", trigger::run),
         ("attach", "4. Attach time on real PyTorch", attach_time::run),
+        ("job", "9. Job mode: 1, 2, 4, 8 native ranks", job::run),
     ];
     for (key, title, f) in plan {
         if !want(key) {
