@@ -19,6 +19,7 @@ mod json;
 mod probe;
 mod procs;
 mod sites;
+mod stacks;
 mod stats;
 mod torch;
 mod torch_seg;
@@ -45,8 +46,8 @@ pub struct Opts {
     pub no_build: bool,
 }
 
-const SECTIONS: [&str; 8] = [
-    "probe", "sites", "idle", "torch", "attach", "api", "trigger", "job",
+const SECTIONS: [&str; 9] = [
+    "probe", "sites", "idle", "torch", "attach", "api", "trigger", "job", "stacks",
 ];
 
 fn parse(args: &[String]) -> Result<Opts> {
@@ -132,7 +133,7 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut sections: Vec<Section> = Vec::new();
     type Runner = fn(&Ctx) -> Result<Section>;
     // Sections 6 and 7 first: section 8 uses the per-trap cost of 7.
-    let plan: [(&str, &str, Runner); 8] = [
+    let plan: [(&str, &str, Runner); 9] = [
         (
             "probe",
             "6. Probe cost per hit by first instruction (hitloop)",
@@ -161,6 +162,11 @@ pub fn run(args: &[String]) -> Result<()> {
         ("trigger", "3. Trigger precision and latency", trigger::run),
         ("attach", "4. Attach time on real PyTorch", attach_time::run),
         ("job", "9. Job mode: 1, 2, 4, 8 native ranks", job::run),
+        (
+            "stacks",
+            "10. Stacks: stack copy + unwinding vs torch.profiler with_stack and py-spy --native",
+            stacks::run,
+        ),
     ];
     for (key, title, f) in plan {
         if !want(key) {
