@@ -30,6 +30,8 @@ const SITES: [(&str, &str, u64, u64); 4] = [
     ("riprel", "rip-relative mov (single-stepped)", 40_000, 150_000),
     ("endbr", "endbr64", 40_000, 150_000),
 ];
+/// The `first_insn` the `attached` line must report at each site (x86-64).
+const CLASSES: [&str; 4] = ["push", "nop", "other", "endbr64"];
 
 /// (name, program, filter appended to the marker spec).
 const CONDS: [(&str, &str, &str); 4] = [
@@ -40,7 +42,7 @@ const CONDS: [(&str, &str, &str); 4] = [
 ];
 
 /// A `dynprof __probe-cost` helper attached to one marker of `pid`.
-pub struct ProbeHelper(Proc);
+pub struct ProbeHelper(Proc, Json);
 
 impl ProbeHelper {
     pub fn attach(ctx: &Ctx, pid: u32, spec: &str, prog: &str) -> Result<ProbeHelper> {
@@ -55,8 +57,13 @@ impl ProbeHelper {
             prog,
         ]);
         let mut h = Proc::spawn(&format!("probe-cost {prog} {spec}"), &mut cmd)?;
-        h.wait_event(Duration::from_secs(60), "attached")?;
-        Ok(ProbeHelper(h))
+        let (_, attached) = h.wait_event(Duration::from_secs(60), "attached")?;
+        Ok(ProbeHelper(h, attached))
+    }
+
+    /// The class dynprof decoded for the probed instruction.
+    pub fn first_insn(&self) -> Option<&str> {
+        self.1.str("first_insn")
     }
 
     /// Detaches; returns the summary (hits counted by the marker program,
@@ -86,6 +93,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let mut times = vec![vec![Vec::<f64>::new(); CONDS.len()]; SITES.len()];
     let mut wall = times.clone();
     let mut helper_raw = Vec::new();
+    let mut class_seen: Vec<Option<String>> = vec![None; SITES.len()];
     for rep in 0..reps {
         for (s, site) in SITES.iter().enumerate() {
             let n = n_of(s);
@@ -97,7 +105,9 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                     None
                 } else {
                     let spec = format!("exe:bench_{}{filter}", site.0);
-                    Some(ProbeHelper::attach(ctx, pid, &spec, prog)?)
+                    let h = ProbeHelper::attach(ctx, pid, &spec, prog)?;
+                    class_seen[s] = h.first_insn().map(str::to_string);
+                    Some(h)
                 };
                 target.send(&format!("go {} {n}", site.0))?;
                 let done = target.wait_prefix(t, "done")?;
@@ -156,6 +166,31 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let ratio = |a: &[f64], b: &[f64]| -> Vec<f64> { a.iter().zip(b).map(|(x, y)| x / y).collect() };
 
     let mut s = Section::new("");
+    // dynprof decodes the probed instruction for the `attached` line; the
+    // sites' classes are known, so this checks the decoder end to end.
+    if cfg!(target_arch = "x86_64") {
+        let wrong: Vec<String> = SITES
+            .iter()
+            .zip(CLASSES)
+            .zip(&class_seen)
+            .filter(|((_, want), got)| got.as_deref() != Some(*want))
+            .map(|((site, want), got)| format!("bench_{}: {got:?}, expected {want}", site.0))
+            .collect();
+        if !wrong.is_empty() {
+            say(format!("probe: the attached line's first_insn is wrong: {}", wrong.join("; ")));
+        }
+        s.figures.push(
+            Figure::new(
+                "first_insn_classes_right",
+                "`attached` line: first_insn right at the 4 hitloop sites",
+                Unit::Count,
+                Goal::AtLeast(4.0),
+                "4 of 4",
+            )
+            .value((SITES.len() - wrong.len()) as f64)
+            .note(wrong.join("; ")),
+        );
+    }
     for (si, site) in SITES.iter().enumerate() {
         let empty = per_hit(si, 1);
         let marker = per_hit(si, 2);
@@ -248,6 +283,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                             ("function", Json::s(format!("bench_{}", site.0))),
                             ("first_instruction", Json::s(site.1)),
                             ("calls_per_run", Json::int(n_of(si))),
+                            (
+                                "first_insn_reported",
+                                class_seen[si].as_deref().map(Json::s).unwrap_or(Json::Null),
+                            ),
                         ])
                     })
                     .collect(),
