@@ -8,6 +8,14 @@ Prints `ready <pid>` after a warm-up, then per stdin line:
                `result MODE N <elapsed_ns> <first_step> <last_step> <exit_ns> <cpu_ns>`
                MODE: bare | prof (torch.profiler, CPU activity) |
                      prof_stack (the same with with_stack=True)
+  site SITE N  call one of PyTorch's own probe sites N times in a tight
+               loop (no training step) and print
+               `result SITE N <elapsed_ns> 0 0 0 <cpu_ns>`:
+               cs   record_function("Optimizer.step#Bench.step"), whose
+                    name reaches c10::ivalue::ConstantString::create
+                    (the step marker's site, as Optimizer.step hits it)
+               bw   backward() of a one-element graph, one
+                    torch::autograd::Engine::execute (the aux marker's site)
                elapsed_ns covers the N steps only (time.monotonic_ns);
                exit_ns is the profiler's own __exit__ (trace building);
                cpu_ns is the training thread's CPU time over the N steps
@@ -64,6 +72,31 @@ def main():
             continue
         if parts[0] == "quit":
             break
+        if parts[0] == "site" and len(parts) == 3:
+            site, n = parts[1], int(parts[2])
+            if site == "cs":
+                rf = torch.autograd.profiler.record_function
+
+                def call():
+                    with rf("Optimizer.step#Bench.step"):
+                        pass
+            elif site == "bw":
+                x = torch.ones(1, requires_grad=True)
+
+                def call():
+                    (x * 2.0).backward()
+            else:
+                print(f"error bad site: {site}", flush=True)
+                continue
+            call()
+            c0 = time.thread_time_ns()
+            t0 = time.monotonic_ns()
+            for _ in range(n):
+                call()
+            t1 = time.monotonic_ns()
+            c1 = time.thread_time_ns()
+            print(f"result {site} {n} {t1 - t0} 0 0 0 {c1 - c0}", flush=True)
+            continue
         if parts[0] != "run" or len(parts) != 3:
             print(f"error bad command: {line.strip()}", flush=True)
             continue

@@ -1,5 +1,5 @@
 //! Step and aux markers: count the hit, evaluate the plan, flip the gate,
-//! emit the boundary; and the empty uprobe the bench compares them with.
+//! emit the boundary; and the empty probes the bench compares them with.
 use super::*;
 
 /// Does the marker's string argument start with its prefix?
@@ -140,5 +140,12 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
 /// marker program against.
 #[uprobe]
 pub fn dynprof_empty(_ctx: ProbeContext) -> u32 {
+    0
+}
+
+/// An empty return probe: with [`dynprof_empty`] at the same function, the
+/// kernel's floor under the api collector's entry + return probes.
+#[uretprobe]
+pub fn dynprof_empty_ret(_ctx: RetProbeContext) -> u32 {
     0
 }

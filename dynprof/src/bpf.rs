@@ -40,6 +40,8 @@ pub const MARKER_IP_PROG: &str = "dynprof_marker_ip";
 pub const API_ENTER_IP_PROG: &str = "dynprof_api_enter_ip";
 pub const API_EXIT_STACK_PROG: &str = "dynprof_api_exit_stack";
 pub const EMPTY_PROG: &str = "dynprof_empty";
+/// An empty uretprobe; with [`EMPTY_PROG`], the bench's floor for an API call.
+pub const EMPTY_RET_PROG: &str = "dynprof_empty_ret";
 pub const API_ENTER_PROG: &str = "dynprof_api_enter";
 pub const API_EXIT_PROG: &str = "dynprof_api_exit";
 pub const CPU_PROG: &str = "dynprof_cpu";

@@ -13,11 +13,16 @@ mod api;
 mod attach_time;
 mod ctx;
 mod fig;
+mod idle;
+mod job;
 mod json;
 mod probe;
 mod procs;
+mod sites;
+mod stacks;
 mod stats;
 mod torch;
+mod torch_seg;
 mod trigger;
 
 use std::time::Instant;
@@ -41,7 +46,9 @@ pub struct Opts {
     pub no_build: bool,
 }
 
-const SECTIONS: [&str; 5] = ["probe", "torch", "attach", "api", "trigger"];
+const SECTIONS: [&str; 10] = [
+    "probe", "sites", "idle", "torch", "attach", "api", "trigger", "job", "stacks", "later",
+];
 
 fn parse(args: &[String]) -> Result<Opts> {
     let mut o = Opts {
@@ -116,6 +123,47 @@ pub fn say(msg: impl AsRef<str>) {
     eprintln!("[bench] {}", msg.as_ref());
 }
 
+/// Figures the issue asks for whose subject is not in this tree yet: kept
+/// in the table so that they are not forgotten.
+fn not_measured_yet(_ctx: &Ctx) -> Result<Section> {
+    let mut s = Section::new("");
+    for (key, name, goal, text, why) in [
+        (
+            "agent_metrics_p99_ms",
+            "TODO agent: /metrics latency at 8 ranks",
+            Goal::Info,
+            "",
+            "not measured: agent lands with #16",
+        ),
+        (
+            "agent_idle_cpu_pct",
+            "TODO agent: idle CPU with 8 targets",
+            Goal::AtMost(1.0),
+            "≤ 1% of a core",
+            "not measured: agent lands with #16",
+        ),
+        (
+            "agent_idle_rss_mib",
+            "TODO agent: idle RSS with 8 targets",
+            Goal::AtMost(100.0),
+            "≤ 100 MiB",
+            "not measured: agent lands with #16",
+        ),
+        (
+            "vm_probe_ratios",
+            "TODO probe-cost ratios on 5.10 x86-64 and aarch64 (QEMU)",
+            Goal::Info,
+            "",
+            "not measured: the 5.10 kernels lack bpf_get_attach_cookie for __probe-cost's programs, and TCG timing is not the \
+             hardware's; needs a vm-test hook that runs hitloop and __probe-cost inside the guest",
+        ),
+    ] {
+        s.figures
+            .push(Figure::new(key, name, Unit::Ratio, goal, text).missing(why));
+    }
+    Ok(s)
+}
+
 pub fn run(args: &[String]) -> Result<()> {
     let opts = parse(args)?;
     let started = Instant::now();
@@ -125,9 +173,23 @@ pub fn run(args: &[String]) -> Result<()> {
 
     let mut sections: Vec<Section> = Vec::new();
     type Runner = fn(&Ctx) -> Result<Section>;
-    // Section 6 first: sections 1 uses its per-hit cost.
-    let plan: [(&str, &str, Runner); 5] = [
-        ("probe", "6. Step-marker program cost per hit", probe::run),
+    // Sections 6 and 7 first: section 8 uses the per-trap cost of 7.
+    let plan: [(&str, &str, Runner); 10] = [
+        (
+            "probe",
+            "6. Probe cost per hit by first instruction (hitloop)",
+            probe::run,
+        ),
+        (
+            "sites",
+            "7. Probe cost per trap at PyTorch's own probe sites",
+            sites::run,
+        ),
+        (
+            "idle",
+            "8. Idle overhead on PyTorch, resolved (thread CPU per step)",
+            idle::run,
+        ),
         (
             "torch",
             "1. Overhead on real PyTorch (steps/s ÷ bare) and 5. footprint",
@@ -140,6 +202,13 @@ pub fn run(args: &[String]) -> Result<()> {
         ),
         ("trigger", "3. Trigger precision and latency", trigger::run),
         ("attach", "4. Attach time on real PyTorch", attach_time::run),
+        ("job", "9. Job mode: 1, 2, 4, 8 native ranks", job::run),
+        (
+            "stacks",
+            "10. Stacks: stack copy + unwinding vs torch.profiler with_stack and py-spy --native",
+            stacks::run,
+        ),
+        ("later", "11. Agent and VMs (not measured yet)", not_measured_yet),
     ];
     for (key, title, f) in plan {
         if !want(key) {

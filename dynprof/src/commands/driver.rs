@@ -100,6 +100,8 @@ pub fn attached_json(target: &Target, probes: &[ResolvedProbe]) -> serde_json::V
             "symbol": p.symbol,
             "file_offset": p.file_offset,
             "usdt_semaphore": p.semaphore.as_ref().map(|s| s.runtime_addr),
+            "first_insn": p.first_insn,
+            "single_stepped": p.first_insn.map(|c| c.single_stepped()),
         })).collect::<Vec<_>>(),
     })
 }

@@ -3,7 +3,8 @@
 //! Attaches ONE program to one resolved marker of a target: either the real
 //! step-marker program (`--prog marker`, with the marker's filter config) or
 //! the empty uprobe (`--prog empty`), the baseline the marker's per-hit cost
-//! is divided by. It drains the ring buffer (counting, not printing) until
+//! is divided by; or (`--prog floor`) the empty uprobe plus an empty return
+//! probe on the same function, the floor under the api collector's cost. It drains the ring buffer (counting, not printing) until
 //! its stdin closes, then prints one JSON line with hits, events and drops.
 //! The bench times a loop in the target bare / with each program attached.
 use std::{io::Read as _, num::NonZeroU32, os::fd::AsRawFd, time::Instant};
@@ -22,7 +23,7 @@ use dynprof_common::{MarkerConfig, drop_slot};
 use serde_json::json;
 
 use crate::{
-    bpf::{EMPTY_PROG, MARKER_PROG, preflight},
+    bpf::{EMPTY_PROG, EMPTY_RET_PROG, MARKER_PROG, preflight},
     probes::{self},
     target::Target,
     types::HostPid,
@@ -37,7 +38,8 @@ pub struct ProbeCostArgs {
     /// One marker SPEC (same grammar as `attach --marker`).
     #[arg(long, value_parser = super::driver::marker_spec)]
     pub marker: probes::MarkerArg,
-    /// `marker` (the step-marker program) or `empty` (the empty uprobe).
+    /// `marker` (the step-marker program), `empty` (the empty uprobe) or
+    /// `floor` (empty uprobe + empty return probe).
     #[arg(long, default_value = "marker")]
     pub prog: String,
     #[arg(long, default_value_t = 4096, value_parser = crate::cli::ring_kb)]
@@ -61,8 +63,8 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
     let t_resolved = t0.elapsed();
     let prog_name = match a.prog.as_str() {
         "marker" => MARKER_PROG,
-        "empty" => EMPTY_PROG,
-        other => bail!("--prog must be marker or empty, not {other}"),
+        "empty" | "floor" => EMPTY_PROG,
+        other => bail!("--prog must be marker, empty or floor, not {other}"),
     };
     let tgid = a.pid;
     let mut ebpf = EbpfLoader::new()
@@ -91,11 +93,30 @@ pub fn run(a: &ProbeCostArgs) -> Result<()> {
         &p.attach_path,
         UProbeScope::OneProcess(pid),
     )?;
+    let _ret_link = if a.prog == "floor" {
+        let ret: &mut UProbe = ebpf
+            .program_mut(EMPTY_RET_PROG)
+            .ok_or_else(|| anyhow!("{EMPTY_RET_PROG} missing"))?
+            .try_into()?;
+        ret.load()
+            .with_context(|| format!("verifying {EMPTY_RET_PROG}"))?;
+        Some(ret.attach(
+            UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(p.file_offset),
+                cookie: None,
+            },
+            &p.attach_path,
+            UProbeScope::OneProcess(pid),
+        )?)
+    } else {
+        None
+    };
     let t_attached = t0.elapsed();
     println!(
         "{}",
         json!({
             "event": "attached", "prog": prog_name, "symbol": p.symbol, "file_offset": p.file_offset,
+            "first_insn": p.first_insn,
             "resolve_ms": t_resolved.as_secs_f64() * 1e3,
             "load_ms": (t_loaded - t_resolved).as_secs_f64() * 1e3,
             "attach_ms": (t_attached - t_loaded).as_secs_f64() * 1e3,

@@ -1,4 +1,5 @@
 //! Markers: the grammar, framework presets, and resolution to file offsets.
+pub mod insn;
 pub mod presets;
 pub mod resolve;
 pub mod semaphore;

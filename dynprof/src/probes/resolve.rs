@@ -47,6 +47,9 @@ pub struct ResolvedProbe {
     #[serde(skip)]
     pub config: MarkerConfig,
     pub semaphore: Option<Semaphore>,
+    /// The class of the probed instruction: the kernel emulates some and
+    /// single-steps the rest, 10–35× dearer per hit (docs/performance.md).
+    pub first_insn: Option<super::insn::InsnClass>,
 }
 
 fn ser_path<S: serde::Serializer>(p: &std::path::Path, s: S) -> Result<S::Ok, S::Error> {
@@ -122,6 +125,14 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
             "marker `{}` did not resolve: {}",
             m.spec,
             m.tried.join("; ")
+        );
+    }
+    for p in out.iter().filter(|p| p.first_insn.is_some_and(|c| c.single_stepped())) {
+        log::warn!(
+            "marker `{}` ({}): the kernel single-steps its first instruction, 10–35× the cost of an emulated \
+             `push` per hit (docs/performance.md); a marker at SYMBOL+OFF on a push or nop is cheaper",
+            p.spec,
+            p.symbol
         );
     }
     Ok(out)
@@ -285,6 +296,7 @@ pub fn resolve_spec_cached(
                     runtime_addr,
                     file_offset,
                 }),
+                first_insn: super::insn::at_offset(&host, file_offset),
             });
         }
         if !out.is_empty() {

@@ -22,9 +22,12 @@ use super::{
     Ctx, Section,
     fig::{Figure, Goal, Unit},
     json::{self, Json},
+    probe::ProbeHelper,
     procs::{self, Proc},
     say, stats,
 };
+
+const FLOOR_SPEC: &str = "libascendcl:aclrtLaunchKernel";
 
 /// `step` lines of the trainer's log: (index, end_ns).
 fn step_ends(path: &Path) -> Vec<u64> {
@@ -155,6 +158,50 @@ fn window(
     })
 }
 
+/// The trainer's CPU ns per step over the next `secs` (all its threads'
+/// schedstat; steps counted in its log over the same interval).
+fn cpu_per_step(pid: u32, log: &Path, secs: f64) -> Result<f64> {
+    let (c0, a) = (procs::cpu_ns(pid), procs::monotonic_ns());
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let (c1, b) = (procs::cpu_ns(pid), procs::monotonic_ns());
+    let steps = step_ends(log).iter().filter(|e| **e >= a && **e <= b).count();
+    match (c0, c1) {
+        (Some(c0), Some(c1)) if steps >= 3 => Ok((c1 - c0) as f64 / steps as f64),
+        _ => bail!("the trainer logged {steps} steps in {secs} s, or its CPU time is unreadable"),
+    }
+}
+
+/// [`cpu_per_step`] with the api collector in a window that stays open.
+fn api_cpu_per_step(ctx: &Ctx, target: &Proc, log: &Path, secs: f64, tag: &str) -> Result<f64> {
+    let out = ctx.work.join(format!("api-{tag}"));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut cmd = ctx.dynprof_cmd();
+    cmd.args([
+        "attach",
+        "--pid",
+        &target.pid().to_string(),
+        "--marker",
+        "exe:optimizer_step",
+        "--json",
+        "--collect",
+        "api",
+        "--start-step",
+        "-1",
+        "--active",
+        "1000000",
+        "--output",
+    ])
+    .arg(&out);
+    let mut dp = Proc::spawn("dynprof attach --collect api (long window)", &mut cmd)?;
+    dp.wait_event(Duration::from_secs(60), "attached")?;
+    // The window opens at the next step boundary (a few ms at this rate).
+    std::thread::sleep(Duration::from_millis(200));
+    let c = cpu_per_step(target.pid(), log, secs);
+    let _ = dp.stop(Duration::from_secs(120));
+    let _ = std::fs::remove_dir_all(&out);
+    c
+}
+
 pub fn run(ctx: &Ctx) -> Result<Section> {
     let calls_per_step: u64 = 2000;
     let log = ctx.work.join("acl-trainer.log");
@@ -171,12 +218,24 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let win_steps: u64 = if ctx.quick() { 10 } else { 50 };
     let reps = ctx.reps();
     let mut bare = Vec::new();
+    let mut floor = Vec::new();
     let mut wins: Vec<Win> = Vec::new();
     for rep in 0..reps {
         let a = procs::monotonic_ns();
         std::thread::sleep(Duration::from_secs_f64(bare_s));
         let b = procs::monotonic_ns();
         let r = rate_between(&step_ends(&log), a, b).context("the trainer logged no steps")?;
+        // Per call, from the trainer's CPU time per step (immune to other
+        // processes holding the CPU): bare, with the kernel's floor (an
+        // empty entry uprobe and an empty return probe on aclrtLaunchKernel,
+        // 2000 of the step's 2002 traced calls), and with the api collector
+        // in an open window.
+        let c_bare = cpu_per_step(target.pid(), &log, bare_s)?;
+        let h = ProbeHelper::attach(ctx, target.pid(), FLOOR_SPEC, "floor")?;
+        let c_floor = cpu_per_step(target.pid(), &log, bare_s)?;
+        h.finish()?;
+        let c_api = api_cpu_per_step(ctx, &target, &log, bare_s, &format!("cpu{rep}"))?;
+        floor.push([c_bare, c_floor, c_api]);
         let w = window(ctx, &target, &log, win_steps, 4096, &format!("rep{rep}"))?;
         say(format!(
             "api rep {}: off {:.0} steps/s ({:.2}M calls/s), on {:.0} steps/s, {:.0} events/s, drops {}",
@@ -254,6 +313,35 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let _ = target2.stop(Duration::from_secs(10));
 
     let mut s = Section::new("");
+    // Per call: (CPU per step probed − CPU per step bare) / calls per step.
+    let per_call = |c: f64, bare: f64| (c - bare) / calls_per_step as f64;
+    let api_ns: Vec<f64> = floor.iter().map(|c| per_call(c[2], c[0])).collect();
+    let floor_ns: Vec<f64> = floor.iter().map(|c| per_call(c[1], c[0])).collect();
+    s.figures.push(
+        Figure::new(
+            "api_per_call_over_floor",
+            "API collector per call ÷ kernel floor (empty entry + return probe)",
+            Unit::Ratio,
+            Goal::AtMost(1.15),
+            "≤ 1.15",
+        )
+        .samples(api_ns.iter().zip(&floor_ns).map(|(a, f)| a / f).collect())
+        .resolve(0.02)
+        .note(format!(
+            "per call = (trainer CPU per step probed − bare) / {calls_per_step} calls (schedstat of the trainer over {bare_s} s, steps from \
+             its log); the api collector in an open window; the floor \
+             is an empty uprobe + an empty uretprobe on aclrtLaunchKernel (2000 of the 2002 traced calls per step), attached by \
+             `dynprof __probe-cost --prog floor`"
+        )),
+    );
+    s.figures.push(
+        Figure::new("api_ns_per_call", "API collector, added per call", Unit::Ns, Goal::Info, "")
+            .samples(api_ns.clone()),
+    );
+    s.figures.push(
+        Figure::new("api_floor_ns_per_call", "kernel floor (empty entry + return probe), per call", Unit::Ns, Goal::Info, "")
+            .samples(floor_ns.clone()),
+    );
     let ratio: Vec<f64> = wins
         .iter()
         .zip(&bare)
@@ -277,10 +365,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         .collect();
     let mut f = Figure::new(
         "api_events_per_s_zero_drops",
-        "API events/s sustained with zero drops",
+        "API events/s sustained with zero drops (capacity, bounded by the producer's traps)",
         Unit::PerSec,
-        Goal::AtLeast(1e6),
-        "≥ 1,000,000",
+        Goal::Info,
+        "",
     )
     .samples(ok.clone());
     if ok.len() < wins.len() {
@@ -298,10 +386,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         .collect();
     let mut f2 = Figure::new(
         "api_events_per_s_zero_drops_2t",
-        "API events/s sustained with zero drops, 2 calling threads",
+        "API events/s sustained with zero drops, 2 calling threads (capacity)",
         Unit::PerSec,
-        Goal::AtLeast(1e6),
-        "≥ 1,000,000",
+        Goal::Info,
+        "",
     )
     .samples(ok2.clone())
     .note(format!(
@@ -398,6 +486,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         ("calls_per_step", Json::int(calls_per_step)),
         ("window_steps", Json::int(win_steps)),
         ("off_steps_per_s", Json::nums(&bare)),
+        (
+            "cpu_ns_per_step_bare_floor_api",
+            Json::Arr(floor.iter().map(|c| Json::nums(c)).collect()),
+        ),
+        ("floor_spec", Json::s(FLOOR_SPEC)),
         (
             "on_steps_per_s",
             Json::nums(&wins.iter().map(|w| w.steps_per_s).collect::<Vec<_>>()),

@@ -24,8 +24,11 @@ pub struct Ctx {
     pub git: String,
     /// PyTorch bare steps/s measured by the overhead section (0 = not yet).
     pub torch_sps: std::cell::Cell<f64>,
-    /// Marker program cost per hit in ns, from section 6 (0 = not yet).
-    pub marker_hit_ns: std::cell::Cell<f64>,
+    /// Marker program (with its string filter) per trap at
+    /// ConstantString::create, ns, from section 7 (0 = not yet).
+    pub cs_trap_ns: std::cell::Cell<f64>,
+    /// Marker program per trap at Engine::execute, ns, from section 7.
+    pub bw_trap_ns: std::cell::Cell<f64>,
 }
 
 impl Ctx {
@@ -90,7 +93,8 @@ impl Ctx {
             version,
             git,
             torch_sps: Default::default(),
-            marker_hit_ns: Default::default(),
+            cs_trap_ns: Default::default(),
+            bw_trap_ns: Default::default(),
         })
     }
 

@@ -18,6 +18,7 @@ pub enum Unit {
     Ratio,
     Ms,
     Ns,
+    Us,
     MiB,
     /// Percent of one core.
     PctCore,
@@ -32,6 +33,7 @@ impl Unit {
             Unit::Ratio => format!("{x:.4}"),
             Unit::Ms => format!("{x:.3} ms"),
             Unit::Ns => format!("{x:.0} ns"),
+            Unit::Us => format!("{x:.2} µs"),
             Unit::MiB => format!("{x:.1} MiB"),
             Unit::PctCore => format!("{x:.3}%"),
             Unit::Count => format!("{x:.0}"),
@@ -44,6 +46,7 @@ impl Unit {
             Unit::Ratio => "ratio",
             Unit::Ms => "ms",
             Unit::Ns => "ns",
+            Unit::Us => "us",
             Unit::MiB => "MiB",
             Unit::PctCore => "percent_of_one_core",
             Unit::Count => "count",
@@ -81,6 +84,8 @@ pub struct Figure {
     /// The samples' spread is wider than the target's margin: the
     /// measurement cannot say met or missed (status "noisy").
     pub unresolved: bool,
+    /// Standard error of `value` when it is a mean of samples.
+    pub se: Option<f64>,
 }
 
 impl Figure {
@@ -96,6 +101,7 @@ impl Figure {
             note: String::new(),
             kind: "measured",
             unresolved: false,
+            se: None,
         }
     }
     pub fn samples(mut self, s: Vec<f64>) -> Self {
@@ -120,6 +126,21 @@ impl Figure {
         {
             self.unresolved = true;
         }
+        self
+    }
+    /// The headline is the mean of the samples, shown with its standard
+    /// error; "noisy" when the target lies within two standard errors.
+    pub fn mean_se(mut self, samples: Vec<f64>) -> Self {
+        if let Some((m, se)) = stats::mean_se(&samples) {
+            self.value = Some(m);
+            self.se = Some(se);
+            if let Goal::AtLeast(t) | Goal::AtMost(t) = self.goal
+                && (m - t).abs() < 2.0 * se
+            {
+                self.unresolved = true;
+            }
+        }
+        self.samples = samples;
         self
     }
     pub fn computed(mut self) -> Self {
@@ -168,6 +189,12 @@ impl Figure {
             return "not measured".into();
         }
         let mut s = match (self.value, self.summary()) {
+            (Some(v), _) if self.se.is_some() => format!(
+                "{} ± {} (mean ± SE, n={})",
+                self.unit.fmt(v),
+                self.unit.fmt(self.se.unwrap_or(0.0)),
+                self.samples.len()
+            ),
             (Some(v), _) => self.unit.fmt(v),
             (None, Some(s)) if s.n > 1 => {
                 format!(
@@ -199,6 +226,9 @@ impl Figure {
         match self.headline() {
             Some(v) => o.push("value", Json::num(v)),
             None => o.push("value", Json::Null),
+        }
+        if let Some(se) = self.se {
+            o.push("standard_error", Json::num(se));
         }
         if let Some(s) = self.summary() {
             o.push("median", Json::num(s.median));

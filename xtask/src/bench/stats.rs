@@ -47,6 +47,19 @@ pub fn percentile(samples: &[f64], p: f64) -> Option<f64> {
     Some(v[rank.clamp(1, v.len()) - 1])
 }
 
+/// Mean and its standard error (sample standard deviation / √n); None
+/// below two finite samples.
+pub fn mean_se(samples: &[f64]) -> Option<(f64, f64)> {
+    let v: Vec<f64> = samples.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.len() < 2 {
+        return None;
+    }
+    let n = v.len() as f64;
+    let m = v.iter().sum::<f64>() / n;
+    let var = v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (n - 1.0);
+    Some((m, (var / n).sqrt()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,5 +73,10 @@ mod tests {
         assert_eq!(percentile(&v, 99.0), Some(99.0));
         assert_eq!(percentile(&v, 100.0), Some(100.0));
         assert!(summary(&[]).is_none());
+        // 2, 4, 6: mean 4, sample sd 2, SE 2/√3.
+        let (m, se) = mean_se(&[2.0, 4.0, 6.0]).unwrap();
+        assert_eq!(m, 4.0);
+        assert!((se - 2.0 / 3f64.sqrt()).abs() < 1e-12);
+        assert!(mean_se(&[1.0]).is_none());
     }
 }
