@@ -278,6 +278,7 @@ fn marker_time(text: &str, marker: &str) -> Option<f64> {
 fn script(tests: &[(PathBuf, &[&str])], fixtures_dir: Option<&Path>) -> String {
     let mut s = format!(
         "cd '{}'\nexport PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root\n\
+         export DYNPROF_TEST_EMULATED=1\n\
          fail=0\nread up _ < /proc/uptime; echo \"TESTS-START $up\"\n",
         util::workspace_root().display()
     );

@@ -10,15 +10,18 @@
 //!    every rank was attached and counting.
 //! 2. The step period `P` is the median gap between the reference rank's
 //!    boundaries.
-//! 3. The reference boundaries are the reference rank's first two
+//! 3. The reference boundaries are the reference rank's first [`VOTES`]
 //!    consecutive boundaries after `T0 + P/2`: every rank was attached well
 //!    before them, so every rank counted them.
 //! 4. For each rank, the boundary nearest in time to each reference boundary
 //!    is its same iteration, provided it is within `2P/5` (ranks in lockstep
 //!    cross a boundary a few milliseconds apart; on a loaded host the spread
-//!    grows, and only near `P/2` could the match be wrong) and both reference
-//!    boundaries give the same index offset. Otherwise the ranks are not in
-//!    lockstep and job mode refuses to guess.
+//!    grows, and only near `P/2` could the match be wrong). Each such match
+//!    votes for an index offset; the rank's offset is the one at least
+//!    [`QUORUM`] of the [`VOTES`] agree on, so that one boundary a loaded
+//!    host delayed does not refuse a job in lockstep, while ranks that drift
+//!    apart (different periods) never gather a quorum. Otherwise the ranks
+//!    are not in lockstep and job mode refuses to guess.
 //!
 //! The offsets and the evidence (each rank's matched indices, timestamps and
 //! distance to the reference) are recorded; after the window, [`verify`]
@@ -56,11 +59,16 @@ pub struct RankAlign {
     pub rank: Rank,
     /// own step index = job step + offset.
     pub offset: i64,
-    /// Own indices matched to the two reference boundaries.
+    /// Reference-rank indices of the two consecutive boundaries recorded as
+    /// evidence (both matched with `offset`).
+    pub reference_hits: [u64; 2],
+    /// Own indices matched to them.
     pub own_hits: [u64; 2],
     pub ts_ns: [u64; 2],
     /// Signed distance to the reference boundary, ns.
     pub delta_ns: [i64; 2],
+    /// How many of the [`VOTES`] reference boundaries gave `offset`.
+    pub votes: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -70,7 +78,8 @@ pub struct Alignment {
     pub period_ns: u64,
     /// Latest first boundary over all ranks (every rank counting).
     pub all_attached_ts_ns: u64,
-    /// Job steps (reference own indices) of the two reference boundaries.
+    /// Job steps (reference own indices) of the first two reference
+    /// boundaries.
     pub reference_steps: [u64; 2],
     pub ranks: Vec<RankAlign>,
 }
@@ -102,6 +111,12 @@ impl Alignment {
             .unwrap_or(0)
     }
 }
+
+/// Reference boundaries each rank's offset is voted on.
+pub const VOTES: usize = 6;
+/// Votes one offset needs. Four of six always include two consecutive
+/// boundaries, which are recorded as the evidence.
+pub const QUORUM: usize = 4;
 
 /// How far apart two ranks may cross the same boundary: two fifths of a
 /// step (the nearest boundary is unambiguous below half a step).
@@ -158,59 +173,85 @@ pub fn align(ranks: &[RankHits]) -> Result<Alignment, Pending> {
             "rank {reference} has not crossed a boundary after every rank was attached"
         )));
     };
-    let (Some(b0), Some(b1)) = (refh.get(i).copied(), refh.get(i + 1).copied()) else {
+    let Some(refs) = refh.get(i..i + VOTES) else {
         return Err(Pending::Wait(format!(
-            "rank {reference} needs a second boundary after every rank was attached"
+            "rank {reference} needs {VOTES} boundaries after every rank was attached"
         )));
     };
-    if b1.step != b0.step + 1 {
+    if refs.windows(2).any(|w| w[1].step != w[0].step + 1) {
         return Err(Pending::Fail(format!(
-            "rank {reference}'s boundaries {} and {} are not consecutive",
-            b0.step, b1.step
+            "rank {reference}'s boundaries {}..{} are not consecutive (lost events)",
+            refs[0].step,
+            refs[VOTES - 1].step
         )));
     }
+    let last_ref = refs[VOTES - 1];
     let tolerance = tolerance(period);
     let mut out = Vec::new();
     for r in ranks {
         let rank = r.rank.unwrap_or(reference);
         let last = r.hits.last().map_or(0, |h| h.ts_ns);
-        if last < b1.ts_ns.saturating_add(tolerance) {
+        if last < last_ref.ts_ns.saturating_add(tolerance) {
             return Err(Pending::Wait(format!(
                 "rank {rank} has not reported the iteration of job step {} yet",
-                b1.step
+                last_ref.step
             )));
         }
-        let mut own = [0u64; 2];
-        let mut ts = [0u64; 2];
-        let mut delta = [0i64; 2];
-        for (j, b) in [b0, b1].into_iter().enumerate() {
-            let h = nearest(&r.hits, b.ts_ns).expect("rank has hits");
-            let d = i128::from(h.ts_ns) - i128::from(b.ts_ns);
-            if d.unsigned_abs() > u128::from(tolerance) {
-                return Err(Pending::Fail(format!(
-                    "rank {rank}'s boundary nearest to rank {reference}'s step {} is {:.3} ms away \
-                     (step period {:.3} ms): the ranks are not in lockstep, so their steps cannot be matched",
-                    b.step,
-                    d as f64 / 1e6,
-                    period as f64 / 1e6
-                )));
+        // (offset, matched own hit, distance) per reference boundary, or
+        // None where the nearest boundary is beyond the tolerance.
+        let matches: Vec<Option<(i64, Hit, i64)>> = refs
+            .iter()
+            .map(|b| {
+                let h = nearest(&r.hits, b.ts_ns).expect("rank has hits");
+                let d = i128::from(h.ts_ns) - i128::from(b.ts_ns);
+                (d.unsigned_abs() <= u128::from(tolerance))
+                    .then(|| (h.step as i64 - b.step as i64, h, d as i64))
+            })
+            .collect();
+        let mut tally: Vec<(i64, usize)> = Vec::new();
+        for (off, _, _) in matches.iter().flatten() {
+            match tally.iter_mut().find(|(o, _)| o == off) {
+                Some((_, n)) => *n += 1,
+                None => tally.push((*off, 1)),
             }
-            own[j] = h.step;
-            ts[j] = h.ts_ns;
-            delta[j] = d as i64;
         }
-        if own[1] != own[0] + 1 {
+        let best = tally.iter().max_by_key(|(_, n)| *n).copied();
+        let Some((offset, votes)) = best.filter(|(_, n)| *n >= QUORUM) else {
+            let worst = refs
+                .iter()
+                .filter_map(|b| {
+                    let h = nearest(&r.hits, b.ts_ns)?;
+                    Some((i128::from(h.ts_ns) - i128::from(b.ts_ns)).unsigned_abs())
+                })
+                .max()
+                .unwrap_or(0);
             return Err(Pending::Fail(format!(
-                "rank {rank}: consecutive job steps {} and {} match its steps {} and {}",
-                b0.step, b1.step, own[0], own[1]
+                "rank {rank}: only {} of rank {reference}'s {VOTES} boundaries {}..{} match one of its \
+                 own within {:.3} ms with one index offset (nearest up to {:.3} ms away; step period \
+                 {:.3} ms): the ranks are not in lockstep, so their steps cannot be matched",
+                best.map_or(0, |b| b.1),
+                refs[0].step,
+                last_ref.step,
+                tolerance as f64 / 1e6,
+                worst as f64 / 1e6,
+                period as f64 / 1e6
             )));
-        }
+        };
+        let agrees = |m: &Option<(i64, Hit, i64)>| m.is_some_and(|(o, _, _)| o == offset);
+        let j = (0..VOTES - 1)
+            .find(|&j| agrees(&matches[j]) && agrees(&matches[j + 1]))
+            .expect("QUORUM of VOTES includes two consecutive boundaries");
+        let (Some((_, h0, d0)), Some((_, h1, d1))) = (matches[j], matches[j + 1]) else {
+            unreachable!("both agree");
+        };
         out.push(RankAlign {
             rank,
-            offset: own[0] as i64 - b0.step as i64,
-            own_hits: own,
-            ts_ns: ts,
-            delta_ns: delta,
+            offset,
+            reference_hits: [refs[j].step, refs[j + 1].step],
+            own_hits: [h0.step, h1.step],
+            ts_ns: [h0.ts_ns, h1.ts_ns],
+            delta_ns: [d0, d1],
+            votes: votes as u32,
         });
     }
     out.sort_by_key(|a| a.rank);
@@ -218,7 +259,7 @@ pub fn align(ranks: &[RankHits]) -> Result<Alignment, Pending> {
         reference,
         period_ns: period,
         all_attached_ts_ns: t0,
-        reference_steps: [b0.step, b1.step],
+        reference_steps: [refs[0].step, refs[1].step],
         ranks: out,
     })
 }
@@ -356,6 +397,43 @@ mod tests {
         }
         let Err(Pending::Fail(why)) = align(&r) else {
             panic!()
+        };
+        assert!(why.contains("not in lockstep"), "{why}");
+    }
+
+    #[test]
+    fn one_late_boundary_does_not_refuse_ranks_in_lockstep() {
+        let mut r = lockstep();
+        // A loaded host held rank 2 back 60 ms at iteration 8 (more than
+        // 2P/5): that boundary has no vote, the other five agree.
+        for h in &mut r[2].hits {
+            if h.ts_ns == 1_000 * MS + 8 * 100 * MS + MS {
+                h.ts_ns += 60 * MS;
+            }
+        }
+        let a = align(&r).unwrap();
+        let r2 = a.ranks.iter().find(|x| x.rank == Rank(2)).unwrap();
+        assert_eq!((r2.offset, r2.votes), (-1, 5));
+        // The evidence is a pair both matched with that offset.
+        assert_eq!(r2.own_hits[0] as i64 - r2.reference_hits[0] as i64, -1);
+        assert_eq!(r2.own_hits[1], r2.own_hits[0] + 1);
+    }
+
+    #[test]
+    fn ranks_with_different_periods_gather_no_quorum() {
+        let mut r = lockstep();
+        // Rank 2 steps every 130 ms instead of 100: it drifts 30 ms per
+        // iteration, so the nearest boundaries give changing offsets.
+        let first = r[2].hits[0].ts_ns;
+        for (k, h) in r[2].hits.iter_mut().enumerate() {
+            h.ts_ns = first + k as u64 * 130 * MS;
+        }
+        r[2].hits.extend((14..40).map(|k| Hit {
+            step: k + 1,
+            ts_ns: first + k * 130 * MS,
+        }));
+        let Err(Pending::Fail(why)) = align(&r) else {
+            panic!("{:?}", align(&r))
         };
         assert!(why.contains("not in lockstep"), "{why}");
     }

@@ -51,6 +51,7 @@ fn script_runs_each_binary_with_its_exact_names() {
         Some(Path::new("/f")),
     );
     assert!(s.contains("export DYNPROF_FIXTURES_DIR='/f'\n"), "{s}");
+    assert!(s.contains("export DYNPROF_TEST_EMULATED=1\n"), "{s}");
     assert!(
         s.contains("'/t/a-1' --test-threads=1 --exact 'x' 'y' || fail=1\n"),
         "{s}"
