@@ -54,9 +54,9 @@ pub fn classify_x86_64(b: &[u8]) -> Option<InsnClass> {
         (Some(0x0f), Some(0x80..=0x8f)) => InsnClass::Branch,
         (Some(0x66), _) => match (at(1), at(2), at(3)) {
             // 66 90 (xchg %ax,%ax), 66 0f 1f …, 66 2e 0f 1f … (nopw %cs:…).
-            (Some(0x90), _, _) | (Some(0x0f), Some(0x1f), _) | (Some(0x2e), Some(0x0f), Some(0x1f)) => {
-                InsnClass::Nop
-            }
+            (Some(0x90), _, _)
+            | (Some(0x0f), Some(0x1f), _)
+            | (Some(0x2e), Some(0x0f), Some(0x1f)) => InsnClass::Nop,
             _ => InsnClass::Other,
         },
         (Some(0xf3), _) if b.get(1..4) == Some(&[0x0f, 0x1e, 0xfa]) => InsnClass::Endbr64,
@@ -98,7 +98,10 @@ mod tests {
         assert_eq!(classify_x86_64(&[0x0f, 0x85, 0, 0, 0, 0]), Some(Branch));
         assert_eq!(classify_x86_64(&[0xf3, 0x0f, 0x1e, 0xfa]), Some(Endbr64));
         // mov 0x2bd0(%rip),%rdx; movzbl (%rdi),%eax; sub $8,%rsp; rex.W mov.
-        assert_eq!(classify_x86_64(&[0x48, 0x8b, 0x15, 0xd0, 0x2b, 0, 0]), Some(Other));
+        assert_eq!(
+            classify_x86_64(&[0x48, 0x8b, 0x15, 0xd0, 0x2b, 0, 0]),
+            Some(Other)
+        );
         assert_eq!(classify_x86_64(&[0x0f, 0xb6, 0x07]), Some(Other));
         assert_eq!(classify_x86_64(&[0x48, 0x83, 0xec, 0x08]), Some(Other));
         assert_eq!(classify_x86_64(&[0xf3, 0x0f]), Some(Other));

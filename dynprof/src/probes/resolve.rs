@@ -127,7 +127,10 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
             m.tried.join("; ")
         );
     }
-    for p in out.iter().filter(|p| p.first_insn.is_some_and(|c| c.single_stepped())) {
+    for p in out
+        .iter()
+        .filter(|p| p.first_insn.is_some_and(|c| c.single_stepped()))
+    {
         log::warn!(
             "marker `{}` ({}): the kernel single-steps its first instruction, 10–35× the cost of an emulated \
              `push` per hit (docs/performance.md); a marker at SYMBOL+OFF on a push or nop is cheaper",

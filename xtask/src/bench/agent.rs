@@ -52,7 +52,10 @@ fn get(port: u16, path: &str) -> Result<(u16, String)> {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .context("no HTTP status line")?;
-    let body = buf.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
     Ok((status, body))
 }
 
@@ -64,7 +67,10 @@ fn metric_sum(port: u16, name: &str) -> Option<f64> {
     }
     let v: f64 = body
         .lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with([' ', '{'])))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with([' ', '{']))
+        })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     Some(v)
@@ -117,7 +123,9 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             std::thread::sleep(Duration::from_millis(200));
         }
         let attach_s = t0.elapsed().as_secs_f64();
-        say(format!("agent: {RANKS} ranks attached after {attach_s:.1} s"));
+        say(format!(
+            "agent: {RANKS} ranks attached after {attach_s:.1} s"
+        ));
         let pid = agent.pid();
         let s0 = metric_sum(port, "dynprof_steps_total").unwrap_or(0.0);
         let c0 = procs::cpu_ns(pid).context("the agent's CPU time")?;
@@ -129,7 +137,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         // The agent was following steps all along, not idling detached.
         let steps_per_s = (s1 - s0) / wall;
         if steps_per_s < 1.0 {
-            bail!("the agent counted {} steps in {wall:.0} s: not following the ranks", s1 - s0);
+            bail!(
+                "the agent counted {} steps in {wall:.0} s: not following the ranks",
+                s1 - s0
+            );
         }
         let cpu_pct = 100.0 * c1.saturating_sub(c0) as f64 / 1e9 / wall;
         let rss_mib = procs::status_kb(pid, "VmRSS").unwrap_or(0) as f64 / 1024.0;

@@ -164,7 +164,10 @@ fn cpu_per_step(pid: u32, log: &Path, secs: f64) -> Result<f64> {
     let (c0, a) = (procs::cpu_ns(pid), procs::monotonic_ns());
     std::thread::sleep(Duration::from_secs_f64(secs));
     let (c1, b) = (procs::cpu_ns(pid), procs::monotonic_ns());
-    let steps = step_ends(log).iter().filter(|e| **e >= a && **e <= b).count();
+    let steps = step_ends(log)
+        .iter()
+        .filter(|e| **e >= a && **e <= b)
+        .count();
     match (c0, c1) {
         (Some(c0), Some(c1)) if steps >= 3 => Ok((c1 - c0) as f64 / steps as f64),
         _ => bail!("the trainer logged {steps} steps in {secs} s, or its CPU time is unreadable"),
@@ -335,12 +338,24 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         )),
     );
     s.figures.push(
-        Figure::new("api_ns_per_call", "API collector, added per call", Unit::Ns, Goal::Info, "")
-            .samples(api_ns.clone()),
+        Figure::new(
+            "api_ns_per_call",
+            "API collector, added per call",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(api_ns.clone()),
     );
     s.figures.push(
-        Figure::new("api_floor_ns_per_call", "kernel floor (empty entry + return probe), per call", Unit::Ns, Goal::Info, "")
-            .samples(floor_ns.clone()),
+        Figure::new(
+            "api_floor_ns_per_call",
+            "kernel floor (empty entry + return probe), per call",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(floor_ns.clone()),
     );
     let ratio: Vec<f64> = wins
         .iter()

@@ -46,7 +46,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let cal = steps_cpu_ns(&mut py, 200)? / 200.0;
     let seg_s = if ctx.quick() { 0.5 } else { 2.0 };
     let n = ((seg_s * 1e9 / cal) as u64).clamp(100, 100_000);
-    let pairs = if ctx.quick() { 4 * ctx.reps() } else { 12 * ctx.reps() };
+    let pairs = if ctx.quick() {
+        4 * ctx.reps()
+    } else {
+        12 * ctx.reps()
+    };
     say(format!(
         "idle: {:.0} µs of thread CPU per step; {n} steps per segment, {pairs} attached segments",
         cal / 1e3
@@ -54,7 +58,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
 
     // Traps per idle step at each probed symbol.
     let mut traps = Vec::new();
-    for (what, spec) in [("ConstantString::create", CS_SPEC), ("Engine::execute", BW_SPEC)] {
+    for (what, spec) in [
+        ("ConstantString::create", CS_SPEC),
+        ("Engine::execute", BW_SPEC),
+    ] {
         let h = ProbeHelper::attach(ctx, pid, spec, "marker")?;
         steps_cpu_ns(&mut py, n)?;
         let hits = h.finish()?.u64("hits").unwrap_or(0);
@@ -187,13 +194,20 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             "≤ 5 ms",
         )
         .value(((add_m + 2.0 * add_se) * 1000.0 / 1e6).max(0.0))
-        .note("1000 × the CPU added per step; a step this long or longer keeps the overhead ≤ 0.1 %"),
+        .note(
+            "1000 × the CPU added per step; a step this long or longer keeps the overhead ≤ 0.1 %",
+        ),
     );
     s.raw = Json::obj(vec![
         ("steps_per_segment", Json::int(n)),
         (
             "traps_per_step",
-            Json::Obj(traps.iter().map(|(w, t)| (w.to_string(), Json::num(*t))).collect()),
+            Json::Obj(
+                traps
+                    .iter()
+                    .map(|(w, t)| (w.to_string(), Json::num(*t)))
+                    .collect(),
+            ),
         ),
         ("bare_thread_cpu_ns_per_step", Json::nums(&bare)),
         ("attached_thread_cpu_ns_per_step", Json::nums(&attached)),

@@ -117,7 +117,14 @@ fn attach(ctx: &Ctx, job: &Job, single: bool, window: bool, out: &Path) -> Resul
     cmd.args(["--marker", "exe:optimizer_step", "--json", "--output"])
         .arg(out);
     if window {
-        cmd.args(["--warmup", "5", "--active", "50", "--collect", "api,cpu,offcpu"]);
+        cmd.args([
+            "--warmup",
+            "5",
+            "--active",
+            "50",
+            "--collect",
+            "api,cpu,offcpu",
+        ]);
     } else if !single {
         // Job mode takes a plan; a warm-up longer than the measurement keeps
         // every rank attached and idle.
@@ -158,7 +165,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             let (mut dp, ms) = attach(ctx, &job, false, false, &out)?;
             let (cpu, rss) = sample(&mut dp, secs, false);
             let _ = dp.stop(Duration::from_secs(60));
-            idle[i].push(Cost { attach_ms: ms, cpu_pct: cpu, rss_mib: rss });
+            idle[i].push(Cost {
+                attach_ms: ms,
+                cpu_pct: cpu,
+                rss_mib: rss,
+            });
 
             let (mut dp, ms) = attach(ctx, &job, false, true, &out)?;
             let (cpu, rss) = sample(&mut dp, 60.0, true);
@@ -174,14 +185,22 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 say(format!("job {n} ranks rep {}: {why}", rep + 1));
                 win_failed[i].push(why);
             } else {
-                win[i].push(Cost { attach_ms: ms, cpu_pct: cpu, rss_mib: rss });
+                win[i].push(Cost {
+                    attach_ms: ms,
+                    cpu_pct: cpu,
+                    rss_mib: rss,
+                });
             }
 
             if n == 1 {
                 let (mut dp, ms) = attach(ctx, &job, true, false, &out)?;
                 let (cpu, rss) = sample(&mut dp, secs, false);
                 let _ = dp.stop(Duration::from_secs(60));
-                single.push(Cost { attach_ms: ms, cpu_pct: cpu, rss_mib: rss });
+                single.push(Cost {
+                    attach_ms: ms,
+                    cpu_pct: cpu,
+                    rss_mib: rss,
+                });
             }
             say(format!(
                 "job {n} ranks rep {}: attach {:.0} ms; idle {:.2}% {:.1} MiB",
@@ -198,33 +217,58 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let mut s = Section::new("");
     for (i, &n) in RANKS.iter().enumerate() {
         let (cpu_goal, rss_goal, cpu_text, rss_text) = if n == 8 {
-            (Goal::AtMost(1.0), Goal::AtMost(100.0), "≤ 1% of a core", "≤ 100 MiB")
+            (
+                Goal::AtMost(1.0),
+                Goal::AtMost(100.0),
+                "≤ 1% of a core",
+                "≤ 100 MiB",
+            )
         } else {
             (Goal::Info, Goal::Info, "", "")
         };
         s.figures.push(
-            Figure::new(&format!("job{n}_attach_ms"), &format!("{n} ranks: attach → every rank attached"), Unit::Ms, Goal::Info, "")
-                .samples(col(&idle[i], |c| c.attach_ms))
-                .note(if n == 1 {
-                    format!(
-                        "single-PID `attach --pid` to the same rank: {:.1} ms",
-                        stats::median(&col(&single, |c| c.attach_ms)).unwrap_or(f64::NAN)
-                    )
-                } else {
-                    String::new()
-                }),
+            Figure::new(
+                &format!("job{n}_attach_ms"),
+                &format!("{n} ranks: attach → every rank attached"),
+                Unit::Ms,
+                Goal::Info,
+                "",
+            )
+            .samples(col(&idle[i], |c| c.attach_ms))
+            .note(if n == 1 {
+                format!(
+                    "single-PID `attach --pid` to the same rank: {:.1} ms",
+                    stats::median(&col(&single, |c| c.attach_ms)).unwrap_or(f64::NAN)
+                )
+            } else {
+                String::new()
+            }),
         );
         s.figures.push(
-            Figure::new(&format!("job{n}_idle_cpu_pct"), &format!("{n} ranks: dynprof CPU attached idle"), Unit::PctCore, cpu_goal, cpu_text)
-                .samples(col(&idle[i], |c| c.cpu_pct)),
+            Figure::new(
+                &format!("job{n}_idle_cpu_pct"),
+                &format!("{n} ranks: dynprof CPU attached idle"),
+                Unit::PctCore,
+                cpu_goal,
+                cpu_text,
+            )
+            .samples(col(&idle[i], |c| c.cpu_pct)),
         );
         s.figures.push(
-            Figure::new(&format!("job{n}_idle_rss_mib"), &format!("{n} ranks: dynprof RSS attached idle"), Unit::MiB, rss_goal, rss_text)
-                .samples(col(&idle[i], |c| c.rss_mib)),
+            Figure::new(
+                &format!("job{n}_idle_rss_mib"),
+                &format!("{n} ranks: dynprof RSS attached idle"),
+                Unit::MiB,
+                rss_goal,
+                rss_text,
+            )
+            .samples(col(&idle[i], |c| c.rss_mib)),
         );
         let mut wf = Figure::new(
             &format!("job{n}_window_cpu_pct"),
-            &format!("{n} ranks: dynprof CPU, attach → window (api,cpu,offcpu) written on every rank"),
+            &format!(
+                "{n} ranks: dynprof CPU, attach → window (api,cpu,offcpu) written on every rank"
+            ),
             Unit::PctCore,
             Goal::Info,
             "",
@@ -240,19 +284,31 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         }
         s.figures.push(wf);
         s.figures.push(
-            Figure::new(&format!("job{n}_window_rss_mib"), &format!("{n} ranks: dynprof peak RSS, window on every rank"), Unit::MiB, Goal::Info, "")
-                .samples(col(&win[i], |c| c.rss_mib)),
+            Figure::new(
+                &format!("job{n}_window_rss_mib"),
+                &format!("{n} ranks: dynprof peak RSS, window on every rank"),
+                Unit::MiB,
+                Goal::Info,
+                "",
+            )
+            .samples(col(&win[i], |c| c.rss_mib)),
         );
     }
     let per_rank_8 = stats::median(&col(&idle[RANKS.len() - 1], |c| c.cpu_pct)).map(|c| c / 8.0);
     s.figures.push(
-        Figure::new("single_pid_idle_cpu_pct", "1 rank, single-PID `attach --pid`: dynprof CPU idle", Unit::PctCore, Goal::Info, "")
-            .samples(col(&single, |c| c.cpu_pct))
-            .note(format!(
-                "job mode at 8 ranks: {:.3}% of a core per rank idle; RSS single-PID {:.1} MiB",
-                per_rank_8.unwrap_or(f64::NAN),
-                stats::median(&col(&single, |c| c.rss_mib)).unwrap_or(f64::NAN)
-            )),
+        Figure::new(
+            "single_pid_idle_cpu_pct",
+            "1 rank, single-PID `attach --pid`: dynprof CPU idle",
+            Unit::PctCore,
+            Goal::Info,
+            "",
+        )
+        .samples(col(&single, |c| c.cpu_pct))
+        .note(format!(
+            "job mode at 8 ranks: {:.3}% of a core per rank idle; RSS single-PID {:.1} MiB",
+            per_rank_8.unwrap_or(f64::NAN),
+            stats::median(&col(&single, |c| c.rss_mib)).unwrap_or(f64::NAN)
+        )),
     );
     let costs = |v: &[Cost]| {
         Json::Arr(
@@ -272,11 +328,23 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         ("sample_s", Json::num(secs)),
         (
             "idle",
-            Json::Obj(RANKS.iter().enumerate().map(|(i, n)| (n.to_string(), costs(&idle[i]))).collect()),
+            Json::Obj(
+                RANKS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| (n.to_string(), costs(&idle[i])))
+                    .collect(),
+            ),
         ),
         (
             "window",
-            Json::Obj(RANKS.iter().enumerate().map(|(i, n)| (n.to_string(), costs(&win[i]))).collect()),
+            Json::Obj(
+                RANKS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| (n.to_string(), costs(&win[i])))
+                    .collect(),
+            ),
         ),
         ("single_pid_idle", costs(&single)),
         (
@@ -285,7 +353,12 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 RANKS
                     .iter()
                     .enumerate()
-                    .map(|(i, n)| (n.to_string(), Json::Arr(win_failed[i].iter().map(Json::s).collect())))
+                    .map(|(i, n)| {
+                        (
+                            n.to_string(),
+                            Json::Arr(win_failed[i].iter().map(Json::s).collect()),
+                        )
+                    })
                     .collect(),
             ),
         ),

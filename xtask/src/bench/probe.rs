@@ -27,7 +27,12 @@ use super::{
 const SITES: [(&str, &str, u64, u64); 4] = [
     ("push", "push %rbx (emulated)", 300_000, 1_000_000),
     ("nop5", "5-byte nop", 300_000, 1_000_000),
-    ("riprel", "rip-relative mov (single-stepped)", 40_000, 150_000),
+    (
+        "riprel",
+        "rip-relative mov (single-stepped)",
+        40_000,
+        150_000,
+    ),
     ("endbr", "endbr64", 40_000, 150_000),
 ];
 /// The `first_insn` the `attached` line must report at each site (x86-64).
@@ -38,7 +43,11 @@ const CONDS: [(&str, &str, &str); 4] = [
     ("bare", "", ""),
     ("empty", "empty", ""),
     ("marker", "marker", ""),
-    ("marker_filter", "marker", ",arg=0:cstr,prefix=Optimizer.step#"),
+    (
+        "marker_filter",
+        "marker",
+        ",arg=0:cstr,prefix=Optimizer.step#",
+    ),
 ];
 
 /// A `dynprof __probe-cost` helper attached to one marker of `pid`.
@@ -163,7 +172,8 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             .map(|r| (times[s][ci][r] - times[s][0][r]) / n)
             .collect()
     };
-    let ratio = |a: &[f64], b: &[f64]| -> Vec<f64> { a.iter().zip(b).map(|(x, y)| x / y).collect() };
+    let ratio =
+        |a: &[f64], b: &[f64]| -> Vec<f64> { a.iter().zip(b).map(|(x, y)| x / y).collect() };
 
     let mut s = Section::new("");
     // dynprof decodes the probed instruction for the `attached` line; the
@@ -177,7 +187,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             .map(|((site, want), got)| format!("bench_{}: {got:?}, expected {want}", site.0))
             .collect();
         if !wrong.is_empty() {
-            say(format!("probe: the attached line's first_insn is wrong: {}", wrong.join("; ")));
+            say(format!(
+                "probe: the attached line's first_insn is wrong: {}",
+                wrong.join("; ")
+            ));
         }
         s.figures.push(
             Figure::new(
@@ -241,10 +254,8 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             );
         }
     }
-    if let (Some(push), Some(rip)) = (
-        stats::median(&per_hit(0, 2)),
-        stats::median(&per_hit(2, 2)),
-    ) {
+    if let (Some(push), Some(rip)) = (stats::median(&per_hit(0, 2)), stats::median(&per_hit(2, 2)))
+    {
         say(format!(
             "probe: a single-stepped first instruction costs {:.1}× an emulated one per marker hit",
             rip / push

@@ -90,7 +90,12 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 let helper = if prog.is_empty() {
                     None
                 } else {
-                    Some(ProbeHelper::attach(ctx, pid, &format!("{}{filter}", site.1), prog)?)
+                    Some(ProbeHelper::attach(
+                        ctx,
+                        pid,
+                        &format!("{}{filter}", site.1),
+                        prog,
+                    )?)
                 };
                 times[s][ci].push(time_site(&mut py, site.0, n)?);
                 if let Some(h) = helper {

@@ -38,7 +38,11 @@ fn run_steps(py: &mut Proc, mode: &str, n: u64) -> Result<(f64, f64)> {
     py.send(&format!("run {mode} {n}"))?;
     let l = py.wait_prefix(Duration::from_secs(900), "result")?;
     let f: Vec<&str> = l.text.split_whitespace().collect();
-    let num = |i: usize| -> Result<f64> { f.get(i).and_then(|v| v.parse().ok()).context("bad result line") };
+    let num = |i: usize| -> Result<f64> {
+        f.get(i)
+            .and_then(|v| v.parse().ok())
+            .context("bad result line")
+    };
     Ok((num(3)?, num(7)?))
 }
 
@@ -53,7 +57,11 @@ fn folded_samples(dir: &Path) -> f64 {
 
 /// "cpu: N stack copies unwound in T (D each, …)" → D in ns.
 fn unwind_each_ns(p: &Proc) -> Option<f64> {
-    let l = p.seen.iter().rev().find(|l| l.text.contains("stack copies unwound in"))?;
+    let l = p
+        .seen
+        .iter()
+        .rev()
+        .find(|l| l.text.contains("stack copies unwound in"))?;
     let each = l.text.split(" (").nth(1)?.split(" each").next()?;
     let (num, unit) = each.split_at(each.find(|c: char| c.is_alphabetic() || c == 'µ')?);
     let v: f64 = num.parse().ok()?;
@@ -94,7 +102,11 @@ fn dynprof_window(ctx: &Ctx, py: &mut Proc, n: u64, copy: bool) -> Result<DpRun>
     let dir = dp
         .events("window")
         .pop()
-        .and_then(|(_, w)| w.get("window").and_then(|w| w.str("dir")).map(str::to_string))
+        .and_then(|(_, w)| {
+            w.get("window")
+                .and_then(|w| w.str("dir"))
+                .map(str::to_string)
+        })
         .context("the window was not written")?;
     let samples = folded_samples(Path::new(&dir));
     let _ = std::fs::remove_dir_all(&out);
@@ -148,11 +160,20 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 _ => match ctx.pyspy.clone() {
                     Ok(bin) => {
                         let mut cmd = std::process::Command::new(bin);
-                        cmd.args(["record", "--native", "--rate", HZ, "--pid", &py.pid().to_string()])
-                            .arg("--output")
-                            .arg(ctx.work.join("py-spy-native.svg"));
+                        cmd.args([
+                            "record",
+                            "--native",
+                            "--rate",
+                            HZ,
+                            "--pid",
+                            &py.pid().to_string(),
+                        ])
+                        .arg("--output")
+                        .arg(ctx.work.join("py-spy-native.svg"));
                         let mut spy = Proc::spawn("py-spy --native", &mut cmd)?;
-                        spy.wait_for(Duration::from_secs(30), |l| l.text.contains("Sampling process"))?;
+                        spy.wait_for(Duration::from_secs(30), |l| {
+                            l.text.contains("Sampling process")
+                        })?;
                         per[ci].push(bare(&mut py)?);
                         let _ = spy.stop(Duration::from_secs(60));
                     }
@@ -189,22 +210,40 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     };
     let mut s = Section::new("");
     s.figures.push(
-        Figure::new("stacks_unwind_over_bare", &format!("window (cpu {HZ} Hz, stack copy + unwinding) ÷ bare, per CPU-second"), Unit::Ratio, Goal::AtLeast(0.97), "≥ 0.97")
-            .samples(ratio(1, true))
-            .resolve(0.02),
+        Figure::new(
+            "stacks_unwind_over_bare",
+            &format!("window (cpu {HZ} Hz, stack copy + unwinding) ÷ bare, per CPU-second"),
+            Unit::Ratio,
+            Goal::AtLeast(0.97),
+            "≥ 0.97",
+        )
+        .samples(ratio(1, true))
+        .resolve(0.02),
     );
     s.figures.push(
-        Figure::new("stacks_fp_over_bare", &format!("window (cpu {HZ} Hz, frame pointers only) ÷ bare, per CPU-second"), Unit::Ratio, Goal::Info, "")
-            .samples(ratio(2, true)),
+        Figure::new(
+            "stacks_fp_over_bare",
+            &format!("window (cpu {HZ} Hz, frame pointers only) ÷ bare, per CPU-second"),
+            Unit::Ratio,
+            Goal::Info,
+            "",
+        )
+        .samples(ratio(2, true)),
     );
     s.figures.push(
-        Figure::new("stacks_target_ns_per_sample", "target CPU per sample, stack copy on", Unit::Ns, Goal::Info, "")
-            .samples(added_per_sample(1))
-            .note(format!(
-                "{:.2} samples per step at {HZ} Hz; frame pointers only: {:.0} ns per sample",
-                stats::median(&samples_per_step[1]).unwrap_or(f64::NAN),
-                stats::median(&added_per_sample(2)).unwrap_or(f64::NAN)
-            )),
+        Figure::new(
+            "stacks_target_ns_per_sample",
+            "target CPU per sample, stack copy on",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(added_per_sample(1))
+        .note(format!(
+            "{:.2} samples per step at {HZ} Hz; frame pointers only: {:.0} ns per sample",
+            stats::median(&samples_per_step[1]).unwrap_or(f64::NAN),
+            stats::median(&added_per_sample(2)).unwrap_or(f64::NAN)
+        )),
     );
     s.figures.push(
         Figure::new("stacks_dynprof_ns_per_sample", "dynprof CPU per sample while the window runs, stack copy on (attach included, writing not)", Unit::Ns, Goal::Info, "")
@@ -214,7 +253,13 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 stats::median(&dp_ns_per_sample[2]).unwrap_or(f64::NAN)
             )),
     );
-    let mut uf = Figure::new("stacks_unwind_ns", "user-space unwinding per stack copy (dynprof's debug log)", Unit::Ns, Goal::Info, "");
+    let mut uf = Figure::new(
+        "stacks_unwind_ns",
+        "user-space unwinding per stack copy (dynprof's debug log)",
+        Unit::Ns,
+        Goal::Info,
+        "",
+    );
     uf = if unwind_ns.is_empty() {
         uf.missing("no `stack copies unwound` line in dynprof's log")
     } else {
@@ -229,20 +274,40 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     );
     let slow = |v: Vec<f64>| -> Vec<f64> { v.iter().map(|r| 1.0 - r).collect() };
     s.figures.push(
-        Figure::new("stacks_prof_stack_over_bare", "torch.profiler with_stack ÷ bare, per CPU-second", Unit::Ratio, Goal::Info, "")
-            .samples(ratio(3, true))
-            .note(format!("{n_prof} steps per segment (its exit builds the trace)")),
+        Figure::new(
+            "stacks_prof_stack_over_bare",
+            "torch.profiler with_stack ÷ bare, per CPU-second",
+            Unit::Ratio,
+            Goal::Info,
+            "",
+        )
+        .samples(ratio(3, true))
+        .note(format!(
+            "{n_prof} steps per segment (its exit builds the trace)"
+        )),
     );
     let dp_slow = slow(ratio(1, true));
     let prof_slow = slow(ratio(3, true));
     s.figures.push(
-        Figure::new("stacks_slowdown_over_prof_stack", "window slowdown ÷ torch.profiler with_stack slowdown, per CPU-second", Unit::Ratio, Goal::AtMost(1.0 / 3.0), "≤ 0.333")
-            .samples(dp_slow.iter().zip(&prof_slow).map(|(a, b)| a / b).collect()),
+        Figure::new(
+            "stacks_slowdown_over_prof_stack",
+            "window slowdown ÷ torch.profiler with_stack slowdown, per CPU-second",
+            Unit::Ratio,
+            Goal::AtMost(1.0 / 3.0),
+            "≤ 0.333",
+        )
+        .samples(dp_slow.iter().zip(&prof_slow).map(|(a, b)| a / b).collect()),
     );
     if let Some(e) = pyspy_err {
         s.figures.push(
-            Figure::new("stacks_pyspy_native_over_bare", &format!("py-spy --native {HZ} Hz ÷ bare"), Unit::Ratio, Goal::Info, "")
-                .missing(format!("py-spy not available here: {e}")),
+            Figure::new(
+                "stacks_pyspy_native_over_bare",
+                &format!("py-spy --native {HZ} Hz ÷ bare"),
+                Unit::Ratio,
+                Goal::Info,
+                "",
+            )
+            .missing(format!("py-spy not available here: {e}")),
         );
     } else {
         s.figures.push(
@@ -262,16 +327,44 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         ("prof_steps_per_segment", Json::int(n_prof)),
         (
             "per_step_wall_ns",
-            Json::Obj(CONDS.iter().enumerate().map(|(i, c)| (c.to_string(), Json::nums(&per[i].iter().map(|x| x.0).collect::<Vec<_>>()))).collect()),
+            Json::Obj(
+                CONDS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        (
+                            c.to_string(),
+                            Json::nums(&per[i].iter().map(|x| x.0).collect::<Vec<_>>()),
+                        )
+                    })
+                    .collect(),
+            ),
         ),
         (
             "per_step_thread_cpu_ns",
-            Json::Obj(CONDS.iter().enumerate().map(|(i, c)| (c.to_string(), Json::nums(&per[i].iter().map(|x| x.1).collect::<Vec<_>>()))).collect()),
+            Json::Obj(
+                CONDS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        (
+                            c.to_string(),
+                            Json::nums(&per[i].iter().map(|x| x.1).collect::<Vec<_>>()),
+                        )
+                    })
+                    .collect(),
+            ),
         ),
         ("samples_per_step_unwind", Json::nums(&samples_per_step[1])),
         ("samples_per_step_fp_only", Json::nums(&samples_per_step[2])),
-        ("dynprof_ns_per_sample_unwind", Json::nums(&dp_ns_per_sample[1])),
-        ("dynprof_ns_per_sample_fp_only", Json::nums(&dp_ns_per_sample[2])),
+        (
+            "dynprof_ns_per_sample_unwind",
+            Json::nums(&dp_ns_per_sample[1]),
+        ),
+        (
+            "dynprof_ns_per_sample_fp_only",
+            Json::nums(&dp_ns_per_sample[2]),
+        ),
         ("unwind_ns_each", Json::nums(&unwind_ns)),
     ]);
     Ok(s)

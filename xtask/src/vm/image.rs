@@ -67,7 +67,12 @@ pub(super) fn download(cache: &Path, pkg: &str, arch: Arch) -> Result<PathBuf> {
 }
 
 /// The unpacked kernel package (boot/ and lib/modules/).
-pub(super) fn kernel_package(cache: &Path, suite: &str, version: &str, arch: Arch) -> Result<PathBuf> {
+pub(super) fn kernel_package(
+    cache: &Path,
+    suite: &str,
+    version: &str,
+    arch: Arch,
+) -> Result<PathBuf> {
     let dir = cache
         .join("kernels")
         .join(format!("{version}-{}", arch.deb()));
