@@ -232,6 +232,10 @@ fn usdt_semaphore_fallback_left_raised_by_a_killed_dynprof_is_repaired_by_the_ne
     assert!(ledger.is_file());
 
     // The next attach (kernel-owned) lowers it first, then holds it itself.
+    // The trainer is stopped meanwhile, so that its 10 steps cannot all pass
+    // (and dynprof detach) before the count is read.
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(p.pid as i32, libc::SIGSTOP) };
     let mut d = attach_env(p.pid, &locks, &[], &["--marker", MARKER, "--steps", "10"]);
     let att = d.wait_event("attached", T);
     assert_eq!(
@@ -241,8 +245,9 @@ fn usdt_semaphore_fallback_left_raised_by_a_killed_dynprof_is_repaired_by_the_ne
     );
     assert_eq!(owners(&att), ["kernel"], "{att}");
     assert!(!ledger.exists(), "the ledger goes once repaired");
-    d.wait_event("step", T);
     assert_eq!(read_u16(p.pid, addr), 1, "held once, by the kernel");
+    // SAFETY: as above.
+    unsafe { libc::kill(p.pid as i32, libc::SIGCONT) };
     let run = d.finish(T);
     run.assert_success();
     assert_eq!(read_u16(p.pid, addr), 0, "after detach");
