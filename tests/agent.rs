@@ -883,6 +883,14 @@ fn sigterm_during_a_capture_detaches_everything_and_records_it() {
     .unwrap();
     assert_eq!(index[0]["state"], "failed", "{index}");
     assert_eq!(marker_programs_for(job.pid), 0, "nothing left attached");
+    // A new agent on the same --output still lists that capture.
+    let b = Agent::start(&dir, "stopping", &[]);
+    let (st, body) = b.get("/captures").expect("GET /captures");
+    assert_eq!(st, 200, "{body}");
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(listed[0]["id"], index[0]["id"], "{listed}");
+    assert_eq!(listed[0]["state"], "failed", "{listed}");
+    drop(b);
     drop(job);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -63,7 +63,7 @@ pub struct Accepted {
 }
 
 /// One capture, as `GET /captures` and `captures.json` list it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Record {
     pub id: String,
     pub node: String,
@@ -275,6 +275,46 @@ pub fn accept(shared: &Shared, req: Request, ranks: Option<&[i64]>) -> Result<Re
 
 /// The index of captures under `--output`.
 pub const INDEX_FILE: &str = "captures.json";
+
+/// Largest `captures.json` read back at start.
+const MAX_INDEX_BYTES: u64 = 16 << 20;
+
+/// What a previous agent left in `captures.json`: its captures stay listed
+/// (`GET /captures`, the `dynprof_captures` gauge). One still `running`
+/// was cut short by the previous agent's end (SIGKILL, a crash), so it is
+/// marked failed with that reason. An unreadable index is reported and left
+/// for the operator until the next capture rewrites it.
+pub fn load_index(shared: &Shared) {
+    let text = match shared.output.dir().read_capped(INDEX_FILE, MAX_INDEX_BYTES) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+        Err(e) => {
+            eprintln!("dynprof: agent: {INDEX_FILE} not read ({e}); earlier captures are not listed");
+            return;
+        }
+    };
+    let mut records: Vec<Record> = match serde_json::from_str(&text) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!(
+                "dynprof: agent: {INDEX_FILE} is not a capture list ({e}); earlier captures are not listed, and the next capture rewrites it"
+            );
+            return;
+        }
+    };
+    for r in &mut records {
+        if r.state == CaptureState::running {
+            r.state = CaptureState::failed;
+            r.error = Some("the agent ended before this capture did (killed or restarted)".into());
+        }
+    }
+    let first = records.first().map(|r| r.id.clone());
+    shared.lock().captures = records;
+    if let Some(id) = first {
+        // Publishes the gauge and rewrites the index with the repairs.
+        set_state(shared, &id, |_| {});
+    }
+}
 
 /// Registers a new capture as running.
 pub fn register(shared: &Shared, rec: Record) {

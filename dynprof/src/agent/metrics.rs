@@ -38,7 +38,9 @@ pub struct TargetLabels {
 }
 
 /// What a capture is doing, for `dynprof_captures`.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue, serde::Serialize, serde::Deserialize,
+)]
 #[allow(non_camel_case_types)]
 pub enum CaptureState {
     running,

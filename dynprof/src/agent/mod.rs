@@ -115,6 +115,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         capture_tx,
         cfg,
     });
+    capture::load_index(&shared);
     eprintln!(
         "dynprof: agent on node {} listening on http://{} (GET /metrics /healthz /readyz /captures, POST /capture); captures under {}",
         shared.cfg.node,
