@@ -289,7 +289,9 @@ pub fn load_index(shared: &Shared) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
         Err(e) => {
-            eprintln!("dynprof: agent: {INDEX_FILE} not read ({e}); earlier captures are not listed");
+            eprintln!(
+                "dynprof: agent: {INDEX_FILE} not read ({e}); earlier captures are not listed"
+            );
             return;
         }
     };
