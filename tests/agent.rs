@@ -590,21 +590,6 @@ fn token_rules() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The training iteration whose optimizer.step() call holds `ts`.
-fn iteration_at(log: &[LogLine], ts: u64, what: &str) -> u64 {
-    let hits: Vec<&LogLine> = log
-        .iter()
-        .filter(|l| l.before <= ts && ts <= l.after)
-        .collect();
-    assert_eq!(
-        hits.len(),
-        1,
-        "{what}: boundary {ts} is inside {} optimizer.step() calls",
-        hits.len()
-    );
-    hits[0].index
-}
-
 fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

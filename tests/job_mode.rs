@@ -101,22 +101,6 @@ fn read_job_steps(path: &Path) -> Vec<Row> {
         .collect()
 }
 
-/// The training iteration (the script's own counter) whose optimizer.step()
-/// call holds `ts`, the step boundary dynprof recorded.
-fn iteration_at(log: &[LogLine], ts: u64, what: &str) -> u64 {
-    let hits: Vec<&LogLine> = log
-        .iter()
-        .filter(|l| l.before <= ts && ts <= l.after)
-        .collect();
-    assert_eq!(
-        hits.len(),
-        1,
-        "{what}: boundary {ts} is inside {} optimizer.step() calls",
-        hits.len()
-    );
-    hits[0].index
-}
-
 fn job_dir(out: &Path) -> PathBuf {
     let dirs: Vec<PathBuf> = std::fs::read_dir(out)
         .unwrap()

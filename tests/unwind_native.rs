@@ -96,30 +96,7 @@ fn window_with(
     let o = cmd.output().unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
-    let prof = std::fs::read_dir(out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("PROF_")
-        })
-        .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
-    std::fs::read_to_string(prof.join("cpu.folded"))
-        .unwrap_or_else(|e| {
-            let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap_or_default();
-            panic!(
-                "{}: {e}\nmeta.json: {meta}\nstderr: {stderr}",
-                prof.display()
-            )
-        })
-        .lines()
-        .filter_map(|l| {
-            let (s, n) = l.rsplit_once(' ')?;
-            Some((s.split(';').map(str::to_string).collect(), n.parse().ok()?))
-        })
-        .collect()
+    window_folded(out, "cpu", &stderr).1
 }
 
 /// Does `stack` hold `chain` as consecutive frames?

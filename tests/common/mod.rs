@@ -577,3 +577,50 @@ pub fn runtime_addr(pid: u32, path: &Path, fo: u64) -> u64 {
         want.display()
     );
 }
+
+/// Which optimizer.step() call of a job's log (`LogLine::index`) holds the
+/// boundary at `ts`: exactly one must.
+pub fn iteration_at(log: &[LogLine], ts: u64, what: &str) -> u64 {
+    let hits: Vec<&LogLine> = log
+        .iter()
+        .filter(|l| l.before <= ts && ts <= l.after)
+        .collect();
+    assert_eq!(
+        hits.len(),
+        1,
+        "{what}: boundary {ts} is inside {} optimizer.step() calls",
+        hits.len()
+    );
+    hits[0].index
+}
+
+/// The one `PROF_*` window in `out` and the stacks of its `NAME.folded`
+/// (frames root first, sample count). A missing file panics with the
+/// window's meta.json and dynprof's `stderr`, which say why.
+pub fn window_folded(out: &Path, name: &str, stderr: &str) -> (PathBuf, Vec<(Vec<String>, u64)>) {
+    let prof = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("PROF_")
+        })
+        .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
+    let stacks = std::fs::read_to_string(prof.join(format!("{name}.folded")))
+        .unwrap_or_else(|e| {
+            let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap_or_default();
+            panic!(
+                "{}: {e}\nmeta.json: {meta}\nstderr: {stderr}",
+                prof.display()
+            )
+        })
+        .lines()
+        .filter_map(|l| {
+            let (s, n) = l.rsplit_once(' ')?;
+            Some((s.split(';').map(str::to_string).collect(), n.parse().ok()?))
+        })
+        .collect();
+    (prof, stacks)
+}
