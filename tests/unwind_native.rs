@@ -25,6 +25,7 @@ fn expected_chain() -> Vec<String> {
 }
 
 fn build_deepstack(dir: &Path) -> PathBuf {
+    // (Built per test: a shared binary would race between parallel tests.)
     let src = workspace_root().join("tests/fixtures/deepstack.c");
     let out = dir.join("deepstack");
     let o = Command::new("gcc")
@@ -215,5 +216,67 @@ fn unwind_native_pytorch_stacks_are_deep() {
         good_fp as f64 <= 0.2 * total_fp as f64,
         "{good_fp} of {total_fp}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// PyTorch spends most of a convolution in oneDNN's JIT kernels: code in
+/// anonymous executable memory, with no unwind tables and rbp used as a
+/// general register. `deepstack --jit` burns its CPU in such code (a copy
+/// of a oneDNN-like preamble and loop, tests/fixtures/deepstack.c) under
+/// the same 12-deep chain. The samples must show the whole chain with one
+/// `[jit]` leaf under `burn`: the unwinder recovers the JIT frame's caller
+/// by scanning its stack (docs/stacks.md). Before, such samples stopped at
+/// a bare `[unknown]` leaf with nothing above it.
+#[test]
+fn unwind_native_through_jit_code() {
+    require_privileges!();
+    let dir = scratch_dir("unwind_native_through_jit_code");
+    let exe = build_deepstack(&dir);
+    let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--jit"]));
+    let mut chain = expected_chain();
+    chain.push("[jit]".to_string());
+
+    let unwound = cpu_window(p.pid, &dir.join("unwound"), None);
+    p.terminate();
+    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
+    let user: Vec<&(Vec<String>, u64)> = unwound.iter().filter(|(s, _)| in_user(s)).collect();
+    let total: u64 = user.iter().map(|s| s.1).sum();
+    let in_jit: u64 = user
+        .iter()
+        .filter(|(s, _)| s.last().is_some_and(|f| f == "[jit]"))
+        .map(|s| s.1)
+        .sum();
+    let full: u64 = user
+        .iter()
+        .filter(|(s, _)| s.ends_with(&chain))
+        .map(|s| s.1)
+        .sum();
+    eprintln!("{in_jit} of {total} user-mode samples in JIT code, {full} with the whole chain above it");
+    for (s, n) in &unwound {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    assert!(total >= 40, "too few user-mode samples: {unwound:?}");
+    // The JIT loop is where the time goes; the rest is the clock read
+    // between calls.
+    assert!(
+        in_jit as f64 >= 0.8 * total as f64,
+        "{in_jit} of {total} samples end in [jit]"
+    );
+    assert!(
+        full as f64 >= 0.95 * in_jit as f64,
+        "{full} of {in_jit} JIT samples show {}",
+        chain.join(";")
+    );
+    // No sample shows a frame between burn and the JIT code, or the chain
+    // out of order.
+    for (s, _) in &user {
+        if let Some(i) = s.iter().position(|f| f == "[jit]") {
+            assert!(
+                i > 0 && s[i - 1] == "burn" && i == s.len() - 1,
+                "JIT frame misplaced: {}",
+                s.join(";")
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

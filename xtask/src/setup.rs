@@ -545,7 +545,65 @@ pub fn run_with_torch2() -> Result<()> {
     torch2_venv()
 }
 
+/// torchvision and its two run-time needs, for the ResNet test
+/// (tests/fixtures/resnet_train.py). Pinned, and installed without
+/// dependencies, so that pip never swaps the venv's torch.
+const TORCH2_EXTRAS: [&str; 3] = ["torchvision==0.29.2", "numpy==2.4.6", "pillow==13.0.0"];
+
 pub fn torch2_venv() -> Result<()> {
+    torch2_core()?;
+    if torch2_skipped() {
+        return Ok(());
+    }
+    torch2_extras()
+}
+
+fn torch2_extras() -> Result<()> {
+    let python = torch2_venv_dir().join("bin/python");
+    let what = format!("PyTorch 2.x venv extras ({})", TORCH2_EXTRAS.join(", "));
+    let check = "import sys, torchvision, numpy, PIL; \
+                 sys.stdout.write(f'{torchvision.__version__} {numpy.__version__} {PIL.__version__}')";
+    let want = TORCH2_EXTRAS
+        .iter()
+        .map(|s| s.split_once("==").map_or(*s, |(_, v)| v))
+        .collect::<Vec<_>>();
+    let have = || -> Option<String> {
+        let out = Command::new(&python).args(["-c", check]).output().ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let matches = |v: &str| {
+        let got: Vec<&str> = v.split(' ').map(release_of).collect();
+        got == want
+    };
+    if have().is_some_and(|v| matches(&v)) {
+        say(&what, "ok (already installed)");
+        return Ok(());
+    }
+    let mut pip = Command::new(&python);
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "--no-cache-dir",
+        "--progress-bar",
+        "off",
+        "--no-deps",
+    ])
+    .args(TORCH2_EXTRAS);
+    println!("[setup] {}", util::display(&pip));
+    util::run(&mut pip).context("installing torchvision into the PyTorch 2.x venv from PyPI")?;
+    match have() {
+        Some(v) if matches(&v) => {
+            say(&what, &format!("ok (installed {v})"));
+            Ok(())
+        }
+        other => bail!("installed {TORCH2_EXTRAS:?} but the venv reports {other:?}"),
+    }
+}
+
+fn torch2_core() -> Result<()> {
     let dir = torch2_venv_dir();
     let what = format!("PyTorch {TORCH2_VERSION} venv at {}", dir.display());
     if torch2_skipped() {

@@ -38,6 +38,9 @@ use crate::symbols::{
 };
 use crate::sys::rootfs::{self, TargetRoot};
 
+/// The frame name of code in anonymous executable memory.
+pub const JIT_FRAME: &str = "[jit]";
+
 /// One executable mapping of the target, kept so that an address blazesym
 /// cannot name can still be reported as `[unknown] module+0xoffset`, and so
 /// that this still works once the process has exited.
@@ -250,6 +253,10 @@ impl Symbolizer {
         let Some(m) = self.mapping(addr).cloned() else {
             return Lookup::Nothing;
         };
+        if !m.module.starts_with('/') {
+            // JIT code, [vdso]: no file, so no tables (see `snapshot`).
+            return Lookup::Anonymous(m.start..m.end);
+        }
         self.ensure_snapshot(&m.file_key);
         let module = self
             .unwind_tables
@@ -333,8 +340,13 @@ impl Symbolizer {
         ))
     }
 
+    /// The mapping holding `addr`; `maps` is sorted by start (as
+    /// /proc/PID/maps lists them) and the ranges do not overlap, so this is
+    /// a binary search: the JIT stack scan asks for every word it reads.
     fn mapping(&self, addr: u64) -> Option<&Mapping> {
-        self.maps.iter().find(|m| m.start <= addr && addr < m.end)
+        let i = self.maps.partition_point(|m| m.start <= addr);
+        let m = self.maps.get(i.checked_sub(1)?)?;
+        (addr < m.end).then_some(m)
     }
 
     fn unknown(&self, addr: u64) -> String {
@@ -343,6 +355,9 @@ impl Symbolizer {
                 let base = m.module.rsplit('/').next().unwrap_or(&m.module);
                 format!("[unknown] {base}+{:#x}", addr - m.start + m.offset)
             }
+            // Executable memory with no file: code generated at run time
+            // (oneDNN's kernels in PyTorch, a JIT compiler).
+            Some(_) => JIT_FRAME.to_string(),
             _ => "[unknown]".to_string(),
         }
     }
@@ -415,6 +430,8 @@ fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
             module,
         });
     }
+    // The kernel lists them in address order; `mapping` relies on it.
+    out.sort_by_key(|m| m.start);
     Ok(out)
 }
 

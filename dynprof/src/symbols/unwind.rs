@@ -12,7 +12,7 @@
 use std::{ops::Range, sync::Arc};
 
 use framehop::{
-    Module, Unwinder as _,
+    FrameAddress, Module, Unwinder as _,
     x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
 };
 
@@ -102,11 +102,29 @@ pub fn module(
 
 /// What the caller knows about the mapping at an address.
 pub enum Lookup {
-    /// No executable file mapping there: the address is not code dynprof
-    /// can find tables for (JIT code, or a bad return address).
+    /// No executable mapping there: not code (a bad return address).
     Nothing,
-    /// The mapping's range, and its module when its tables could be read.
+    /// Executable memory with no file behind it (JIT code such as oneDNN's
+    /// kernels, or the vDSO): no tables to unwind it with.
+    Anonymous(Range<u64>),
+    /// A file mapping's range, and its module when its tables could be read.
     Mapping(Range<u64>, Option<UnwindModule>),
+}
+
+/// How far above a JIT frame's stack pointer [`NativeUnwinder`] looks for
+/// the return address into the code that called it. oneDNN's kernels save
+/// six registers and keep a few hundred bytes of spill slots.
+pub const JIT_SCAN_BYTES: u64 = 4096;
+
+/// Frames a scanned return address must unwind through to be taken.
+pub const JIT_VALIDATE_FRAMES: usize = 3;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Code in a file: framehop unwinds it (from its tables, or by frame
+    /// pointers where the file had none).
+    File { tables: bool },
+    Anonymous,
 }
 
 /// One target's unwinder: the modules loaded so far and framehop's cache.
@@ -114,8 +132,10 @@ pub enum Lookup {
 pub struct NativeUnwinder {
     unwinder: UnwinderX86_64<Arc<[u8]>>,
     cache: CacheX86_64,
-    /// Mapping ranges already looked up (with or without a module).
-    seen: Vec<Range<u64>>,
+    /// Mapping ranges already looked up, and what they hold.
+    seen: Vec<(Range<u64>, Kind)>,
+    /// Frames recovered by scanning a JIT frame's stack (for the summary).
+    pub jit_scans: u64,
 }
 
 impl NativeUnwinder {
@@ -126,66 +146,160 @@ impl NativeUnwinder {
     /// Unwinds a stack copy (`stack` holds the bytes from `regs.sp` up)
     /// into addresses, leaf first: the sampled ip, then return addresses.
     /// `lookup` is asked once per mapping, the first time an address of
-    /// the stack falls into it.
+    /// the stack falls into it; its module is added before framehop
+    /// unwinds through it, so no frame is guessed for want of tables.
+    ///
+    /// A frame in anonymous executable memory (JIT code) has no tables
+    /// and, in oneDNN's kernels, no frame pointer. Its caller is found by
+    /// scanning the stack above it for the first word that is an address
+    /// in a file's code *and* from which the unwinding goes on sensibly
+    /// (one more frame in code, higher on the stack), as Breakpad's stack
+    /// scanning does; a stale return address left below the frame fails
+    /// that check far more often than not. docs/stacks.md.
     pub fn unwind(
         &mut self,
         regs: UserRegs,
         stack: &[u8],
         mut lookup: impl FnMut(u64) -> Lookup,
     ) -> Vec<u64> {
-        // Each round loads the module of the first address with none and
-        // unwinds again: the frames after it were guessed (framehop falls
-        // back to frame pointers where it has no tables).
-        loop {
-            let frames = self.unwind_once(regs, stack);
-            let unseen = frames
-                .iter()
-                .copied()
-                .find(|a| !self.seen.iter().any(|r| r.contains(a)));
-            let Some(addr) = unseen else { return frames };
-            match lookup(addr) {
-                Lookup::Nothing => {
-                    // Keep what was unwound up to the unknown address.
-                    let n = frames.iter().position(|a| *a == addr).unwrap_or(0);
-                    return frames[..=n].to_vec();
-                }
-                Lookup::Mapping(range, m) => {
-                    if !range.contains(&addr) {
-                        // A lookup that does not cover the address would
-                        // loop forever.
-                        return frames;
-                    }
-                    self.seen.push(range);
-                    if let Some(m) = m {
-                        self.unwinder.add_module(m);
-                    }
-                }
-            }
-        }
-    }
-
-    fn unwind_once(&mut self, regs: UserRegs, stack: &[u8]) -> Vec<u64> {
-        let sp = regs.sp;
-        let mut read = |addr: u64| -> Result<u64, ()> {
-            let off = addr.checked_sub(sp).ok_or(())? as usize;
-            let word = stack.get(off..off.checked_add(8).ok_or(())?).ok_or(())?;
-            Ok(u64::from_le_bytes(word.try_into().map_err(|_| ())?))
-        };
-        let mut it = self.unwinder.iter_frames(
-            regs.ip,
-            UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp),
-            &mut self.cache,
-            &mut read,
-        );
-        let mut out = Vec::new();
+        let base = regs.sp;
+        let mut read = |addr: u64| read_word(stack, base, addr);
+        let mut r = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
+        let mut addr = FrameAddress::from_instruction_pointer(regs.ip);
+        let mut out = vec![regs.ip];
         while out.len() < MAX_FRAMES {
-            match it.next() {
-                Ok(Some(f)) => out.push(f.address()),
-                Ok(None) | Err(_) => break,
-            }
+            let next = match self.kind(addr.address_for_lookup(), &mut lookup) {
+                None => break,
+                Some(Kind::Anonymous) => {
+                    let Some((ra, slot)) = self.scan(&r, stack, base, &mut lookup) else {
+                        break;
+                    };
+                    self.jit_scans += 1;
+                    r.set_sp(slot + 8);
+                    Some(ra)
+                }
+                Some(Kind::File { .. }) => {
+                    match self
+                        .unwinder
+                        .unwind_frame(addr, &mut r, &mut self.cache, &mut read)
+                    {
+                        Ok(n) => n,
+                        Err(_) => break,
+                    }
+                }
+            };
+            let Some(ra) = next.and_then(FrameAddress::from_return_address) else {
+                break;
+            };
+            out.push(ra.address());
+            addr = ra;
         }
         out
     }
+
+    /// What is mapped at `addr`, asking `lookup` the first time.
+    fn kind(&mut self, addr: u64, lookup: &mut impl FnMut(u64) -> Lookup) -> Option<Kind> {
+        if let Some((_, k)) = self.seen.iter().find(|(r, _)| r.contains(&addr)) {
+            return Some(*k);
+        }
+        let (range, kind) = match lookup(addr) {
+            Lookup::Nothing => return None,
+            Lookup::Anonymous(range) => (range, Kind::Anonymous),
+            Lookup::Mapping(range, m) => {
+                let tables = m.is_some();
+                if let Some(m) = m {
+                    self.unwinder.add_module(m);
+                }
+                (range, Kind::File { tables })
+            }
+        };
+        // A lookup that does not cover the address would be asked again
+        // for every frame; answer from it once and do not keep it.
+        if range.contains(&addr) {
+            self.seen.push((range, kind));
+        }
+        Some(kind)
+    }
+
+    /// The return address of the JIT frame whose stack pointer is
+    /// `at.sp()`, and the stack slot it was found in.
+    fn scan(
+        &mut self,
+        at: &UnwindRegsX86_64,
+        stack: &[u8],
+        base: u64,
+        lookup: &mut impl FnMut(u64) -> Lookup,
+    ) -> Option<(u64, u64)> {
+        let end = base.saturating_add(stack.len() as u64);
+        let mut slot = at.sp();
+        while slot < at.sp().saturating_add(JIT_SCAN_BYTES) && slot.saturating_add(8) <= end {
+            let word = read_word(stack, base, slot).ok()?;
+            if self.plausible_return(word, slot, at, stack, base, lookup) {
+                return Some((word, slot));
+            }
+            slot += 8;
+        }
+        None
+    }
+
+    /// Is `word`, found at `slot`, a return address into a file's code
+    /// from which unwinding goes on for [`JIT_VALIDATE_FRAMES`] more
+    /// frames, each in a file's code and higher on the stack? A stale return address left below the live
+    /// frames (a `free` called earlier from the same depth, say) usually
+    /// unwinds into one plausible frame by chance, rarely into three.
+    fn plausible_return(
+        &mut self,
+        word: u64,
+        slot: u64,
+        at: &UnwindRegsX86_64,
+        stack: &[u8],
+        base: u64,
+        lookup: &mut impl FnMut(u64) -> Lookup,
+    ) -> bool {
+        // Pointers into the stack itself are the commonest words there.
+        if word < 0x1000 || (base..base + stack.len() as u64).contains(&word) {
+            return false;
+        }
+        if self.kind(word - 1, lookup) != Some(Kind::File { tables: true }) {
+            return false;
+        }
+        let mut r = *at;
+        r.set_sp(slot + 8);
+        let mut read = |addr: u64| read_word(stack, base, addr);
+        let mut addr = word;
+        for _ in 0..JIT_VALIDATE_FRAMES {
+            let Some(ra) = FrameAddress::from_return_address(addr) else {
+                return false;
+            };
+            let sp = r.sp();
+            match self.unwinder.unwind_frame(ra, &mut r, &mut self.cache, &mut read) {
+                // "Outermost frame" this close to a JIT frame means a zero
+                // word was read as the return address: uninitialised stack,
+                // not a root (threads start several frames below any JIT
+                // code).
+                Ok(None) => return false,
+                Ok(Some(next)) => {
+                    if r.sp() <= sp
+                        || next < 0x1000
+                        || !matches!(self.kind(next - 1, lookup), Some(Kind::File { .. }))
+                    {
+                        return false;
+                    }
+                    addr = next;
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+}
+
+/// The 8 bytes of the stack copy (which starts at address `base`) at
+/// address `addr`.
+fn read_word(stack: &[u8], base: u64, addr: u64) -> Result<u64, ()> {
+    let off = usize::try_from(addr.checked_sub(base).ok_or(())?).map_err(|_| ())?;
+    let word = stack.get(off..off.checked_add(8).ok_or(())?).ok_or(())?;
+    Ok(u64::from_le_bytes(word.try_into().map_err(|_| ())?))
 }
 
 #[cfg(test)]
