@@ -46,6 +46,7 @@ use crate::{
         Collectors,
         model::{Drops, StepSpan, WindowData},
     },
+    probes::ResolvedProbe,
     session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
     sys::hostfs::OutputRoot,
     target::Target,
@@ -159,6 +160,13 @@ pub struct Scheduler {
     root: Option<OutputRoot>,
     /// Windows that were asked for but could not be written (exit code).
     failures: Arc<AtomicUsize>,
+    /// Aux markers attached only while a window is armed or open (they
+    /// are uprobe traps on every idle step otherwise): attached with the
+    /// collectors, ahead of the boundary that opens the window, detached
+    /// with them.
+    window_markers: Vec<ResolvedProbe>,
+    /// Why the window markers could not be attached, if they could not.
+    markers_error: Option<String>,
 }
 
 impl Scheduler {
@@ -181,7 +189,34 @@ impl Scheduler {
             writer: None,
             root: None,
             failures: Arc::new(AtomicUsize::new(0)),
+            window_markers: Vec::new(),
+            markers_error: None,
         }
+    }
+
+    /// Hands the scheduler the markers to attach only around windows (the
+    /// aux markers); the caller attaches the rest. Call before [`begin`],
+    /// which attaches them at once if the flags plan starts within reach.
+    ///
+    /// [`begin`]: Scheduler::begin
+    pub fn set_window_markers(&mut self, probes: Vec<ResolvedProbe>) {
+        self.window_markers = probes;
+    }
+
+    /// Attaches the window markers that are not attached yet.
+    fn attach_window_markers(&mut self, kernel: &mut Kernel) {
+        for p in &self.window_markers {
+            if kernel.marker_attached(p.index) {
+                continue;
+            }
+            if let Err(e) = kernel.attach_marker(p) {
+                let msg = format!("aux marker `{}` could not be attached: {e:#}", p.label);
+                log::warn!("{msg}");
+                self.markers_error = Some(msg);
+                return;
+            }
+        }
+        self.markers_error = None;
     }
 
     /// Counts windows that were asked for but could not be written; read it
@@ -346,6 +381,7 @@ impl Scheduler {
     }
 
     fn arm(&mut self, kernel: &mut Kernel, collect: Option<&Vec<Builtin>>) {
+        self.attach_window_markers(kernel);
         let Some(target) = self.target.clone() else {
             return;
         };
@@ -474,6 +510,9 @@ impl Scheduler {
     }
 
     fn disarm_all(&mut self, kernel: &mut Kernel) {
+        for p in &self.window_markers {
+            kernel.detach_marker(p.index);
+        }
         for (i, c) in self.collectors.iter_mut().enumerate() {
             if self.armed[i] {
                 c.disarm(kernel);
@@ -547,7 +586,7 @@ impl Scheduler {
             .collect();
         // A collector the window asked for that is not armed: its data is
         // missing, and the window must not pass for complete.
-        let errors: Vec<String> = self
+        let mut errors: Vec<String> = self
             .collector_indices(req.collect.as_ref())
             .into_iter()
             .filter(|i| !self.armed[*i])
@@ -557,6 +596,8 @@ impl Scheduler {
                 })
             })
             .collect();
+        // Its steps' aux columns would be short.
+        errors.extend(self.markers_error.clone());
         let w = OpenWindow {
             open_ts_ns: ts,
             last_ts_ns: ts,

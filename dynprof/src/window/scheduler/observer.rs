@@ -30,6 +30,13 @@ impl Scheduler {
             (None, None) => s.push_str("no window"),
         }
         s.push_str(&format!("; windows written {}", self.written.len()));
+        // Aux markers count only while attached (around windows).
+        let hits = crate::session::marker_hits(ctx.kernel, ctx.probes);
+        s.push_str("; marker hits:");
+        for (label, n) in hits {
+            s.push_str(&format!(" {label} {n},"));
+        }
+        s.pop();
         if let Some(last) = self.written.last() {
             s.push_str(&format!(" (last: {})", last.dir.display()));
         }
