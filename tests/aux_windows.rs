@@ -85,3 +85,103 @@ fn aux_marker_traps_only_around_windows_on_pytorch() {
     d.wait_for("detaching", T);
     assert!(d.wait_exit(T).success(), "{}", d.transcript());
 }
+
+/// Windows far apart on the C trainer (3 backward passes per step): the
+/// aux marker is attached and detached around each of them, with and
+/// without attach cookies (the no-cookie path registers its address again
+/// each time), and every recorded step counts exactly 3.
+fn repeated_windows(tag: &str, env: Option<(&str, &str)>) {
+    let dir = scratch_dir(tag);
+    let log = dir.join("trainer.log");
+    let out = dir.join("out");
+    let p = Proc::spawn_ready(
+        Command::new(&fixtures().trainer)
+            .args([
+                "--steps",
+                "0",
+                "--step-ms",
+                "20",
+                "--backward-per-step",
+                "3",
+            ])
+            .arg("--log")
+            .arg(&log),
+    );
+    wait_for_log_lines(&log, "step", 1, T);
+    let pid = p.pid.to_string();
+    let mut cmd = dynprof_cmd(&[
+        "attach",
+        "--pid",
+        &pid,
+        "--marker",
+        "exe:optimizer_step",
+        "--marker",
+        "libfixture_backward:backward,role=aux",
+        "--start-step",
+        "5",
+        "--active",
+        "2",
+        "--repeat",
+        "2",
+        "--gap",
+        "100",
+        "--collect",
+        "none",
+        "--json",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    if let Some((k, v)) = env {
+        cmd.env(k, v);
+    }
+    let mut d = spawn_cmd(&mut cmd, false, vec![tag.into()]);
+    assert!(d.wait_exit(T).success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 3, "{}", d.transcript());
+    for (w, dir) in dirs.iter().enumerate() {
+        let m = meta(dir);
+        assert_eq!(m["complete"], true, "{m}");
+        let first = 5 + 102 * w as u64;
+        assert_eq!(recorded(&m), vec![first, first + 1], "{m}");
+        let csv = std::fs::read_to_string(dir.join("steps.csv")).unwrap();
+        let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+        let col = header
+            .iter()
+            .position(|h| *h == "aux_backward")
+            .unwrap_or_else(|| panic!("no backward column: {csv}"));
+        let rows: Vec<&str> = csv.lines().skip(1).collect();
+        assert_eq!(rows.len(), 2, "{csv}");
+        for row in rows {
+            assert_eq!(row.split(',').nth(col), Some("3"), "{csv}");
+        }
+    }
+    let sum = d
+        .stdout_json()
+        .into_iter()
+        .find(|v| v["event"] == "summary")
+        .unwrap_or_else(|| panic!("no summary: {}", d.transcript()));
+    let steps = sum["steps"].as_u64().unwrap();
+    let backward = sum["marker_hits"]["backward"].as_u64().unwrap();
+    assert!(steps >= 5 + 2 * 102 + 2, "{sum}");
+    // Attached around each window only (at most ~26 steps ahead of it at
+    // 50 steps/s), never across the 100-step gaps: an aux marker attached
+    // throughout would count 3 per step.
+    assert!(backward >= 3 * 3 * 2, "{sum}");
+    assert!(backward < 2 * steps, "{sum}");
+    assert_eq!(sum["aux_in_windows_only"], true, "{sum}");
+}
+
+#[test]
+fn aux_marker_attached_again_for_each_window() {
+    require_privileges!();
+    repeated_windows("aux_windows_repeat", None);
+}
+
+#[test]
+fn aux_marker_attached_again_for_each_window_without_cookies() {
+    require_privileges!();
+    repeated_windows(
+        "aux_windows_repeat_nocookie",
+        Some(("DYNPROF_KERNEL_FEATURES", "no_attach_cookie")),
+    );
+}

@@ -426,8 +426,13 @@ pub async fn drive(
     }
     let attach_ms = t_attach.elapsed().as_secs_f64() * 1e3;
     drop(frozen);
-    // Loaded and attached: keep only what the windows and the detach need.
-    let kept = crate::sys::caps::drop_after_attach(&needs(d.window, &mode)?)?;
+    // Loaded and attached: keep only what the windows and the detach need
+    // (and attaching the aux markers again around each window).
+    let mut session_needs = needs(d.window, &mode)?;
+    if !window_markers.is_empty() {
+        session_needs.push(Need::AuxMarkers);
+    }
+    let kept = crate::sys::caps::drop_after_attach(&session_needs)?;
     log::info!(
         "capabilities kept after attach: {}",
         kept.iter()
