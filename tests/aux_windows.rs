@@ -62,7 +62,9 @@ fn aux_marker_traps_only_around_windows_on_pytorch() {
     assert!(hits_of(&idle, "Optimizer.step") >= 20, "{idle}");
     assert_eq!(hits_of(&idle, "backward"), 0, "{}", d.transcript());
 
-    d.send("capture 3");
+    // Far enough ahead that no boundary passes while the aux marker is
+    // attached (dynprof would mark the window incomplete if one did).
+    d.send("capture 3 warmup 50");
     d.wait_for("window records steps", T);
     d.wait_for("window 1 written", T);
     let dirs = prof_dirs(&out);

@@ -151,6 +151,39 @@ impl Kernel {
         r.map(|_| ())
     }
 
+    /// The bench's baselines (`dynprof __probe-cost`): the empty uprobe at
+    /// a marker's site, and with `floor` the empty return probe too. Works
+    /// with and without attach cookies (the empty programs read none);
+    /// [`Kernel::detach_marker`] removes them like a marker.
+    pub fn attach_empty(&mut self, p: &ResolvedProbe, floor: bool) -> Result<()> {
+        let what = || format!("attaching the empty uprobe to {}", p.symbol);
+        for (name, ret) in [(super::EMPTY_PROG, false), (super::EMPTY_RET_PROG, true)] {
+            if ret && !floor {
+                continue;
+            }
+            let prog = self.uprobe(name)?;
+            if prog.fd().is_err() {
+                prog.load()
+                    .with_context(|| format!("verifying eBPF program {name}"))?;
+            }
+            let event = if ret {
+                sys_uprobe::open_uretprobe(&p.attach_path, p.file_offset, self.pid)
+            } else {
+                sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
+            }
+            .with_context(what)?;
+            let fd = self.uprobe(name)?.fd()?.as_fd();
+            let attachment = sys_uprobe::attach_program(fd, event, 0).with_context(what)?;
+            self.markers.push(MarkerLink {
+                index: p.index,
+                _attachment: attachment,
+                proc_mem_semaphore: None,
+                addrs: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+
     /// Whether the marker with this index is attached now.
     pub fn marker_attached(&self, index: u32) -> bool {
         self.markers.iter().any(|m| m.index == index)
