@@ -7,8 +7,9 @@
 //!
 //! The sites are the same four functions; what the kernel does at each
 //! differs by architecture:
-//! - x86-64: `push %rbx` and the 5-byte nop are emulated, the rip-relative
-//!   `mov` and `endbr64` single-stepped out of line;
+//! - x86-64: `push %rbx` is emulated; the 5-byte nop (emulated only in
+//!   newer kernels), the rip-relative `mov` and `endbr64` are single-stepped
+//!   out of line on 5.10;
 //! - arm64: `stp x29, x30, [sp, #-16]!` (the usual prologue) and `nop`
 //!   are single-stepped out of line on 5.10, `adrp` and `b` simulated.
 
@@ -32,7 +33,7 @@ const VMS: [(Arch, &str, &str, [&str; 4]); 2] = [
         "5.10 x86-64",
         [
             "push %rbx (emulated)",
-            "5-byte nop (emulated)",
+            "5-byte nop (single-stepped on 5.10)",
             "rip-relative mov (single-stepped)",
             "endbr64 (single-stepped)",
         ],
@@ -80,10 +81,13 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                             "",
                         )
                         .samples(r.ratios)
-                        .note(format!(
-                            "QEMU TCG, ratio only; dynprof decoded the site as `{}`",
-                            r.first_insn
-                        )),
+                        .note(match r.first_insn.as_str() {
+                            "?" => {
+                                "QEMU TCG, ratio only; dynprof decodes first_insn on x86-64 only"
+                                    .to_string()
+                            }
+                            c => format!("QEMU TCG, ratio only; dynprof decoded the site as `{c}`"),
+                        }),
                     );
                 }
                 let text = format!(
