@@ -135,6 +135,12 @@ const VM_TESTS: &[(&str, &[&str])] = &[
         "windows",
         &["windows_plan_records_exactly_the_planned_steps"],
     ),
+    // Aux markers attached and detached around each window: on 5.10 by
+    // probe address, registered again each time.
+    (
+        "aux_windows",
+        &["aux_marker_attached_again_for_each_window"],
+    ),
     // The stack copy's constant-size reads are what the 5.10 verifier is
     // strictest about. (The Python frame test takes 11 min under TCG: the
     // CPython walk shares the cpu program, so this test loads it too.)
