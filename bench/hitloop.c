@@ -67,6 +67,42 @@ __asm__(
     "    .byte 0xf3, 0x0f, 0x1e, 0xfa\n"
     "    ret\n"
     ".size bench_endbr, .-bench_endbr\n");
+#elif defined(__aarch64__)
+/* arm64 uprobes simulate branches, adr/adrp and literal loads, and
+ * single-step everything else out of line (5.10: nops and other hints
+ * too). The same four names, with arm64's instructions:
+ *   bench_push    stp x29, x30, [sp, #-16]!   the usual prologue: stepped
+ *   bench_nop5    nop                          stepped on 5.10
+ *   bench_riprel  adrp x1, hitloop_sink        pc-relative: simulated
+ *   bench_endbr   b 1f (to the next insn)      a branch: simulated
+ * x0 (the name) is left alone. */
+__asm__(
+    ".text\n"
+    ".globl bench_push\n"
+    ".type bench_push,%function\n"
+    "bench_push:\n"
+    "    stp x29, x30, [sp, #-16]!\n"
+    "    ldp x29, x30, [sp], #16\n"
+    "    ret\n"
+    ".size bench_push, .-bench_push\n"
+    ".globl bench_nop5\n"
+    ".type bench_nop5,%function\n"
+    "bench_nop5:\n"
+    "    nop\n"
+    "    ret\n"
+    ".size bench_nop5, .-bench_nop5\n"
+    ".globl bench_riprel\n"
+    ".type bench_riprel,%function\n"
+    "bench_riprel:\n"
+    "    adrp x1, hitloop_sink\n"
+    "    ret\n"
+    ".size bench_riprel, .-bench_riprel\n"
+    ".globl bench_endbr\n"
+    ".type bench_endbr,%function\n"
+    "bench_endbr:\n"
+    "    b 1f\n"
+    "1:  ret\n"
+    ".size bench_endbr, .-bench_endbr\n");
 #else
 /* Other architectures: plain C, so the fixture still builds; the classes
  * above are x86-64's. */

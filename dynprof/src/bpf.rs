@@ -17,17 +17,12 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
-use dynprof_common::{
-    KernelState, MAX_MARKERS, MAX_PROBE_ADDRS, MarkerConfig, OffCpuStart, PlanConfig, drop_slot,
-};
+use dynprof_common::{KernelState, MAX_PROBE_ADDRS, OffCpuStart, PlanConfig, drop_slot};
 
 use crate::{
     compat::{self, KernelPaths, ProbeIdentity},
     output::model::Drops,
-    probes::{
-        ResolvedProbe,
-        semaphore::{self, Ledger, Repaired, SemaphoreOwner},
-    },
+    probes::semaphore::{self, Ledger, Repaired, SemaphoreOwner},
     sys::uprobe::{self as sys_uprobe, PerfAttachment},
     types::HostPid,
 };
@@ -49,6 +44,7 @@ pub const SCHED_PROG: &str = "dynprof_sched_switch";
 /// Set to `proc_mem` to hold USDT semaphores through /proc/PID/mem.
 pub const SEMAPHORE_ENV: &str = "DYNPROF_USDT_SEMAPHORE";
 
+mod markers;
 mod preflight;
 pub use preflight::preflight;
 
@@ -56,8 +52,11 @@ pub use preflight::preflight;
 /// on it (closing it removes the uprobe and, with `ref_ctr_offset`, lowers
 /// the semaphore), and a semaphore dynprof raised itself (fallback).
 struct MarkerLink {
+    index: u32,
     _attachment: PerfAttachment,
     proc_mem_semaphore: Option<u64>,
+    /// Addresses registered in `MARKER_BY_IP` for it (no-cookie path).
+    addrs: Vec<u64>,
 }
 
 /// How the markers' USDT semaphores are held, for the `attached` event and
@@ -244,135 +243,6 @@ impl Kernel {
 
     pub fn semaphore_report(&self) -> &SemaphoreReport {
         &self.semaphores
-    }
-
-    /// Configures and attaches one marker; its index is the attach cookie.
-    /// A USDT semaphore is handed to the kernel (`ref_ctr_offset`) where it
-    /// can take it, else raised through /proc/PID/mem and recorded.
-    pub fn attach_marker(&mut self, p: &ResolvedProbe) -> Result<()> {
-        if p.index >= MAX_MARKERS {
-            bail!("too many markers (at most {MAX_MARKERS})");
-        }
-        let mut markers: Array<_, MarkerConfig> =
-            Array::try_from(self.ebpf.map_mut("MARKERS").expect("MARKERS"))?;
-        markers.set(p.index, p.config, 0)?;
-        let what = || {
-            format!(
-                "attaching uprobe to {} in {} (offset {:#x})",
-                p.symbol, p.object, p.file_offset
-            )
-        };
-        let mut owner = None;
-        let event = match &p.semaphore {
-            Some(s) if self.semaphores.kernel_owned_supported && !self.forced_proc_mem => {
-                match sys_uprobe::open_uprobe(
-                    &p.attach_path,
-                    p.file_offset,
-                    Some(s.file_offset),
-                    self.pid,
-                ) {
-                    Ok(fd) => {
-                        owner = Some(SemaphoreOwner::Kernel);
-                        fd
-                    }
-                    // The kernel refuses an offset that differs from that of
-                    // an existing uprobe on the same site (another tool's,
-                    // set without one): hold the semaphore ourselves.
-                    Err(e)
-                        if e.downcast_ref::<sys_uprobe::OpenError>()
-                            .is_some_and(|o| o.errno == libc::EINVAL) =>
-                    {
-                        self.semaphores.fallback_reason = Some(format!(
-                            "the kernel refused ref_ctr_offset {:#x} for {} ({e}); another uprobe on the same site without it?",
-                            s.file_offset, p.symbol
-                        ));
-                        sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
-                            .with_context(what)?
-                    }
-                    Err(e) => return Err(e).with_context(what),
-                }
-            }
-            Some(_) => {
-                self.semaphores.fallback_reason = Some(if self.forced_proc_mem {
-                    format!(
-                        "{SEMAPHORE_ENV}=proc_mem: dynprof raises USDT semaphores through /proc/PID/mem"
-                    )
-                } else {
-                    "this kernel's uprobe PMU has no ref_ctr_offset (Linux < 4.20): \
-                     dynprof raises USDT semaphores through /proc/PID/mem"
-                        .into()
-                });
-                sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
-                    .with_context(what)?
-            }
-            None => sys_uprobe::open_uprobe(&p.attach_path, p.file_offset, None, self.pid)
-                .with_context(what)?,
-        };
-        let [marker_prog, _, _] = self.uprobe_programs();
-        if self.paths.probe_identity == ProbeIdentity::Address {
-            let n = self
-                .register_addresses(
-                    "MARKER_BY_IP",
-                    &p.attach_path,
-                    &p.object,
-                    p.file_offset,
-                    p.index,
-                    self.marker_addrs,
-                )
-                .with_context(what)?
-                .len();
-            self.marker_addrs += n;
-        }
-        let prog = self.uprobe(marker_prog)?.fd()?.as_fd();
-        let attachment =
-            sys_uprobe::attach_program(prog, event, p.index as u64).with_context(what)?;
-        if self.paths.probe_identity == ProbeIdentity::Cookie && !attachment.cookie_delivered {
-            bail!(
-                "{}: the kernel took the marker program without its attach cookie although it \
-                 reported bpf perf links (Linux 5.15+)",
-                what()
-            );
-        }
-        // The fallback raises the semaphore after the probe exists, so the
-        // first enabled probe site already fires into our program.
-        let mut proc_mem_semaphore = None;
-        if let Some(s) = &p.semaphore
-            && owner.is_none()
-        {
-            self.raise_in_memory(s.runtime_addr).with_context(|| {
-                format!(
-                    "raising the USDT semaphore of {} in PID {}",
-                    p.symbol, self.pid
-                )
-            })?;
-            proc_mem_semaphore = Some(s.runtime_addr);
-            owner = Some(SemaphoreOwner::ProcMem);
-        }
-        if let (Some(s), Some(owner)) = (&p.semaphore, owner) {
-            self.semaphores.markers.push(MarkerSemaphore {
-                index: p.index,
-                addr: s.runtime_addr,
-                owner,
-            });
-        }
-        self.markers.push(MarkerLink {
-            _attachment: attachment,
-            proc_mem_semaphore,
-        });
-        Ok(())
-    }
-
-    /// The fallback: +1 through /proc/PID/mem, written down in the ledger
-    /// first so that a later dynprof can undo it if this one is killed.
-    fn raise_in_memory(&mut self, addr: u64) -> Result<()> {
-        if self.ledger.is_none() {
-            self.ledger = Some(Ledger::new(&crate::sys::lock::lock_dir(), self.pid)?);
-        }
-        let ledger = self.ledger.as_mut().expect("just set");
-        ledger.begin_raise(addr)?;
-        let r = sys_uprobe::adjust_semaphore_in_memory(self.pid, addr, 1);
-        ledger.end_raise(addr, r.is_ok())?;
-        r.map(|_| ())
     }
 
     /// Attaches entry and return probes of one runtime API (`api` = cookie).
@@ -634,23 +504,7 @@ impl Kernel {
         self.detach_apis();
         self.detach_cpu_sampler();
         self.detach_offcpu();
-        for m in std::mem::take(&mut self.markers) {
-            let MarkerLink {
-                _attachment,
-                proc_mem_semaphore,
-            } = m;
-            // Closing the event removes the uprobe (and lowers a
-            // kernel-owned semaphore) before we lower our own.
-            drop(_attachment);
-            if let Some(addr) = proc_mem_semaphore {
-                // The target may have exited; nothing to restore then, and
-                // nothing for a later repair either.
-                let _ = sys_uprobe::adjust_semaphore_in_memory(self.pid, addr, -1);
-                if let Some(l) = &mut self.ledger {
-                    let _ = l.lowered(addr);
-                }
-            }
-        }
+        self.detach_markers();
     }
 }
 

@@ -87,6 +87,16 @@ enum Cmd {
         /// Run only this test binary (repeatable), e.g. `--only kernel_compat`.
         #[arg(long)]
         only: Vec<String>,
+        /// Instead of the tests: the per-hit probe cost (bench/hitloop and
+        /// `dynprof __probe-cost --hitloop`), printed as marker ÷ empty
+        /// ratios per site (what `cargo xtask bench` section 12 reports).
+        #[arg(long)]
+        probe_cost: bool,
+        /// With --probe-cost: repetitions and calls per timed loop.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        #[arg(long, default_value_t = 20_000)]
+        n: u64,
     },
 }
 
@@ -111,12 +121,32 @@ fn main() {
             kernel,
             timeout_min,
             only,
-        } => vm::run(&vm::Options {
-            arch,
-            kernel,
-            timeout: std::time::Duration::from_secs(timeout_min * 60),
-            only,
-        }),
+            probe_cost,
+            reps,
+            n,
+        } => {
+            let o = vm::Options {
+                arch,
+                kernel,
+                timeout: std::time::Duration::from_secs(timeout_min * 60),
+                only,
+            };
+            if probe_cost {
+                vm::probe_cost::run(&o, reps, n).map(|samples| {
+                    for l in &samples {
+                        println!("{l}");
+                    }
+                    for r in vm::probe_cost::ratios(&samples) {
+                        println!(
+                            "[vm-test] {} ({}): marker ÷ empty {:?}",
+                            r.site, r.first_insn, r.ratios
+                        );
+                    }
+                })
+            } else {
+                vm::run(&o)
+            }
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

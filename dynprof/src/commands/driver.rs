@@ -137,6 +137,11 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
     for (k, v) in &st.aux_per_step {
         eprintln!("dynprof: {k}: {v:.2} per step");
     }
+    if st.aux_in_windows_only {
+        eprintln!(
+            "dynprof: aux markers were attached only around windows; their counts are in each window's steps.csv"
+        );
+    }
     let d = &s.drops;
     if d.step + d.api + d.cpu + d.offcpu + d.cpu_stack + d.offcpu_stack > 0 {
         eprintln!("dynprof: LOST events: {d:?} (enlarge --ring-buffer-kb)");
@@ -390,21 +395,44 @@ pub async fn drive(
     if let (Some(s), Some(c)) = (&mut sched, config) {
         s.set_config_trigger(c);
     }
+    // Where windows are possible, aux markers are attached only around
+    // them (each hit is a uprobe trap on every idle step); the scheduler
+    // attaches them with the collectors, ahead of the window's first
+    // boundary. Without windows they count on every step.
+    let window_markers: Vec<ResolvedProbe> = match &mut sched {
+        Some(s) => {
+            let aux: Vec<_> = resolved
+                .iter()
+                .filter(|p| p.role == probes::Role::Aux)
+                .cloned()
+                .collect();
+            s.set_window_markers(aux.clone());
+            aux
+        }
+        None => Vec::new(),
+    };
     // The plan goes in before the markers, so even step 1 is on time.
     if let Some(s) = &mut sched {
         s.begin(&mut kernel, &target, initial)
             .map_err(|e| exited_during(&target, "arming the collectors", e))?;
     }
     let t_attach = Instant::now();
-    for p in probes::attach_order(&resolved) {
+    for p in probes::attach_order(&resolved)
+        .filter(|p| !window_markers.iter().any(|w| w.index == p.index))
+    {
         kernel
             .attach_marker(p)
             .map_err(|e| exited_during(&target, "attaching its step markers", e))?;
     }
     let attach_ms = t_attach.elapsed().as_secs_f64() * 1e3;
     drop(frozen);
-    // Loaded and attached: keep only what the windows and the detach need.
-    let kept = crate::sys::caps::drop_after_attach(&needs(d.window, &mode)?)?;
+    // Loaded and attached: keep only what the windows and the detach need
+    // (and attaching the aux markers again around each window).
+    let mut session_needs = needs(d.window, &mode)?;
+    if !window_markers.is_empty() {
+        session_needs.push(Need::AuxMarkers);
+    }
+    let kept = crate::sys::caps::drop_after_attach(&session_needs)?;
     log::info!(
         "capabilities kept after attach: {}",
         kept.iter()
@@ -415,6 +443,7 @@ pub async fn drive(
     let semaphores = kernel.semaphore_report().clone();
     let kernel_paths = kernel.paths().clone();
     let mut session = Session::new(kernel, target, resolved);
+    session.clock.aux_in_windows_only = !window_markers.is_empty();
     if d.json {
         let mut line = attached_json(&session.target, &session.probes);
         line["usdt_semaphores"] = serde_json::to_value(&semaphores).unwrap_or_default();

@@ -146,6 +146,9 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
 /// aux marker attached later, a step boundary could slip in between and
 /// step 1 would miss its first aux hits (seen as 10 backward passes over 11
 /// steps with the DataLoader, where attaching Engine::execute is slow).
+/// Where windows are possible, `attach`/`launch` leave aux markers to the
+/// window scheduler, which attaches them when a plan is submitted, before
+/// its kernel plan, for the same reason (docs/performance.md).
 pub fn attach_order(probes: &[ResolvedProbe]) -> impl Iterator<Item = &ResolvedProbe> {
     let aux = probes.iter().filter(|p| p.role == Role::Aux);
     aux.chain(probes.iter().filter(|p| p.role != Role::Aux))

@@ -33,6 +33,10 @@ pub struct StepClock {
     pub steps_seen: u64,
     pub first_ts_ns: Option<u64>,
     pub last_ts_ns: Option<u64>,
+    /// The aux markers are attached only around windows: a mean over all
+    /// steps would mix steps without them, so the summary leaves it out
+    /// (the windows' steps.csv has the exact counts).
+    pub aux_in_windows_only: bool,
 }
 
 impl StepClock {
@@ -97,9 +101,11 @@ impl StepClock {
             mean_ms: mean / 1e6,
             p50_ms: percentile(&d, 50.0) as f64 / 1e6,
             p99_ms: percentile(&d, 99.0) as f64 / 1e6,
+            aux_in_windows_only: self.aux_in_windows_only,
             aux_per_step: self
                 .aux_totals
                 .iter()
+                .filter(|_| !self.aux_in_windows_only)
                 .map(|(k, v)| {
                     (
                         k.clone(),
@@ -124,7 +130,9 @@ pub struct StepSummary {
     pub mean_ms: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
+    /// Per completed step; empty when `aux_in_windows_only`.
     pub aux_per_step: BTreeMap<String, f64>,
+    pub aux_in_windows_only: bool,
 }
 
 /// Nearest-rank percentile of sorted values.

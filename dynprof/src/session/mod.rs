@@ -107,6 +107,9 @@ pub struct SessionSummary {
     pub steps: StepSummary,
     pub drops: Drops,
     pub elapsed_s: f64,
+    /// Hits per marker label from the kernel's HITS map (after the string
+    /// filter; an aux marker counts only while it was attached).
+    pub marker_hits: std::collections::BTreeMap<String, u64>,
 }
 
 /// Opens a pidfd, which becomes readable when the process exits: no polling.
@@ -116,6 +119,18 @@ fn pidfd(pid: u32) -> Result<OwnedFd> {
         return Err(std::io::Error::last_os_error()).with_context(|| format!("pidfd_open({pid})"));
     }
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// HITS per marker label (markers sharing a label are summed).
+pub fn marker_hits(
+    kernel: &Kernel,
+    probes: &[ResolvedProbe],
+) -> std::collections::BTreeMap<String, u64> {
+    let mut m = std::collections::BTreeMap::new();
+    for p in probes {
+        *m.entry(p.label.clone()).or_default() += kernel.hits(p.index).unwrap_or(0);
+    }
+    m
 }
 
 pub struct Session {
@@ -223,6 +238,7 @@ impl Session {
         // the ring with steps counted as lost). The maps stay readable.
         let drops = self.kernel.drops().unwrap_or_default();
         self.kernel.detach_all();
+        let marker_hits = marker_hits(&self.kernel, &self.probes);
         let mut ctx = Ctx {
             kernel: &mut self.kernel,
             target: &self.target,
@@ -240,6 +256,7 @@ impl Session {
             steps: self.clock.summary(),
             drops,
             elapsed_s: started.elapsed().as_secs_f64(),
+            marker_hits,
         })
     }
 

@@ -22,6 +22,8 @@ pub enum Need {
     Attach,
     /// The `api` collector: uprobes on runtime APIs, attached per window.
     Api,
+    /// Aux markers, attached around each window (uprobes, like `api`).
+    AuxMarkers,
     /// The `cpu` collector: per-CPU sampling perf events, per window; stack
     /// symbolization through /proc/PID/map_files.
     Cpu,
@@ -135,7 +137,7 @@ impl Need {
     pub fn in_session(self) -> Vec<Req> {
         match self {
             Need::Attach => vec![PTRACE],
-            Need::Api => vec![PERFMON, UPROBE_PMU, PTRACE],
+            Need::Api | Need::AuxMarkers => vec![PERFMON, UPROBE_PMU, PTRACE],
             Need::Cpu => vec![LAZY_PROG, PERFMON, MAP_FILES, PTRACE],
             Need::Offcpu => vec![LAZY_PROG, PERFMON, TRACEFS, MAP_FILES],
             Need::Msprof => {
@@ -230,6 +232,7 @@ fn name(n: Need) -> &'static str {
     match n {
         Need::Attach => "attach",
         Need::Api => "collector api",
+        Need::AuxMarkers => "aux markers around windows",
         Need::Cpu => "collector cpu",
         Need::Offcpu => "collector offcpu",
         Need::Msprof => "collector msprof",

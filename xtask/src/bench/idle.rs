@@ -7,7 +7,10 @@
 //!   sites (section 7).
 //! - **Direct.** The training thread's CPU time per step
 //!   (CLOCK_THREAD_CPUTIME_ID) over many interleaved segments, bare and
-//!   with `dynprof attach` idle (no window): B A B A … B. Each attached
+//!   with `dynprof attach` idle (no window), in turn as a console session
+//!   (windows possible: the aux marker is attached only around them) and
+//!   counting steps only (no windows: the aux marker stays attached, as
+//!   every idle session did before): B A₁ B A₂ B … B. Each attached
 //!   segment is compared with the mean of the two bare segments around it;
 //!   the figure is the mean of those differences with its standard error.
 //!   Thread CPU time is immune to other processes holding the CPU, which
@@ -69,18 +72,33 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     }
     say(format!("idle: traps per step {traps:?}"));
 
-    // Direct: B A B A … B.
+    // Direct: B A₁ B A₂ … B; A₁ (even i) a console session, where aux
+    // markers wait for a window; A₂ (odd i) counting steps, aux attached.
     let mut bare = vec![steps_cpu_ns(&mut py, n)? / n as f64];
     let mut attached = Vec::new();
     let mut dp_steps = Vec::new();
+    let mut aux_hits = Vec::new();
     for i in 0..pairs {
         let mut cmd = ctx.dynprof_cmd();
         cmd.args(["attach", "--pid", &pid.to_string(), "--json"]);
+        if i % 2 == 0 {
+            // Stdin is a pipe: the plain console, no window asked for.
+            cmd.arg("--interactive");
+        }
         let mut dp = Proc::spawn("dynprof attach (idle)", &mut cmd)?;
         dp.wait_event(Duration::from_secs(60), "attached")?;
         attached.push(steps_cpu_ns(&mut py, n)? / n as f64);
         let _ = dp.stop(Duration::from_secs(60));
-        dp_steps.push(dp.events("step").len() as f64);
+        let sum = dp.events("summary").pop().map(|(_, j)| j);
+        let steps = sum.as_ref().and_then(|j| j.u64("steps")).unwrap_or(0);
+        let aux = sum
+            .as_ref()
+            .and_then(|j| j.get("marker_hits"))
+            .and_then(|h| h.get("backward"))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0);
+        dp_steps.push(steps as f64);
+        aux_hits.push(aux as f64);
         bare.push(steps_cpu_ns(&mut py, n)? / n as f64);
         if (i + 1) % 10 == 0 {
             say(format!("idle: {} of {pairs} attached segments", i + 1));
@@ -89,16 +107,26 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let _ = py.send("quit");
     let _ = py.wait_exit(Duration::from_secs(10));
 
-    // Added ns per step and relative overhead, per attached segment.
-    let added: Vec<f64> = (0..pairs)
-        .map(|i| attached[i] - (bare[i] + bare[i + 1]) / 2.0)
-        .collect();
-    let rel: Vec<f64> = (0..pairs)
-        .map(|i| {
-            let b = (bare[i] + bare[i + 1]) / 2.0;
-            b / attached[i]
-        })
-        .collect();
+    // Added ns per step and relative overhead, per attached segment, for
+    // the console (even) and the counting (odd) segments.
+    let of = |odd: usize, f: &dyn Fn(usize) -> f64| -> Vec<f64> {
+        (0..pairs).filter(|i| i % 2 == odd).map(f).collect()
+    };
+    let added_at = |i: usize| attached[i] - (bare[i] + bare[i + 1]) / 2.0;
+    let rel_at = |i: usize| (bare[i] + bare[i + 1]) / 2.0 / attached[i];
+    let added = of(0, &added_at);
+    let rel = of(0, &rel_at);
+    let added_count = of(1, &added_at);
+    let rel_count = of(1, &rel_at);
+    // Aux traps per idle step with dynprof's own console session, from its
+    // HITS map (0 when the aux marker waits for a window).
+    let console_steps: f64 = of(0, &|i| dp_steps[i]).iter().sum();
+    let console_aux: f64 = of(0, &|i| aux_hits[i]).iter().sum();
+    let aux_idle = if console_steps > 0.0 {
+        console_aux / console_steps
+    } else {
+        f64::NAN
+    };
     let step_ns = stats::median(&bare).unwrap_or(cal);
 
     let mut s = Section::new("");
@@ -107,24 +135,40 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         .map(|(w, t)| format!("{t:.2} at {w}"))
         .collect::<Vec<_>>()
         .join(", ");
-    let total_traps: f64 = traps.iter().map(|t| t.1).sum();
+    let before: f64 = traps.iter().map(|t| t.1).sum();
+    let after = traps[0].1 + aux_idle;
     s.figures.push(
         Figure::new(
-            "idle_traps_per_step",
-            "uprobe traps per idle step (HITS map, no filter)",
+            "idle_traps_per_step_before",
+            "uprobe traps per idle step, aux marker always attached (before; counting-only sessions still)",
             Unit::Count,
             Goal::Info,
             "",
         )
-        .value(total_traps)
+        .value(before)
         .note(format!(
-            "{trap_note}; the step marker's symbol is hit by Optimizer.step's and zero_grad's record_function (the \
-             string filter drops the latter after the trap), the aux marker once per backward"
+            "{trap_note} (HITS map, no filter); the step marker's symbol is hit by Optimizer.step's and zero_grad's \
+             record_function (the string filter drops the latter after the trap), the aux marker once per backward"
+        )),
+    );
+    s.figures.push(
+        Figure::new(
+            "idle_traps_per_step",
+            "uprobe traps per idle step, aux marker attached only around windows (now)",
+            Unit::Count,
+            Goal::Info,
+            "",
+        )
+        .value(after)
+        .note(format!(
+            "{:.2} at ConstantString::create + {aux_idle:.2} at Engine::execute: dynprof's own HITS for `backward` \
+             over {console_steps:.0} idle steps of its console sessions",
+            traps[0].1
         )),
     );
     let (cs_ns, bw_ns) = (ctx.cs_trap_ns.get(), ctx.bw_trap_ns.get());
     if cs_ns > 0.0 && bw_ns > 0.0 {
-        let add = traps[0].1 * cs_ns + traps[1].1 * bw_ns;
+        let add = traps[0].1 * cs_ns + aux_idle * bw_ns;
         s.figures.push(
             Figure::new(
                 "idle_over_bare_computed",
@@ -168,11 +212,26 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         )
         .mean_se(rel)
         .note(format!(
-            "{pairs} attached segments of {n} steps, each against the mean of the bare segments around it; \
-             {:.2} ± {:.2} µs added per {:.0} µs step (mean ± SE)",
+            "{} console sessions (windows possible, aux marker detached while idle) of {n} steps, each against \
+             the mean of the bare segments around it; {:.2} ± {:.2} µs added per {:.0} µs step (mean ± SE)",
+            pairs.div_ceil(2),
             add_m / 1e3,
             add_se / 1e3,
             step_ns / 1e3
+        )),
+    );
+    s.figures.push(
+        Figure::new(
+            "idle_over_bare_thread_cpu_aux_attached",
+            "idle ÷ bare, counting steps only (aux marker attached: the old idle)",
+            Unit::Ratio,
+            Goal::Info,
+            "",
+        )
+        .mean_se(rel_count)
+        .note(format!(
+            "interleaved with the console sessions; {:.2} µs added per step (mean)",
+            stats::mean_se(&added_count).map_or(f64::NAN, |m| m.0) / 1e3
         )),
     );
     s.figures.push(
@@ -211,7 +270,16 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         ),
         ("bare_thread_cpu_ns_per_step", Json::nums(&bare)),
         ("attached_thread_cpu_ns_per_step", Json::nums(&attached)),
-        ("attached_step_events", Json::nums(&dp_steps)),
+        (
+            "attached_modes",
+            Json::Arr(
+                (0..pairs)
+                    .map(|i| Json::s(if i % 2 == 0 { "console" } else { "count" }))
+                    .collect(),
+            ),
+        ),
+        ("attached_steps", Json::nums(&dp_steps)),
+        ("attached_aux_hits", Json::nums(&aux_hits)),
     ]);
     Ok(s)
 }

@@ -46,6 +46,7 @@ use crate::{
         Collectors,
         model::{Drops, StepSpan, WindowData},
     },
+    probes::ResolvedProbe,
     session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
     sys::hostfs::OutputRoot,
     target::Target,
@@ -159,6 +160,18 @@ pub struct Scheduler {
     root: Option<OutputRoot>,
     /// Windows that were asked for but could not be written (exit code).
     failures: Arc<AtomicUsize>,
+    /// Aux markers attached only while a window is planned or open (they
+    /// are uprobe traps on every idle step otherwise): attached when a plan
+    /// is submitted, before its kernel plan is programmed (so even a window
+    /// at the next boundary counts them from its first step), and for later
+    /// cycles with the collectors, ahead of the boundary that opens the
+    /// window; detached with the collectors.
+    window_markers: Vec<ResolvedProbe>,
+    /// Why the window markers could not be attached, if they could not.
+    markers_error: Option<String>,
+    /// The first step whose start they were attached before (step hits
+    /// after attaching + 1): earlier steps' aux counts are short.
+    markers_live_from: Option<u64>,
 }
 
 impl Scheduler {
@@ -181,7 +194,40 @@ impl Scheduler {
             writer: None,
             root: None,
             failures: Arc::new(AtomicUsize::new(0)),
+            window_markers: Vec::new(),
+            markers_error: None,
+            markers_live_from: None,
         }
+    }
+
+    /// Hands the scheduler the markers to attach only around windows (the
+    /// aux markers); the caller attaches the rest. Call before [`begin`],
+    /// which attaches them at once if the flags plan starts within reach.
+    ///
+    /// [`begin`]: Scheduler::begin
+    pub fn set_window_markers(&mut self, probes: Vec<ResolvedProbe>) {
+        self.window_markers = probes;
+    }
+
+    /// Attaches the window markers that are not attached yet.
+    pub(super) fn attach_window_markers(&mut self, kernel: &mut Kernel) {
+        if self.window_markers.is_empty() || self.markers_live_from.is_some() {
+            return;
+        }
+        for p in &self.window_markers {
+            if kernel.marker_attached(p.index) {
+                continue;
+            }
+            if let Err(e) = kernel.attach_marker(p) {
+                let msg = format!("aux marker `{}` could not be attached: {e:#}", p.label);
+                log::warn!("{msg}");
+                self.markers_error = Some(msg);
+                return;
+            }
+        }
+        self.markers_error = None;
+        // A step that began while they were being attached lost hits.
+        self.markers_live_from = kernel.state().ok().map(|s| s.step_hits + 1);
     }
 
     /// Counts windows that were asked for but could not be written; read it
@@ -241,6 +287,11 @@ impl Scheduler {
         // Before anything is attached: a bad --output is a startup error.
         self.root()?;
         self.prepare_hooks(target);
+        if initial.is_some() {
+            // Before the plan, as for every submitted plan (a launched
+            // target is still stopped here).
+            self.attach_window_markers(kernel);
+        }
         if let Some(req) = initial {
             let mut out = Vec::new();
             let r = self.state.submit(req, kernel, self.lead(), &mut out);
@@ -346,6 +397,7 @@ impl Scheduler {
     }
 
     fn arm(&mut self, kernel: &mut Kernel, collect: Option<&Vec<Builtin>>) {
+        self.attach_window_markers(kernel);
         let Some(target) = self.target.clone() else {
             return;
         };
@@ -474,6 +526,10 @@ impl Scheduler {
     }
 
     fn disarm_all(&mut self, kernel: &mut Kernel) {
+        for p in &self.window_markers {
+            kernel.detach_marker(p.index);
+        }
+        self.markers_live_from = None;
         for (i, c) in self.collectors.iter_mut().enumerate() {
             if self.armed[i] {
                 c.disarm(kernel);
@@ -547,7 +603,7 @@ impl Scheduler {
             .collect();
         // A collector the window asked for that is not armed: its data is
         // missing, and the window must not pass for complete.
-        let errors: Vec<String> = self
+        let mut errors: Vec<String> = self
             .collector_indices(req.collect.as_ref())
             .into_iter()
             .filter(|i| !self.armed[*i])
@@ -557,6 +613,19 @@ impl Scheduler {
                 })
             })
             .collect();
+        // Its steps' aux columns would be short.
+        errors.extend(self.markers_error.clone());
+        if let Some(from) = self.markers_live_from
+            && from > steps.first_recorded
+        {
+            errors.push(format!(
+                "the aux markers were attached only during step {}: the aux counts of steps {}..{} are short \
+                 (the window came sooner than they could be attached; plan it further ahead)",
+                from - 1,
+                steps.first_recorded,
+                from - 1
+            ));
+        }
         let w = OpenWindow {
             open_ts_ns: ts,
             last_ts_ns: ts,

@@ -30,6 +30,13 @@ impl Scheduler {
             (None, None) => s.push_str("no window"),
         }
         s.push_str(&format!("; windows written {}", self.written.len()));
+        // Aux markers count only while attached (around windows).
+        let hits = crate::session::marker_hits(ctx.kernel, ctx.probes);
+        s.push_str("; marker hits:");
+        for (label, n) in hits {
+            s.push_str(&format!(" {label} {n},"));
+        }
+        s.pop();
         if let Some(last) = self.written.last() {
             s.push_str(&format!(" (last: {})", last.dir.display()));
         }
@@ -41,6 +48,9 @@ impl Scheduler {
         if req == ConsoleRequest::Status {
             return Ok(self.status(ctx));
         }
+        if matches!(req, ConsoleRequest::Start | ConsoleRequest::Capture(_)) {
+            self.attach_window_markers(ctx.kernel);
+        }
         let mut out = Vec::new();
         let r = self.state.console(req, ctx.kernel, self.lead(), &mut out);
         self.carry_out(out, ctx.kernel, ctx.target, None)?;
@@ -51,6 +61,7 @@ impl Scheduler {
     /// console `capture`, its answer printed as a notice.
     fn on_plan(&mut self, req: PlanRequest, ctx: &mut Ctx) -> Result<()> {
         self.last_activity = Instant::now();
+        self.attach_window_markers(ctx.kernel);
         let mut out = Vec::new();
         let r = self.state.submit(req, ctx.kernel, self.lead(), &mut out);
         self.carry_out(out, ctx.kernel, ctx.target, None)?;
@@ -66,6 +77,7 @@ impl Scheduler {
         };
         let change = req.change;
         let deferred = self.state.window().is_some();
+        self.attach_window_markers(ctx.kernel);
         let mut out = Vec::new();
         let r = self.state.submit(req, ctx.kernel, self.lead(), &mut out);
         if let Err(e) = self.carry_out(out, ctx.kernel, ctx.target, None) {
