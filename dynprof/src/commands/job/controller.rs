@@ -11,8 +11,9 @@ pub(super) struct Running {
     pub(super) n: u64,
     pub(super) dir: crate::sys::hostfs::HostDir,
     pub(super) path: PathBuf,
-    /// The ranks it covers and each one's own index of the last job step.
-    pub(super) ranks: Vec<(Rank, u64)>,
+    /// The ranks it covers, each with its own index of the window's first
+    /// (warmup) and last job step.
+    pub(super) ranks: Vec<(Rank, u64, u64)>,
     /// Ranks the job still had but that ended before this window.
     pub(super) gone: Vec<(Member, String)>,
     pub(super) start: u64,
@@ -40,7 +41,10 @@ pub(super) struct Controller {
     pub(super) s: JobSetup,
     pub(super) alignment: Option<Alignment>,
     pub(super) pending: Option<JobRequest>,
+    /// The window whose plans were sent and that some rank has not closed.
     pub(super) running: Option<Running>,
+    /// Windows every rank has closed, waiting for their directories.
+    pub(super) closing: Vec<Running>,
     pub(super) printer: Option<crate::window::trigger::NoticePrinter>,
     /// Job windows planned so far (numbers the directories).
     pub(super) planned: u64,
@@ -71,6 +75,7 @@ impl Controller {
             alignment: None,
             pending,
             running: None,
+            closing: Vec::new(),
             printer: None,
             planned: 0,
             written: Vec::new(),
@@ -165,9 +170,30 @@ impl Controller {
                     }
                 }
             }
-            if self.running.is_some() && self.window_done() {
+            // Closed on every rank: the next window may be planned while
+            // this one's directories are written (a --repeat's gap counts
+            // from the close, not from the write).
+            // A --repeat's next window is planned as soon as every rank has
+            // opened this one: each rank's scheduler holds it until this
+            // window closes and then programs it at that very boundary, so
+            // the gap does not depend on how long the close takes here.
+            if self
+                .running
+                .as_ref()
+                .is_some_and(|r| self.closed(r) || (self.has_next(r) && self.opened(r)))
+            {
                 let r = self.running.take().expect("checked");
-                self.finish(r);
+                self.on_closed(&r);
+                self.closing.push(r);
+            }
+            let mut i = 0;
+            while i < self.closing.len() {
+                if self.written_by_all(i) {
+                    let r = self.closing.remove(i);
+                    self.finish(r);
+                } else {
+                    i += 1;
+                }
             }
             if self.running.is_none() && self.alignment.is_some() && !self.quitting {
                 if let Some(req) = self.pending.take()
@@ -181,7 +207,10 @@ impl Controller {
             let flags_done = matches!(self.s.trigger, Trigger::Flags(_))
                 && self.pending.is_none()
                 && self.planned > 0;
-            if self.running.is_none() && (all_ended || flags_done || self.quitting) {
+            if self.running.is_none()
+                && self.closing.is_empty()
+                && (all_ended || flags_done || self.quitting)
+            {
                 break;
             }
             if (self.quitting || all_ended) && !quit_sent {
@@ -375,7 +404,7 @@ impl Controller {
             pr.config = req.config.clone();
             pr.change = req.change;
             let _ = r.tx.send(Command::Plan(Box::new(pr)));
-            ranks.push((rank, own_last));
+            ranks.push((rank, own, own_last));
         }
         let gone: Vec<(Member, String)> = self
             .s
@@ -398,7 +427,7 @@ impl Controller {
             ));
         } else if moved && req.series.is_some() {
             self.notice(format!(
-                "repeat window {n} asked for job step {requested}, too close to be planned once the window before was written; it starts at job step {start}"
+                "repeat window {n} asked for job step {requested}, too close to be planned once every rank had opened the window before; it starts at job step {start}"
             ));
         }
         let what = format!(
@@ -444,14 +473,43 @@ impl Controller {
         }
     }
 
-    /// Whether every rank of the running window has written its window, or
-    /// will not.
-    fn window_done(&mut self) -> bool {
-        let Some(run) = &mut self.running else {
-            return true;
-        };
+    /// Whether every rank of `run` has crossed the boundary that ends its
+    /// window (or ended).
+    fn closed(&self, run: &Running) -> bool {
+        run.ranks.iter().all(|(rank, _, own_last)| {
+            self.s
+                .ranks
+                .iter()
+                .find(|r| r.rank() == *rank)
+                .is_none_or(|r| !r.alive() || r.own_now().is_some_and(|k| k > *own_last))
+        })
+    }
+
+    /// Whether every rank of `run` has opened its window (or ended).
+    fn opened(&self, run: &Running) -> bool {
+        run.ranks.iter().all(|(rank, own_start, _)| {
+            self.s
+                .ranks
+                .iter()
+                .find(|r| r.rank() == *rank)
+                .is_none_or(|r| !r.alive() || r.own_now().is_some_and(|k| k >= *own_start))
+        })
+    }
+
+    /// Whether `run` is a `--repeat` window with more to come.
+    fn has_next(&self, run: &Running) -> bool {
+        match (&self.s.trigger, run.req.source) {
+            (Trigger::Flags(plan), Source::Flags) => run.req.series.map_or(0, |s| s.1) < plan.repeat,
+            _ => false,
+        }
+    }
+
+    /// Whether every rank of window `i` (planned, maybe still open) has
+    /// written its window, or will not.
+    fn written_by_all(&mut self, i: usize) -> bool {
+        let run = &mut self.closing[i];
         let mut done = true;
-        for (rank, own_last) in &run.ranks {
+        for (rank, _, own_last) in &run.ranks {
             let rank_dir = run.path.join(job::rank_dir_name(*rank));
             if rank_window(&rank_dir).is_some() {
                 continue;
@@ -462,19 +520,19 @@ impl Controller {
             if !r.alive() {
                 continue;
             }
-            // Past the boundary that closes its window: the directory
-            // should be there (hidden while it is written).
-            if r.own_now().is_some_and(|k| k > own_last + 1) {
-                let since = *run.passed.entry(*rank).or_insert_with(Instant::now);
-                let writing = hidden_window(&rank_dir);
-                if (!writing && since.elapsed() < NOT_OPENED_GRACE)
-                    || (writing && since.elapsed() < WRITE_GRACE)
-                {
-                    done = false;
-                }
+            if !r.own_now().is_some_and(|k| k > *own_last) {
+                done = false;
                 continue;
             }
-            done = false;
+            // Past the boundary that closes its window: the directory
+            // should be there (hidden while it is written).
+            let since = *run.passed.entry(*rank).or_insert_with(Instant::now);
+            let writing = hidden_window(&rank_dir);
+            if (!writing && since.elapsed() < NOT_OPENED_GRACE)
+                || (writing && since.elapsed() < WRITE_GRACE)
+            {
+                done = false;
+            }
         }
         done
     }

@@ -47,7 +47,10 @@ impl Controller {
                 t.offcpu.retain(|o| o.ts_ns + o.dur_ns >= cut);
             }
         }
-        // `--repeat`: the next window of the series.
+    }
+
+    /// Every rank closed `run`: a `--repeat` plans its next window now.
+    pub(super) fn on_closed(&mut self, run: &Running) {
         if let (Trigger::Flags(plan), Source::Flags) = (&self.s.trigger, run.req.source) {
             let (s0, k) = run.req.series.unwrap_or((run.start, 0));
             if k < plan.repeat {
