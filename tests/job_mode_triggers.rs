@@ -5,9 +5,9 @@
 //! refuses `start` with the reason, and `--repeat` gives one job directory
 //! per window, `gap` job steps apart. Each recorded step is checked against
 //! every rank's own log of optimizer_step() calls.
+mod common;
 #[path = "windows_util.rs"]
 mod windows_util;
-mod common;
 
 use std::{
     collections::BTreeMap,

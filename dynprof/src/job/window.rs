@@ -73,7 +73,10 @@ mod tests {
             }
         );
         let e = select_ranks(&live, Some(&[5])).unwrap_err();
-        assert!(e.contains("rank_list [5]") && e.contains("[0, 1, 2, 3]"), "{e}");
+        assert!(
+            e.contains("rank_list [5]") && e.contains("[0, 1, 2, 3]"),
+            "{e}"
+        );
         assert!(select_ranks(&live, Some(&[])).is_err());
     }
 

@@ -31,7 +31,9 @@ pub(super) fn job_trigger(args: &AttachArgs) -> Result<Trigger> {
     let w = &args.window;
     let mode = w.mode(std::io::stdin().is_terminal(), false)?;
     if args.start_at.is_some() && !matches!(mode, Mode::Flags) {
-        bail!("--start-at plans one window from flags; it does not combine with the console or --config-dir");
+        bail!(
+            "--start-at plans one window from flags; it does not combine with the console or --config-dir"
+        );
     }
     Ok(match mode {
         Mode::ConfigFile(d) => Trigger::ConfigFile(d),

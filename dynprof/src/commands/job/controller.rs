@@ -33,6 +33,17 @@ impl Running {
     }
 }
 
+/// What became of a window asked for.
+pub(super) enum PlanOutcome {
+    /// Its plans were sent; what they record.
+    Planned(String),
+    /// Not yet (the ranks are not aligned, or `--start-at`'s instant has
+    /// not come): keep it waiting.
+    NotYet(Box<JobRequest>),
+    /// Refused; the reason was said.
+    Refused,
+}
+
 /// How long a rank's window may take to appear once the rank is past it.
 const NOT_OPENED_GRACE: Duration = Duration::from_secs(2);
 const WRITE_GRACE: Duration = Duration::from_secs(300);
@@ -92,12 +103,12 @@ impl Controller {
         }
     }
 
-    fn live(&self) -> Vec<&CtlRank> {
+    pub(super) fn live(&self) -> Vec<&CtlRank> {
         self.s.ranks.iter().filter(|r| r.alive()).collect()
     }
 
     /// The latest job step any live, aligned rank has reached.
-    fn job_now(&self) -> Option<u64> {
+    pub(super) fn job_now(&self) -> Option<u64> {
         let a = self.alignment.as_ref()?;
         self.live()
             .iter()
@@ -195,13 +206,14 @@ impl Controller {
                     i += 1;
                 }
             }
-            if self.running.is_none() && self.alignment.is_some() && !self.quitting {
-                if let Some(req) = self.pending.take()
-                    && let Err(Some(req)) = self.try_plan(req)
-                {
-                    // Not yet (--start-at's instant not reached): keep it.
-                    self.pending = Some(req);
-                }
+            if self.running.is_none()
+                && self.alignment.is_some()
+                && !self.quitting
+                && let Some(req) = self.pending.take()
+                && let PlanOutcome::NotYet(req) = self.try_plan(req)
+            {
+                // Not yet (--start-at's instant not reached): keep it.
+                self.pending = Some(*req);
             }
             let all_ended = self.s.ranks.iter().all(|r| !r.alive());
             let flags_done = matches!(self.s.trigger, Trigger::Flags(_))
@@ -292,14 +304,13 @@ impl Controller {
         }
     }
 
-    /// Plans `req` on its ranks. `Err(Some(req))`: not yet, keep it
-    /// pending; `Err(None)`: refused (said why). Returns what was planned.
-    pub(super) fn try_plan(&mut self, req: JobRequest) -> Result<String, Option<JobRequest>> {
+    /// Plans `req` on its ranks.
+    pub(super) fn try_plan(&mut self, req: JobRequest) -> PlanOutcome {
         let Some(a) = self.alignment.clone() else {
-            return Err(Some(req));
+            return PlanOutcome::NotYet(Box::new(req));
         };
         let Some(now) = self.job_now() else {
-            return Err(Some(req));
+            return PlanOutcome::NotYet(Box::new(req));
         };
         let lead = align::lead_steps(a.period_ns);
         let live: Vec<Rank> = self
@@ -312,7 +323,7 @@ impl Controller {
             Ok(s) => s,
             Err(why) => {
                 self.refused(&req, &why);
-                return Err(None);
+                return PlanOutcome::Refused;
             }
         };
         if !sel.unknown.is_empty() {
@@ -322,13 +333,10 @@ impl Controller {
             ));
         }
         let requested = match req.series {
-            Some((s0, n)) => job::window::repeat_start(
-                s0,
-                req.plan.warmup,
-                req.plan.active,
-                req.plan.gap,
-                n,
-            ) as i64,
+            Some((s0, n)) => {
+                job::window::repeat_start(s0, req.plan.warmup, req.plan.active, req.plan.gap, n)
+                    as i64
+            }
             None => req.plan.start_step,
         };
         let start_at = (self.planned == 0 && req.source == Source::Flags)
@@ -353,7 +361,7 @@ impl Controller {
                             .map(|x| x.0.step)
                     });
                 let Some(b) = first else {
-                    return Err(Some(req));
+                    return PlanOutcome::NotYet(Box::new(req));
                 };
                 let want = b + at.after_steps;
                 let (s, moved) = align::job_start(want as i64, now, lead);
@@ -372,13 +380,18 @@ impl Controller {
             Ok(v) => v,
             Err(e) => {
                 self.refused(&req, &format!("{e:#}"));
-                return Err(None);
+                return PlanOutcome::Refused;
             }
         };
         let rel_base = req.prof_dir.clone().unwrap_or_default().join(&name);
         let last = start + req.plan.warmup + req.plan.active - 1;
         let mut ranks = Vec::new();
-        for r in self.s.ranks.iter().filter(|r| sel.ranks.contains(&r.rank())) {
+        for r in self
+            .s
+            .ranks
+            .iter()
+            .filter(|r| sel.ranks.contains(&r.rank()))
+        {
             let rank = r.rank();
             let (Some(own), Some(own_last)) = (a.own_step(rank, start), a.own_step(rank, last))
             else {
@@ -458,7 +471,7 @@ impl Controller {
             moved,
             passed: HashMap::new(),
         });
-        Ok(what)
+        PlanOutcome::Planned(what)
     }
 
     fn refused(&mut self, req: &JobRequest, why: &str) {
@@ -469,7 +482,8 @@ impl Controller {
         }
         self.notice(format!("window refused: {why}"));
         if req.source == Source::Flags {
-            self.failures.push(format!("job window not recorded: {why}"));
+            self.failures
+                .push(format!("job window not recorded: {why}"));
         }
     }
 
@@ -499,7 +513,9 @@ impl Controller {
     /// Whether `run` is a `--repeat` window with more to come.
     fn has_next(&self, run: &Running) -> bool {
         match (&self.s.trigger, run.req.source) {
-            (Trigger::Flags(plan), Source::Flags) => run.req.series.map_or(0, |s| s.1) < plan.repeat,
+            (Trigger::Flags(plan), Source::Flags) => {
+                run.req.series.map_or(0, |s| s.1) < plan.repeat
+            }
             _ => false,
         }
     }
@@ -520,7 +536,7 @@ impl Controller {
             if !r.alive() {
                 continue;
             }
-            if !r.own_now().is_some_and(|k| k > *own_last) {
+            if r.own_now().is_none_or(|k| k <= *own_last) {
                 done = false;
                 continue;
             }
@@ -535,157 +551,6 @@ impl Controller {
             }
         }
         done
-    }
-
-    fn on_command(&mut self, cmd: Command) {
-        self.last_activity = Instant::now();
-        match cmd {
-            Command::SetNoticePrinter(mut p) => {
-                let f = std::mem::replace(&mut p.0, Box::new(|_| {}));
-                self.printer = Some(f);
-            }
-            Command::Console(c) => {
-                let text = self.console(c.req);
-                let _ = c.reply.send(crate::window::trigger::Reply { text });
-            }
-            Command::ConfigChanged(ev) => self.on_config(&ev),
-            Command::Plan(_) => {}
-        }
-    }
-
-    fn console(&mut self, req: ConsoleRequest) -> String {
-        match req {
-            ConsoleRequest::Status => self.status(),
-            ConsoleRequest::Quit => {
-                self.quitting = true;
-                "detaching from every rank; the job keeps running".into()
-            }
-            ConsoleRequest::Start | ConsoleRequest::Stop => format!("error: {OPEN_ENDED_REFUSED}"),
-            ConsoleRequest::Capture(plan) => {
-                let req = JobRequest {
-                    plan,
-                    source: Source::Console,
-                    collect: self.s.collect.clone(),
-                    prof_dir: None,
-                    rank_list: None,
-                    metadata: None,
-                    config: None,
-                    change: None,
-                    series: None,
-                };
-                self.submit(req)
-            }
-        }
-    }
-
-    /// A console or config-file window: planned now if it can be, else
-    /// when the ranks are aligned or the running window is written (the
-    /// last one asked for wins).
-    fn submit(&mut self, req: JobRequest) -> String {
-        if self.running.is_some() {
-            let replaced = self.pending.replace(req).is_some();
-            return format!(
-                "a job window is running; this one is planned when it is written{}",
-                if replaced { " (it replaces the one waiting)" } else { "" }
-            );
-        }
-        if self.alignment.is_none() {
-            self.pending = Some(req);
-            return "the ranks are not aligned yet; the window is planned once they are".into();
-        }
-        match self.try_plan(req) {
-            Ok(what) => what,
-            Err(Some(req)) => {
-                self.pending = Some(req);
-                "waiting for the ranks' next boundary to plan the window".into()
-            }
-            Err(None) => "error: the window was refused (see above)".into(),
-        }
-    }
-
-    fn on_config(&mut self, ev: &crate::window::trigger::config_file::ConfigChanged) {
-        let Some(target) = self.s.ranks.first().map(|r| r.target.clone()) else {
-            return;
-        };
-        let Some(cfg) = &mut self.s.config else {
-            return;
-        };
-        let Some(pr) = cfg.on_change(ev, &target) else {
-            return;
-        };
-        let rank_list = cfg.rank_filter().map(<[i64]>::to_vec);
-        if pr.plan.start_step == 0 {
-            // No collection: drops a window not planned yet. One already
-            // planned runs (its plans are in the ranks' kernels).
-            let dropped = self.pending.take().is_some();
-            let m = if dropped {
-                "start_step 0: the window waiting to be planned is dropped"
-            } else {
-                "start_step 0: no collection"
-            };
-            cfg.info(m);
-            self.notice(format!("profiler_config.json change {}: {m}", pr.change.unwrap_or(0)));
-            return;
-        }
-        let mut collect = pr.collect.clone().unwrap_or_else(|| self.s.collect.clone());
-        if !collect.contains(&Builtin::Offcpu) {
-            collect.push(Builtin::Offcpu);
-        }
-        let change = pr.change;
-        let req = JobRequest {
-            plan: pr.plan,
-            source: Source::ConfigFile,
-            collect,
-            prof_dir: pr.output.clone(),
-            rank_list,
-            metadata: pr.metadata.clone(),
-            config: pr.config.clone(),
-            change,
-            series: None,
-        };
-        let deferred = self.running.is_some() || self.alignment.is_none();
-        let m = self.submit(req);
-        if deferred && let Some(c) = &mut self.s.config {
-            c.monitor_deferred(change, &m);
-        }
-        self.notice(format!(
-            "profiler_config.json change {}: {m}",
-            change.unwrap_or(0)
-        ));
-    }
-
-    fn status(&self) -> String {
-        let mut s = format!(
-            "job of {} rank(s), {} still attached; ",
-            self.s.ranks.len(),
-            self.live().len()
-        );
-        match &self.alignment {
-            Some(a) => s.push_str(&format!(
-                "aligned (reference rank {}, step period {:.3} ms), job step now {}; ",
-                a.reference,
-                a.period_ns as f64 / 1e6,
-                self.job_now().map_or("?".into(), |n| n.to_string())
-            )),
-            None => s.push_str("aligning the ranks; "),
-        }
-        match &self.running {
-            Some(r) => s.push_str(&format!(
-                "job window {} planned for job steps {}..={}",
-                r.n,
-                r.first(),
-                r.last()
-            )),
-            None => s.push_str("no window"),
-        }
-        if self.pending.is_some() {
-            s.push_str("; one window waiting");
-        }
-        s.push_str(&format!("; job windows written {}", self.written.len()));
-        if let Some(last) = self.written.last() {
-            s.push_str(&format!(" (last: {})", last.display()));
-        }
-        s
     }
 }
 

@@ -42,8 +42,7 @@ use crate::{
         Scheduler, SchedulerOptions,
         trigger::{
             ConsoleCommand, ConsoleRequest, PlanRequest, SessionCommand as Command,
-            config_file::ConfigFileTrigger,
-            SetNoticePrinter, Source,
+            SetNoticePrinter, Source, config_file::ConfigFileTrigger,
         },
     },
 };
@@ -52,6 +51,7 @@ mod control;
 mod controller;
 mod finish;
 mod rank;
+mod triggers;
 
 use control::*;
 use controller::*;
@@ -229,7 +229,9 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                                         Some("the rank exited during the session".into())
                                     }
                                     crate::session::EndReason::Done => None,
-                                    other => Some(format!("its session ended ({})", other.describe())),
+                                    other => {
+                                        Some(format!("its session ended ({})", other.describe()))
+                                    }
                                 },
                                 summary: serde_json::to_value(s).ok(),
                             }
