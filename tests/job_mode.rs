@@ -319,7 +319,9 @@ fn ddp_job_by_container_id() {
     let dir = scratch_dir("job_mode-container");
     let id = format!("c0ffee0b5e55{}", "7".repeat(52));
     let Some(cg) = containers_util::make_cgroup("job", &format!("docker-{id}.scope")) else {
-        eprintln!("\n!!!!!!!! SKIPPED ddp_job_by_container_id: no writable cgroup hierarchy !!!!!!!!\n");
+        eprintln!(
+            "\n!!!!!!!! SKIPPED ddp_job_by_container_id: no writable cgroup hierarchy !!!!!!!!\n"
+        );
         return;
     };
     let g = Group::start_in(&dir, true, true, None, Some(&cg.dir));
@@ -334,7 +336,7 @@ fn ddp_job_by_container_id() {
     let mine: Vec<serde_json::Value> = out
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|j| j["container"] == &id[..12])
+        .filter(|j| j["container"] == id[..12])
         .collect();
     assert_eq!(mine.len(), 1, "{out}");
     assert_eq!(mine[0]["key"]["kind"], "pid_namespace", "{}", mine[0]);

@@ -7,6 +7,8 @@ impl Controller {
     /// with no row at all gets only `job_meta.json` with the error.
     pub(super) fn finish(&mut self, run: Running) {
         let last = run.last();
+        // The console's idle timeout counts from the last window, too.
+        self.last_activity = Instant::now();
         let r = self.write_window(&run);
         let msg = match &r {
             Ok(m) => m.clone(),
