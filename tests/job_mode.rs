@@ -7,6 +7,8 @@
 #[path = "attach_util.rs"]
 mod attach_util;
 mod common;
+#[path = "containers_util.rs"]
+mod containers_util;
 
 use std::{
     collections::BTreeMap,
@@ -149,6 +151,18 @@ impl Group {
     /// With `gate`, the launcher starts no rank until that file exists
     /// (a launcher waiting for its scheduler's go).
     fn start(dir: &Path, unshare: bool, wait_training: bool, gate: Option<&Path>) -> Group {
+        Self::start_in(dir, unshare, wait_training, gate, None)
+    }
+
+    /// With `cgroup`, the launcher moves itself into that cgroup first (a
+    /// container's cgroup, as runc leaves it), so every rank is in it.
+    fn start_in(
+        dir: &Path,
+        unshare: bool,
+        wait_training: bool,
+        gate: Option<&Path>,
+        cgroup: Option<&Path>,
+    ) -> Group {
         use std::os::unix::process::CommandExt as _;
         let script = workspace_root().join("tests/fixtures/ddp_train.py");
         let mut sh = String::new();
@@ -167,7 +181,17 @@ impl Group {
             ));
         }
         sh.push_str("wait\n");
-        let mut cmd = if unshare {
+        let mut cmd = if let Some(cg) = cgroup {
+            let mut c = Command::new("sh");
+            c.args([
+                "-c",
+                r#"echo $$ > "$1/cgroup.procs" && exec unshare --pid --fork --mount-proc sh -c "$2""#,
+                "sh",
+                cg.to_str().unwrap(),
+                &sh,
+            ]);
+            c
+        } else if unshare {
             let mut c = Command::new("unshare");
             c.args(["--pid", "--fork", "--mount-proc", "sh", "-c", &sh]);
             c
@@ -279,6 +303,46 @@ fn ddp_job_by_pid_namespace() {
     let ns = std::fs::read_link(format!("/proc/{}/ns/pid", init[0])).unwrap();
     let (job, _) = attach_job(&dir.join("out"), &["--job", ns.to_str().unwrap()], None);
     check_job(&dir, &job, false);
+}
+
+/// The same DDP job in its own PID namespace and in a container's cgroup
+/// (`docker-<id>.scope`, real, made by the test: container runtimes do not
+/// run here), attached by a prefix of the container id. The ranks are
+/// numbered by their RANK, and `dynprof ps --jobs` names the container (by
+/// its short id). The launcher moved itself into the cgroup before it
+/// unshared, so one process of the container is in the host's PID
+/// namespace: the ranks must come from the cgroup, not from that namespace.
+#[test]
+fn ddp_job_by_container_id() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode-container");
+    let id = format!("c0ffee0b5e55{}", "7".repeat(52));
+    let Some(cg) = containers_util::make_cgroup("job", &format!("docker-{id}.scope")) else {
+        eprintln!(
+            "\n!!!!!!!! SKIPPED ddp_job_by_container_id: no writable cgroup hierarchy !!!!!!!!\n"
+        );
+        return;
+    };
+    let g = Group::start_in(&dir, true, true, None, Some(&cg.dir));
+    let (job, _) = attach_job(&dir.join("out"), &["--job", &id[..13]], None);
+    check_job(&dir, &job, false);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["rank_source"], "rank", "{meta:#}");
+
+    let (st, out, err) = attach_util_run(&["ps", "--jobs", "--json"]);
+    assert!(st.success(), "{err}");
+    let mine: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|j| j["container"] == id[..12])
+        .collect();
+    assert_eq!(mine.len(), 1, "{out}");
+    assert_eq!(mine[0]["key"]["kind"], "pid_namespace", "{}", mine[0]);
+    assert_eq!(mine[0]["world_size"], WORLD, "{}", mine[0]);
+    drop(g);
+    drop(cg);
 }
 
 /// `attach JOB-ARGS` with the test's plan, into `out`.

@@ -216,6 +216,17 @@ pub fn discover(r: &JobRef) -> Result<(Vec<Member>, RankSource)> {
                 .filter(|c| below.contains(&c.host_pid))
                 .collect()
         }
+        JobRef::Namespace(pidns::PidNsRef::Container(prefix)) => {
+            // A container is its cgroup: the ranks are its processes. Its
+            // PID namespace alone would bring in the whole host when the
+            // container shares the host's, or when a process of it (a
+            // runtime's helper, `unshare` itself) sits outside its own.
+            let (_, pids) = crate::target::container::find_container(prefix)?;
+            candidates(&pids)
+                .into_iter()
+                .filter(|c| c.ai && !c.launcher)
+                .collect()
+        }
         JobRef::Namespace(nsref) => {
             let ns = pidns::find_pidns(nsref)?;
             let (sure, _) = pidns::find_in_ns(&ns, None);

@@ -8,7 +8,8 @@
 //!   each rank's window recorded and the off-CPU time of its step thread;
 //! - [`verdict`]: the `straggler:` line;
 //! - [`trace`]: the merged `trace.json`, one track per rank;
-//! - [`report`]: `dynprof report` on a job directory.
+//! - [`report`]: `dynprof report` on a job directory;
+//! - [`window`]: which ranks a window covers, when the next repeat starts.
 //!
 //! The command that acts (attach, run the sessions, write the directory) is
 //! `commands::job`; it is the only user of this module.
@@ -19,6 +20,7 @@ pub mod report;
 pub mod table;
 pub mod trace;
 pub mod verdict;
+pub mod window;
 
 /// A rank number as the job names it (RANK), or its position when the
 /// environment does not say.

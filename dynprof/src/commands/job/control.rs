@@ -1,38 +1,89 @@
-//! The controller: the job's plan, discovery that waits for a starting job,
-//! and the loop that aligns the ranks and sends each its plan.
+//! The job's trigger, `--start-at`, and discovery that waits for a
+//! starting job. The controller's loop is in `controller`.
 use super::*;
 
-/// The plan as the user gave it, in job steps.
-pub(super) fn job_plan(args: &AttachArgs) -> Result<crate::window::Plan> {
-    let w = &args.window;
-    if w.interactive || w.config_dir.is_some() {
-        bail!(
-            "--job/--pids take the window from flags (--start-step, --warmup, --active); the console and config-file triggers are not supported in job mode yet"
-        );
-    }
-    if !w.has_plan_flags() {
-        bail!(
-            "--job/--pids need a window plan: give --active N (and optionally --start-step S, --warmup W), in job steps"
-        );
-    }
-    let plan = w.plan()?;
-    if plan.repeat > 0 {
-        bail!("--repeat is not supported in job mode yet: one window per run");
-    }
-    if plan.open_ended() {
-        bail!("job mode needs a bounded window (--active N)");
-    }
-    Ok(plan)
+/// What starts the job's windows.
+pub(super) enum Trigger {
+    /// `--start-step/--warmup/--active` (and `--repeat/--gap`).
+    Flags(crate::window::Plan),
+    /// `--config-dir DIR`: each valid profiler_config.json save is one window.
+    ConfigFile(PathBuf),
+    /// The `dynprof>` console.
+    Console { plain: bool },
 }
 
-/// What the controller holds per rank: its number, tap, command channel,
-/// and whether its session still runs.
-pub(super) type CtlRank = (
-    Rank,
-    Rc<RefCell<TapData>>,
-    mpsc::UnboundedSender<Command>,
-    Rc<std::cell::Cell<bool>>,
-);
+impl Trigger {
+    pub(super) fn mode(&self) -> Mode {
+        match self {
+            Trigger::Flags(_) => Mode::Flags,
+            Trigger::ConfigFile(d) => Mode::ConfigFile(d.clone()),
+            Trigger::Console { plain } => Mode::Console { plain: *plain },
+        }
+    }
+}
+
+/// Why a window open until `stop` is refused in job mode.
+pub(super) const OPEN_ENDED_REFUSED: &str = "a window open until `stop` is not available in job mode: `stop` closes a window at the next boundary each rank's session sees after it, which is a different iteration on each rank, and an open window takes no planned end; use `capture A [warmup W] [at S]`";
+
+/// The trigger as the user gave it; flag plans are in job steps.
+pub(super) fn job_trigger(args: &AttachArgs) -> Result<Trigger> {
+    use std::io::IsTerminal as _;
+    let w = &args.window;
+    let mode = w.mode(std::io::stdin().is_terminal(), false)?;
+    if args.start_at.is_some() && !matches!(mode, Mode::Flags) {
+        bail!(
+            "--start-at plans one window from flags; it does not combine with the console or --config-dir"
+        );
+    }
+    Ok(match mode {
+        Mode::ConfigFile(d) => Trigger::ConfigFile(d),
+        Mode::Console { plain } => Trigger::Console { plain },
+        Mode::None => bail!(
+            "--job/--pids need a window trigger: --active N (and optionally --start-step S, --warmup W, --repeat R, --gap G) in job steps, --config-dir DIR or --interactive"
+        ),
+        Mode::Flags => {
+            let plan = w.plan()?;
+            if plan.open_ended() {
+                bail!("job mode needs a bounded window (--active N)");
+            }
+            Trigger::Flags(plan)
+        }
+    })
+}
+
+/// Everything the controller needs, from attach.
+pub(super) struct JobSetup {
+    pub(super) ranks: Vec<CtlRank>,
+    pub(super) members: Vec<Member>,
+    pub(super) not_attached: Vec<(Member, String)>,
+    pub(super) source: job::discover::RankSource,
+    pub(super) root: OutputRoot,
+    pub(super) collect: Vec<Builtin>,
+    pub(super) trigger: Trigger,
+    pub(super) start_at: Option<StartAt>,
+    pub(super) config: Option<ConfigFileTrigger>,
+    pub(super) chown: Option<crate::window::profdir::Owner>,
+    pub(super) json: bool,
+    pub(super) idle_timeout: Option<Duration>,
+}
+
+/// One window asked of the job, in job steps.
+#[derive(Clone, Debug)]
+pub(super) struct JobRequest {
+    pub(super) plan: crate::window::Plan,
+    pub(super) source: Source,
+    pub(super) collect: Vec<Builtin>,
+    /// Below --output (profiler_config.json `prof_dir`, already confined).
+    pub(super) prof_dir: Option<PathBuf>,
+    /// profiler_config.json `rank_list`, when `is_rank` is set.
+    pub(super) rank_list: Option<Vec<i64>>,
+    pub(super) metadata: Option<serde_json::Value>,
+    pub(super) config: Option<serde_json::Value>,
+    pub(super) change: Option<u64>,
+    /// `--repeat`: the first window's job start and this window's number in
+    /// the series (0 = the first).
+    pub(super) series: Option<(u64, u64)>,
+}
 
 /// `--start-at`, in this host's CLOCK_MONOTONIC.
 #[derive(Clone, Copy, Debug)]
@@ -61,106 +112,6 @@ impl StartAt {
                 .filter(|s| *s > 0)
                 .map_or(Self::DEFAULT_AFTER, |s| s as u64),
         }
-    }
-}
-
-/// Polls the taps until the ranks align, then sends every rank its plan.
-/// Returns the alignment and the job steps planned, or why not.
-pub(super) async fn control(
-    mut ranks: Vec<CtlRank>,
-    plan: crate::window::Plan,
-    collect: Vec<Builtin>,
-    start_at: Option<StartAt>,
-) -> Result<(Alignment, u64, bool), String> {
-    let mut said = String::new();
-    let started = std::time::Instant::now();
-    let mut told = false;
-    loop {
-        // A rank whose session ended (its process exited) is left out; the
-        // others are aligned without it.
-        let before = ranks.len();
-        ranks.retain(|(r, _, _, alive)| {
-            let a = alive.get();
-            if !a {
-                eprintln!("dynprof: job: rank {r} ended before the ranks were aligned; going on without it");
-            }
-            a
-        });
-        if ranks.is_empty() {
-            return Err(if before > 0 {
-                "every rank's session ended before the ranks were aligned".into()
-            } else {
-                "no rank left to align".into()
-            });
-        }
-        let snap: Vec<RankHits> = ranks
-            .iter()
-            .map(|(r, tap, _, _)| RankHits {
-                rank: Some(*r),
-                hits: tap.borrow().hits.iter().map(|h| h.0).collect(),
-            })
-            .collect();
-        match align::align(&snap) {
-            Ok(a) => {
-                let now = snap
-                    .iter()
-                    .find(|h| h.rank == Some(a.reference))
-                    .and_then(|h| h.hits.last())
-                    .map_or(0, |h| h.step);
-                let lead = align::lead_steps(a.period_ns);
-                let (start, moved) = match start_at {
-                    None => align::job_start(plan.start_step, now, lead),
-                    Some(at) => {
-                        // The reference rank's first boundary at or after
-                        // the common instant; until it is seen, wait.
-                        let first = snap
-                            .iter()
-                            .find(|h| h.rank == Some(a.reference))
-                            .and_then(|h| h.hits.iter().find(|x| x.ts_ns >= at.mono_ns))
-                            .map(|x| x.step);
-                        let Some(b) = first else {
-                            tokio::time::sleep(POLL).await;
-                            continue;
-                        };
-                        let want = b + at.after_steps;
-                        let (s, moved) = align::job_start(want as i64, now, lead);
-                        if moved {
-                            eprintln!(
-                                "dynprof: job: WARNING: job step {want} ({} after the first boundary at --start-at) is too close to be planned; other nodes may start at {want}",
-                                at.after_steps
-                            );
-                        }
-                        (s, moved)
-                    }
-                };
-                for (r, _, tx, _) in &ranks {
-                    let Some(own) = a.own_step(*r, start) else {
-                        return Err(format!("rank {r} has no step for job step {start}"));
-                    };
-                    let mut p = plan;
-                    p.start_step = own as i64;
-                    let mut req = PlanRequest::new(p, Source::Flags);
-                    req.collect = Some(collect.clone());
-                    req.metadata = Some(json!({"job_start_step": start, "rank": r.0}));
-                    let _ = tx.send(Command::Plan(Box::new(req)));
-                }
-                return Ok((a, start, moved));
-            }
-            Err(Pending::Fail(why)) => return Err(why),
-            Err(Pending::Wait(why)) => {
-                // Ranks that stopped stepping (a hung collective, a
-                // paused job) keep the alignment waiting: say why once.
-                if !told && started.elapsed() >= ALIGN_NOTICE {
-                    told = true;
-                    eprintln!("dynprof: job: still aligning the ranks: {why}");
-                }
-                if why != said {
-                    log::info!("job alignment: {why}");
-                    said = why;
-                }
-            }
-        }
-        tokio::time::sleep(POLL).await;
     }
 }
 

@@ -13,7 +13,7 @@ use std::{
     collections::{HashMap, VecDeque},
     path::{Path, PathBuf},
     rc::Rc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -34,7 +34,7 @@ use crate::{
         verdict,
     },
     probes,
-    session::{CompletedStep, Ctx, Decoded, Limits, Observer, Session, SessionSummary},
+    session::{CompletedStep, Ctx, Decoded, Limits, Observer, Session},
     sys::{hostfs::OutputRoot, lock},
     target::Target,
     types::Builtin,
@@ -42,15 +42,19 @@ use crate::{
         Scheduler, SchedulerOptions,
         trigger::{
             ConsoleCommand, ConsoleRequest, PlanRequest, SessionCommand as Command,
-            SetNoticePrinter, Source,
+            SetNoticePrinter, Source, config_file::ConfigFileTrigger,
         },
     },
 };
 
 mod control;
+mod controller;
+mod finish;
 mod rank;
+mod triggers;
 
 use control::*;
+use controller::*;
 use rank::*;
 
 /// Boundaries kept per rank (for the alignment and each window step's
@@ -64,11 +68,11 @@ pub(super) const ALIGN_NOTICE: Duration = Duration::from_secs(10);
 pub(super) const POLL: Duration = Duration::from_millis(20);
 
 pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
-    let plan = job_plan(&args)?;
+    let trigger = job_trigger(&args)?;
     let start_at = args
         .start_at
         .map(|t| StartAt::new(t, args.window.start_step));
-    crate::sys::caps::check(&driver::needs(&args.window, &Mode::Flags)?)?;
+    crate::sys::caps::check(&driver::needs(&args.window, &trigger.mode())?)?;
     let (members, source) = discover_waiting(&job_ref, args.window.wait_for_marker)?;
     crate::bpf::preflight()?;
     // The collective wait is the step thread's off-CPU time: always collect it.
@@ -80,17 +84,6 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         collect.push(Builtin::Offcpu);
     }
     let root = OutputRoot::open(&args.window.output)?;
-    let job_name = format!(
-        "{}{}_{}",
-        job::JOB_DIR_PREFIX,
-        crate::sys::clock::local_timestamp(),
-        members[0].host_pid
-    );
-    let job_dir = root
-        .dir()
-        .create_subdir(&job_name, 0o755)
-        .with_context(|| format!("creating {job_name} in {}", args.window.output.display()))?;
-    let job_path: PathBuf = job_dir.path().to_path_buf();
     eprintln!(
         "dynprof: job of {} rank(s) (ranks from {:?}): {}",
         members.len(),
@@ -102,7 +95,7 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
             .join(", ")
     );
 
-    let mut outcomes: HashMap<Rank, RankOutcome> = HashMap::new();
+    let mut not_attached: Vec<(Member, String)> = Vec::new();
     let mut attached = Vec::new();
     let resolved: Vec<Result<Resolved>> = std::thread::scope(|s| {
         let hs: Vec<_> = members
@@ -120,14 +113,7 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
             .collect()
     });
     for (m, res) in members.iter().zip(resolved) {
-        let name = job::rank_dir_name(m.rank);
-        let r = res.and_then(|res| {
-            job_dir
-                .create_subdir(&name, 0o755)
-                .with_context(|| format!("creating {name}"))?;
-            attach_rank(&args, m, res, &job_path.join(&name), &collect)
-        });
-        match r {
+        match res.and_then(|res| attach_rank(&args, m, res, &collect)) {
             Ok(a) => {
                 eprintln!("dynprof: rank {}: attached to PID {}", m.rank, m.host_pid);
                 attached.push(a);
@@ -137,53 +123,86 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                     "dynprof: rank {}: cannot attach to PID {}: {e:#}",
                     m.rank, m.host_pid
                 );
-                outcomes.entry(m.rank).or_default().problem = Some(format!("not attached: {e:#}"));
+                not_attached.push((m.clone(), format!("not attached: {e:#}")));
             }
         }
     }
     if attached.is_empty() {
-        // Nothing was recorded: leave no directory that looks like a window.
-        drop(job_dir);
-        let _ = root.dir().remove_tree(&job_name);
         bail!("no rank of the job could be attached");
     }
-    let kept = crate::sys::caps::drop_after_attach(&driver::needs(&args.window, &Mode::Flags)?)?;
+    // The config file is the job's input, set up before capabilities drop
+    // (as for a single PID).
+    let config = match &trigger {
+        Trigger::ConfigFile(dir) => Some(ConfigFileTrigger::setup_job(
+            dir,
+            members[0].host_pid.0,
+            attached.len(),
+            &args.window.output,
+        )?),
+        _ => None,
+    };
+    let kept = crate::sys::caps::drop_after_attach(&driver::needs(&args.window, &trigger.mode())?)?;
     log::info!("capabilities kept after attach: {kept:?}");
 
-    let alive: Vec<Rc<std::cell::Cell<bool>>> = attached
-        .iter()
-        .map(|_| Rc::new(std::cell::Cell::new(true)))
-        .collect();
     let ctl_ranks: Vec<CtlRank> = attached
         .iter()
-        .zip(&alive)
-        .map(|(a, al)| {
-            (
-                a.member.rank,
-                Rc::clone(&a.tap),
-                a.tx.clone(),
-                Rc::clone(al),
-            )
+        .map(|a| CtlRank {
+            member: a.member.clone(),
+            target: a.session.target.clone(),
+            tap: Rc::clone(&a.tap),
+            tx: a.tx.clone(),
+            ended: Rc::clone(&a.ended),
         })
         .collect();
+    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel::<Command>();
+    match &trigger {
+        Trigger::Console { plain } => {
+            crate::window::trigger::console::spawn(cmd_tx.clone(), *plain)?
+        }
+        Trigger::ConfigFile(dir) => {
+            if let Some(c) = &config {
+                c.spawn_watcher(cmd_tx.clone())?;
+            }
+            eprintln!(
+                "dynprof: job: watching {}; edit it to start a job window",
+                dir.join(crate::window::trigger::config_file::CONFIG_FILE)
+                    .display()
+            );
+        }
+        Trigger::Flags(_) => {}
+    }
+    drop(cmd_tx);
+    let ctl = Controller::new(JobSetup {
+        ranks: ctl_ranks,
+        members: members.clone(),
+        not_attached,
+        source,
+        root,
+        collect,
+        trigger,
+        start_at,
+        config,
+        chown: args.window.chown_owner(members[0].host_pid)?,
+        json: args.json,
+        idle_timeout: args.window.idle_timeout(),
+    });
     let all_tx: Vec<_> = attached.iter().map(|a| a.tx.clone()).collect();
     let limits = (args.steps, args.duration);
     let local = tokio::task::LocalSet::new();
-    let (results, control_result, taps) = local
+    local
         .run_until(async move {
             let mut handles = Vec::new();
-            let mut taps = Vec::new();
-            for (a, alive) in attached.into_iter().zip(alive) {
+            for a in attached {
                 let Attached {
                     member,
                     mut session,
                     mut observers,
                     tx,
                     rx,
-                    tap,
+                    tap: _,
                     lock,
+                    ended,
                 } = a;
-                taps.push((member.clone(), tap));
                 handles.push(tokio::task::spawn_local(async move {
                     let r = session
                         .run(
@@ -197,261 +216,51 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                         .await;
                     drop(observers);
                     drop(tx);
-                    match &r {
-                        Ok(s) => eprintln!(
-                            "dynprof: rank {}: detached ({})",
-                            member.rank,
-                            s.end.describe()
-                        ),
-                        Err(e) => eprintln!("dynprof: rank {}: session failed: {e:#}", member.rank),
-                    }
+                    let end = match &r {
+                        Ok(s) => {
+                            eprintln!(
+                                "dynprof: rank {}: detached ({})",
+                                member.rank,
+                                s.end.describe()
+                            );
+                            Ended {
+                                problem: match &s.end {
+                                    crate::session::EndReason::TargetExited => {
+                                        Some("the rank exited during the session".into())
+                                    }
+                                    crate::session::EndReason::Done => None,
+                                    other => {
+                                        Some(format!("its session ended ({})", other.describe()))
+                                    }
+                                },
+                                summary: serde_json::to_value(s).ok(),
+                            }
+                        }
+                        Err(e) => {
+                            eprintln!("dynprof: rank {}: session failed: {e:#}", member.rank);
+                            Ended {
+                                problem: Some(format!("session failed: {e:#}")),
+                                summary: None,
+                            }
+                        }
+                    };
                     drop(lock);
-                    alive.set(false);
-                    (member, r)
+                    *ended.borrow_mut() = Some(end);
                 }));
             }
-            let ctl = control(ctl_ranks, plan, collect, start_at).await;
-            if let Err(why) = &ctl {
-                eprintln!("dynprof: job: cannot align the ranks: {why}; detaching");
-                for tx in &all_tx {
-                    quit(tx);
-                }
+            let r = ctl.run(cmd_rx).await;
+            for tx in &all_tx {
+                quit(tx);
             }
             drop(all_tx);
-            let mut results: Vec<(Member, Result<SessionSummary>)> = Vec::new();
             for h in handles {
-                match h.await {
-                    Ok(v) => results.push(v),
-                    Err(e) => log::error!("rank task: {e}"),
+                if let Err(e) = h.await {
+                    log::error!("rank task: {e}");
                 }
             }
-            (results, ctl, taps)
+            r
         })
-        .await;
-
-    for (m, r) in &results {
-        let o = outcomes.entry(m.rank).or_default();
-        match r {
-            Ok(s) => {
-                o.summary = serde_json::to_value(s).ok();
-                if s.end == crate::session::EndReason::TargetExited {
-                    o.problem = Some("the rank exited during the session".into());
-                }
-            }
-            Err(e) => o.problem = Some(format!("session failed: {e:#}")),
-        }
-    }
-    let (alignment, start, moved) = match control_result {
-        Ok(v) => v,
-        Err(why) => {
-            let meta = json!({"ranks": members, "error": why, "rank_source": source});
-            let _ = job_dir.write_atomic(
-                job::JOB_META_FILE,
-                serde_json::to_string_pretty(&meta)?.as_bytes(),
-            );
-            bail!("job window not recorded: {why}");
-        }
-    };
-    if moved {
-        eprintln!(
-            "dynprof: job: start step {} was too close once the ranks were aligned; the window starts at job step {start}",
-            plan.start_step
-        );
-    }
-    let first = start + plan.warmup;
-    let last = first + plan.active - 1;
-
-    // Rows from each rank's own window.
-    let mut rows = Vec::new();
-    let mut waits: Vec<(Rank, Vec<OffCpu>)> = Vec::new();
-    let mut rank_meta = Vec::new();
-    for (m, tap) in &taps {
-        let o = outcomes.entry(m.rank).or_default();
-        let rank_dir = job_path.join(job::rank_dir_name(m.rank));
-        let Some(offset) = alignment
-            .ranks
-            .iter()
-            .find(|a| a.rank == m.rank)
-            .map(|a| a.offset)
-        else {
-            o.problem
-                .get_or_insert_with(|| "its session ended before the ranks were aligned".into());
-            rank_meta.push(json!({
-                "rank": m.rank, "host_pid": m.host_pid, "world_size": m.world_size,
-                "problem": o.problem, "session": o.summary,
-            }));
-            continue;
-        };
-        let win = rank_window(&rank_dir);
-        o.window_dir = win
-            .as_ref()
-            .map(|w| format!("{}/{w}", job::rank_dir_name(m.rank)));
-        let mut own_rows = Vec::new();
-        match &win {
-            None => {
-                o.problem
-                    .get_or_insert_with(|| "its window was not written".into());
-            }
-            Some(w) => {
-                let dir = rank_dir.join(w);
-                match crate::sys::hostfs::read_path_capped(&dir.join("steps.csv"), 64 << 20)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|t| table::parse_steps_csv(&t))
-                {
-                    Ok(steps) => {
-                        let t = tap.borrow();
-                        let tids: HashMap<u64, u32> =
-                            t.hits.iter().map(|(h, tid)| (h.step, *tid)).collect();
-                        own_rows = table::rank_rows(m.rank, offset, &steps, &tids, &t.offcpu);
-                        let step_tids: std::collections::HashSet<u32> = steps
-                            .iter()
-                            .filter_map(|s| tids.get(&s.step).copied())
-                            .collect();
-                        waits.push((
-                            m.rank,
-                            t.offcpu
-                                .iter()
-                                .filter(|o| step_tids.contains(&o.tid))
-                                .copied()
-                                .collect(),
-                        ));
-                        if t.offcpu_dropped > 0 {
-                            o.problem = Some(format!(
-                                "{} off-CPU intervals dropped (memory cap)",
-                                t.offcpu_dropped
-                            ));
-                        }
-                    }
-                    Err(e) => o.problem = Some(format!("reading its steps.csv: {e:#}")),
-                }
-                let meta = crate::sys::hostfs::read_path_capped(&dir.join("meta.json"), 4 << 20)
-                    .ok()
-                    .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-                if let Some(mv) = meta
-                    && mv.get("complete") == Some(&json!(false))
-                {
-                    o.problem = Some(format!(
-                        "window incomplete: {}",
-                        mv.get("incomplete_reason")
-                            .and_then(|v| v.as_str())
-                            .unwrap_or("?")
-                    ));
-                }
-            }
-        }
-        let got: Vec<u64> = own_rows.iter().map(|r| r.step).collect();
-        if o.problem.is_none() && got != (first..=last).collect::<Vec<_>>() {
-            o.problem = Some(format!(
-                "recorded job steps {got:?}, expected {first}..={last}"
-            ));
-        }
-        rows.extend(own_rows);
-        rank_meta.push(json!({
-            "rank": m.rank,
-            "host_pid": m.host_pid,
-            "world_size": m.world_size,
-            "offset": offset,
-            "own_steps": [alignment.own_step(m.rank, first), alignment.own_step(m.rank, last)],
-            "window_dir": o.window_dir,
-            "problem": o.problem,
-            "session": o.summary,
-        }));
-    }
-    for m in &members {
-        if !taps.iter().any(|(t, _)| t.rank == m.rank) {
-            rank_meta.push(json!({
-                "rank": m.rank, "host_pid": m.host_pid, "world_size": m.world_size,
-                "problem": outcomes.get(&m.rank).and_then(|o| o.problem.clone()),
-            }));
-        }
-    }
-    rows.sort_by_key(|r| (r.step, r.rank));
-    // The ranks that were aligned (and planned) must all have recorded
-    // every job step; one left out before alignment is a problem of its own.
-    let ranks: Vec<Rank> = alignment.ranks.iter().map(|a| a.rank).collect();
-    let check: Vec<(Rank, u64, u64, u64)> = rows
-        .iter()
-        .map(|r| (r.rank, r.step, r.start_ts_ns, r.duration_ns))
-        .collect();
-    let verification = align::verify(&ranks, &check);
-    let v = verdict::verdict(&verdict::per_rank(&rows));
-    let problems: Vec<String> = rank_meta
-        .iter()
-        .filter_map(|r| {
-            let p = r.get("problem")?.as_str()?;
-            Some(format!("rank {}: {p}", r["rank"]))
-        })
-        .collect();
-    let complete = problems.is_empty() && verification.ok;
-    let mut meta = json!({
-        "complete": complete,
-        "plan": {
-            "job_steps": format!("{first}..={last}"),
-            "start_step": start, "warmup": plan.warmup, "active": plan.active,
-            "requested_start_step": plan.start_step, "moved": moved,
-        },
-        "job_step_is": "the reference (lowest) rank's own step index, counted from its attach",
-        "rank_source": source,
-        "collective_wait_is": "off-CPU time of the thread that crosses the step boundary, less device wait",
-        "alignment": alignment,
-        "verification": verification,
-        "ranks": rank_meta,
-        "verdict": v.text,
-        "stragglers": v.stragglers,
-    });
-    if rows.is_empty() {
-        // Nothing to compare: no table that looks like a (empty) result.
-        let why = format!("no rank recorded its window ({})", problems.join("; "));
-        meta["error"] = json!(why);
-        job_dir.write_atomic(
-            job::JOB_META_FILE,
-            serde_json::to_string_pretty(&meta)?.as_bytes(),
-        )?;
-        bail!("job window not recorded: {why}");
-    }
-    job_dir.write_atomic(job::JOB_STEPS_FILE, &table::to_csv(&rows))?;
-    job_dir.write_atomic(
-        job::trace::TRACE_FILE,
-        serde_json::to_string(&job::trace::merged(&rows, &waits))?.as_bytes(),
-    )?;
-    job_dir.write_atomic(
-        job::JOB_META_FILE,
-        serde_json::to_string_pretty(&meta)?.as_bytes(),
-    )?;
-    if let Some(owner) = args.window.chown_owner(members[0].host_pid)? {
-        let _ = job_dir.chown_tree(owner.uid, owner.gid);
-    }
-    if complete {
-        eprintln!(
-            "dynprof: job window written: {} (job steps {first}..={last})",
-            job_path.display()
-        );
-    } else {
-        eprintln!(
-            "dynprof: job window written INCOMPLETE: {} (job steps {first}..={last}){}",
-            job_path.display(),
-            problems
-                .iter()
-                .map(|p| format!("; {p}"))
-                .collect::<String>()
-        );
-    }
-    if !verification.ok {
-        eprintln!(
-            "dynprof: job: alignment NOT confirmed: largest start spread {:.3} ms (bound {:.3} ms), missing {:?}",
-            verification.max_skew_ns as f64 / 1e6,
-            verification.bound_ns as f64 / 1e6,
-            verification.missing
-        );
-    }
-    eprintln!("dynprof: {}", v.text);
-    if args.json {
-        println!(
-            "{}",
-            json!({"event": "job_window", "dir": job_path, "verdict": v.text, "stragglers": v.stragglers})
-        );
-    }
-    Ok(())
+        .await
 }
 
 /// `dynprof ps --jobs`.

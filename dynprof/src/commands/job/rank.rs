@@ -65,14 +65,37 @@ pub(super) struct Attached {
     pub(super) rx: mpsc::UnboundedReceiver<Command>,
     pub(super) tap: Rc<RefCell<TapData>>,
     pub(super) lock: lock::TargetLock,
+    pub(super) ended: Rc<RefCell<Option<Ended>>>,
 }
 
-/// What the job report records per rank.
-#[derive(Default, Clone)]
-pub(super) struct RankOutcome {
+/// How a rank's session ended (set once, when it has).
+#[derive(Clone, Debug)]
+pub(super) struct Ended {
+    /// Why its later windows are missing; None when it ended on `quit`.
     pub(super) problem: Option<String>,
-    pub(super) window_dir: Option<String>,
     pub(super) summary: Option<serde_json::Value>,
+}
+
+/// What the controller holds per attached rank.
+pub(super) struct CtlRank {
+    pub(super) member: Member,
+    pub(super) target: Target,
+    pub(super) tap: Rc<RefCell<TapData>>,
+    pub(super) tx: mpsc::UnboundedSender<Command>,
+    pub(super) ended: Rc<RefCell<Option<Ended>>>,
+}
+
+impl CtlRank {
+    pub(super) fn rank(&self) -> Rank {
+        self.member.rank
+    }
+    pub(super) fn alive(&self) -> bool {
+        self.ended.borrow().is_none()
+    }
+    /// Its latest own step index.
+    pub(super) fn own_now(&self) -> Option<u64> {
+        self.tap.borrow().hits.back().map(|h| h.0.step)
+    }
 }
 
 /// A rank whose markers are resolved (the slow, read-only part of attach:
@@ -103,7 +126,6 @@ pub(super) fn attach_rank(
     args: &AttachArgs,
     m: &Member,
     r: Resolved,
-    rank_out: &Path,
     collect: &[Builtin],
 ) -> Result<Attached> {
     let Resolved {
@@ -113,9 +135,11 @@ pub(super) fn attach_rank(
     } = r;
     let mut kernel = args.ring.load(target.host_pid)?;
     kernel.repair_semaphores(&lock::lock_dir());
+    // Each job window's plan names its own directory below --output
+    // (`PROF_JOB_…/rankN`); the session runs until the job is done with it.
     let mut sched = Scheduler::new(SchedulerOptions {
-        output: rank_out.to_path_buf(),
-        exit_when_done: true,
+        output: args.window.output.clone(),
+        exit_when_done: false,
         idle_timeout: None,
         json: false,
         collect: Some(collect.to_vec()),
@@ -148,6 +172,7 @@ pub(super) fn attach_rank(
         rx,
         tap,
         lock,
+        ended: Rc::new(RefCell::new(None)),
     })
 }
 

@@ -110,7 +110,16 @@ pub fn check_dir(dir: &Path) -> Result<PathBuf> {
     Ok(clean)
 }
 
-/// The config-file trigger's state (owned by the scheduler).
+/// Whose trigger it is: log names, the greeting, the rank filter.
+struct Who {
+    stem: String,
+    what: String,
+    rank: Option<u32>,
+    job: bool,
+}
+
+/// The config-file trigger's state (owned by the scheduler, or in job mode
+/// by the job's controller).
 pub struct ConfigFileTrigger {
     pub dir: PathBuf,
     pub path: PathBuf,
@@ -119,6 +128,9 @@ pub struct ConfigFileTrigger {
     log: RotatingLog,
     monitor: RotatingLog,
     rank: Option<u32>,
+    /// Job mode: one trigger serves every rank, so `is_rank`/`rank_list`
+    /// is not checked here; the job applies it ([`Self::rank_filter`]).
+    job: bool,
     /// Default output directory relative `prof_dir`s are resolved against.
     output: PathBuf,
     last_good: Option<Parsed>,
@@ -133,6 +145,38 @@ impl ConfigFileTrigger {
     /// Checks DIR, creates it and its `log/`, writes the template if the
     /// file does not exist yet.
     pub fn setup(dir: &Path, target: &Target, output: &Path) -> Result<Self> {
+        let rank = target.rank.map(i64::from).unwrap_or(-1);
+        let who = Who {
+            stem: format!("dp_{}_{}_rank_{rank}.log", hostname(), target.host_pid),
+            what: format!("target PID {} (rank {rank})", target.host_pid),
+            rank: target.rank,
+            job: false,
+        };
+        Self::setup_for(dir, who, output)
+    }
+
+    /// The trigger of a whole job (`attach --job`): one file for every rank,
+    /// its logs named after the first rank's host PID (`dp_<host>_<pid>_job.log`).
+    pub fn setup_job(dir: &Path, first_pid: u32, ranks: usize, output: &Path) -> Result<Self> {
+        let who = Who {
+            stem: format!("dp_{}_{first_pid}_job.log", hostname()),
+            what: format!("a job of {ranks} rank(s) (first PID {first_pid})"),
+            rank: None,
+            job: true,
+        };
+        Self::setup_for(dir, who, output)
+    }
+
+    /// The `rank_list` of the change last accepted, when `is_rank` is set
+    /// (job mode: the job restricts the window to those ranks).
+    pub fn rank_filter(&self) -> Option<&[i64]> {
+        self.last_good
+            .as_ref()
+            .filter(|p| p.is_rank)
+            .map(|p| p.rank_list.as_slice())
+    }
+
+    fn setup_for(dir: &Path, who: Who, output: &Path) -> Result<Self> {
         let dir = check_dir(dir)?;
         // From here on, DIR is reached through one descriptor, created and
         // opened with no symlink anywhere in its path (the job's user owns
@@ -146,10 +190,8 @@ impl ConfigFileTrigger {
         let log_dir = dir_fd
             .create_subdir("log", 0o755)
             .with_context(|| format!("opening {}/log (a symlink is refused)", dir.display()))?;
-        let rank = target.rank.map(i64::from).unwrap_or(-1);
-        let stem = format!("dp_{}_{}_rank_{rank}.log", hostname(), target.host_pid);
-        let log = RotatingLog::new(&log_dir, &stem)?;
-        let monitor = RotatingLog::new(&log_dir, &format!("monitor_{stem}"))?;
+        let log = RotatingLog::new(&log_dir, &who.stem)?;
+        let monitor = RotatingLog::new(&log_dir, &format!("monitor_{}", who.stem))?;
         let path = dir.join(CONFIG_FILE);
         let mut t = Self {
             dir: dir.clone(),
@@ -157,7 +199,8 @@ impl ConfigFileTrigger {
             dir_fd,
             log,
             monitor,
-            rank: target.rank,
+            rank: who.rank,
+            job: who.job,
             output: output.to_path_buf(),
             last_good: None,
             warned: BTreeSet::new(),
@@ -175,11 +218,11 @@ impl ConfigFileTrigger {
         }
         t.initial = stamp(&t.dir_fd);
         let hello = format!(
-            "dynprof {} (PID {}) watching {} for target PID {} (rank {rank})",
+            "dynprof {} (PID {}) watching {} for {}",
             env!("CARGO_PKG_VERSION"),
             std::process::id(),
             path.display(),
-            target.host_pid,
+            who.what,
         );
         t.info(&hello);
         t.monitor.write("INFO", &hello);
@@ -310,7 +353,7 @@ impl ConfigFileTrigger {
             "change {n}: valid config: {}",
             parsed.plan.describe()
         ));
-        if parsed.is_rank {
+        if parsed.is_rank && !self.job {
             let ok = self
                 .rank
                 .is_some_and(|r| parsed.rank_list.contains(&i64::from(r)));

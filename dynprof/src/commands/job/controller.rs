@@ -1,0 +1,563 @@
+//! The controller: one task next to the ranks' sessions. It aligns the
+//! ranks once, then turns every window the trigger asks for (flags and
+//! their repeats, a profiler_config.json save, a console `capture`) into
+//! one plan per rank in that rank's own step indices, waits until each
+//! rank's window is written, and writes the job window's files.
+use super::*;
+
+/// A job window whose plans were sent.
+pub(super) struct Running {
+    pub(super) req: JobRequest,
+    pub(super) n: u64,
+    pub(super) dir: crate::sys::hostfs::HostDir,
+    pub(super) path: PathBuf,
+    /// The ranks it covers, each with its own index of the window's first
+    /// (warmup) and last job step.
+    pub(super) ranks: Vec<(Rank, u64, u64)>,
+    /// Ranks the job still had but that ended before this window.
+    pub(super) gone: Vec<(Member, String)>,
+    pub(super) start: u64,
+    pub(super) requested: i64,
+    pub(super) moved: bool,
+    /// When each rank was first seen past the window's end without a
+    /// directory of its own (its plan refused, or never opened).
+    pub(super) passed: HashMap<Rank, Instant>,
+}
+
+impl Running {
+    pub(super) fn first(&self) -> u64 {
+        self.start + self.req.plan.warmup
+    }
+    pub(super) fn last(&self) -> u64 {
+        self.first() + self.req.plan.active - 1
+    }
+}
+
+/// What became of a window asked for.
+pub(super) enum PlanOutcome {
+    /// Its plans were sent; what they record.
+    Planned(String),
+    /// Not yet (the ranks are not aligned, or `--start-at`'s instant has
+    /// not come): keep it waiting.
+    NotYet(Box<JobRequest>),
+    /// Refused; the reason was said.
+    Refused,
+}
+
+/// How long a rank's window may take to appear once the rank is past it.
+const NOT_OPENED_GRACE: Duration = Duration::from_secs(2);
+const WRITE_GRACE: Duration = Duration::from_secs(300);
+
+pub(super) struct Controller {
+    pub(super) s: JobSetup,
+    pub(super) alignment: Option<Alignment>,
+    pub(super) pending: Option<JobRequest>,
+    /// The window whose plans were sent and that some rank has not closed.
+    pub(super) running: Option<Running>,
+    /// Windows every rank has closed, waiting for their directories.
+    pub(super) closing: Vec<Running>,
+    pub(super) printer: Option<crate::window::trigger::NoticePrinter>,
+    /// Job windows planned so far (numbers the directories).
+    pub(super) planned: u64,
+    pub(super) written: Vec<PathBuf>,
+    pub(super) failures: Vec<String>,
+    pub(super) quitting: bool,
+    pub(super) last_activity: Instant,
+}
+
+impl Controller {
+    pub(super) fn new(s: JobSetup) -> Self {
+        let pending = match &s.trigger {
+            Trigger::Flags(plan) => Some(JobRequest {
+                plan: *plan,
+                source: Source::Flags,
+                collect: s.collect.clone(),
+                prof_dir: None,
+                rank_list: None,
+                metadata: None,
+                config: None,
+                change: None,
+                series: None,
+            }),
+            _ => None,
+        };
+        Self {
+            s,
+            alignment: None,
+            pending,
+            running: None,
+            closing: Vec::new(),
+            printer: None,
+            planned: 0,
+            written: Vec::new(),
+            failures: Vec::new(),
+            quitting: false,
+            last_activity: Instant::now(),
+        }
+    }
+
+    pub(super) fn notice(&mut self, msg: String) {
+        match &mut self.printer {
+            Some(p) => p(format!("job: {msg}")),
+            None => eprintln!("dynprof: job: {msg}"),
+        }
+    }
+
+    pub(super) fn live(&self) -> Vec<&CtlRank> {
+        self.s.ranks.iter().filter(|r| r.alive()).collect()
+    }
+
+    /// The latest job step any live, aligned rank has reached.
+    pub(super) fn job_now(&self) -> Option<u64> {
+        let a = self.alignment.as_ref()?;
+        self.live()
+            .iter()
+            .filter_map(|r| a.job_step(r.rank(), r.own_now()?))
+            .max()
+    }
+
+    /// Runs until the trigger is done (flags), `quit`, or every rank ended.
+    pub(super) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) -> Result<()> {
+        let mut said = String::new();
+        let started = Instant::now();
+        let mut told = false;
+        let mut left_out: Vec<Rank> = Vec::new();
+        let mut commands_open = true;
+        let mut quit_sent = false;
+        loop {
+            while commands_open {
+                match rx.try_recv() {
+                    Ok(cmd) => self.on_command(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => commands_open = false,
+                }
+            }
+            if self.alignment.is_none() {
+                // A rank whose session ended (its process exited) is left
+                // out; the others are aligned without it.
+                for r in &self.s.ranks {
+                    if !r.alive() && !left_out.contains(&r.rank()) {
+                        left_out.push(r.rank());
+                        eprintln!(
+                            "dynprof: job: rank {} ended before the ranks were aligned; going on without it",
+                            r.rank()
+                        );
+                    }
+                }
+                let live = self.live();
+                if live.is_empty() {
+                    let why = "every rank's session ended before the ranks were aligned";
+                    self.write_error(why);
+                    bail!("job window not recorded: {why}");
+                }
+                let snap: Vec<RankHits> = live
+                    .iter()
+                    .map(|r| RankHits {
+                        rank: Some(r.rank()),
+                        hits: r.tap.borrow().hits.iter().map(|h| h.0).collect(),
+                    })
+                    .collect();
+                match align::align(&snap) {
+                    Ok(a) => {
+                        log::info!("job aligned: {a:?}");
+                        self.alignment = Some(a);
+                    }
+                    Err(Pending::Fail(why)) => {
+                        eprintln!("dynprof: job: cannot align the ranks: {why}; detaching");
+                        self.write_error(&why);
+                        bail!("job window not recorded: {why}");
+                    }
+                    Err(Pending::Wait(why)) => {
+                        // Ranks that stopped stepping (a hung collective, a
+                        // paused job) keep the alignment waiting: say why once.
+                        if !told && started.elapsed() >= ALIGN_NOTICE {
+                            told = true;
+                            eprintln!("dynprof: job: still aligning the ranks: {why}");
+                        }
+                        if why != said {
+                            log::info!("job alignment: {why}");
+                            said = why;
+                        }
+                    }
+                }
+            }
+            // Closed on every rank: the next window may be planned while
+            // this one's directories are written (a --repeat's gap counts
+            // from the close, not from the write).
+            // A --repeat's next window is planned as soon as every rank has
+            // opened this one: each rank's scheduler holds it until this
+            // window closes and then programs it at that very boundary, so
+            // the gap does not depend on how long the close takes here.
+            if self
+                .running
+                .as_ref()
+                .is_some_and(|r| self.closed(r) || (self.has_next(r) && self.opened(r)))
+            {
+                let r = self.running.take().expect("checked");
+                self.on_closed(&r);
+                self.closing.push(r);
+            }
+            let mut i = 0;
+            while i < self.closing.len() {
+                if self.written_by_all(i) {
+                    let r = self.closing.remove(i);
+                    self.finish(r);
+                } else {
+                    i += 1;
+                }
+            }
+            if self.running.is_none()
+                && self.alignment.is_some()
+                && !self.quitting
+                && let Some(req) = self.pending.take()
+                && let PlanOutcome::NotYet(req) = self.try_plan(req)
+            {
+                // Not yet (--start-at's instant not reached): keep it.
+                self.pending = Some(*req);
+            }
+            let all_ended = self.s.ranks.iter().all(|r| !r.alive());
+            let flags_done = matches!(self.s.trigger, Trigger::Flags(_))
+                && self.pending.is_none()
+                && self.planned > 0;
+            if self.running.is_none()
+                && self.closing.is_empty()
+                && (all_ended || flags_done || self.quitting)
+            {
+                break;
+            }
+            if (self.quitting || all_ended) && !quit_sent {
+                // Ending with a window open: its ranks close it (incomplete)
+                // when their sessions end.
+                quit_sent = true;
+                for r in &self.s.ranks {
+                    quit(&r.tx);
+                }
+            }
+            if let (Trigger::Console { .. }, Some(t)) = (&self.s.trigger, self.s.idle_timeout)
+                && self.running.is_none()
+                && self.pending.is_none()
+                && self.last_activity.elapsed() >= t
+            {
+                self.notice(format!(
+                    "idle for {} s without a command or window; detaching",
+                    t.as_secs()
+                ));
+                self.quitting = true;
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        let reason = if self.quitting {
+            "quit"
+        } else if matches!(self.s.trigger, Trigger::Flags(_)) && self.pending.is_none() {
+            "done"
+        } else {
+            "every rank's session ended"
+        };
+        let n = self.written.len();
+        if let Some(c) = &mut self.s.config {
+            c.ended(reason, n);
+        }
+        if !self.failures.is_empty() {
+            bail!("{}", self.failures.join("; "));
+        }
+        Ok(())
+    }
+
+    /// A job directory for window `n` below `prof_dir`.
+    fn job_dir(
+        &self,
+        n: u64,
+        prof_dir: Option<&Path>,
+    ) -> Result<(crate::sys::hostfs::HostDir, String, PathBuf)> {
+        let name = format!(
+            "{}{}_{}_{n}",
+            job::JOB_DIR_PREFIX,
+            crate::sys::clock::local_timestamp(),
+            self.s.members[0].host_pid
+        );
+        let parent = match prof_dir {
+            Some(rel) => self.s.root.subdir(rel)?,
+            None => self.s.root.dir().try_clone()?,
+        };
+        let dir = parent
+            .create_subdir(&name, 0o755)
+            .with_context(|| format!("creating {name} in {}", parent.path().display()))?;
+        let path = dir.path().to_path_buf();
+        Ok((dir, name, path))
+    }
+
+    /// The job's alignment failed: `job_meta.json` with the error, so that
+    /// `dynprof report` says why nothing was recorded.
+    fn write_error(&mut self, why: &str) {
+        self.planned += 1;
+        let meta = json!({"ranks": self.s.members, "error": why, "rank_source": self.s.source});
+        match self.job_dir(self.planned, None) {
+            Ok((dir, _, _)) => {
+                let _ = dir.write_atomic(
+                    job::JOB_META_FILE,
+                    serde_json::to_string_pretty(&meta)
+                        .unwrap_or_default()
+                        .as_bytes(),
+                );
+            }
+            Err(e) => log::error!("{e:#}"),
+        }
+    }
+
+    /// Plans `req` on its ranks.
+    pub(super) fn try_plan(&mut self, req: JobRequest) -> PlanOutcome {
+        let Some(a) = self.alignment.clone() else {
+            return PlanOutcome::NotYet(Box::new(req));
+        };
+        let Some(now) = self.job_now() else {
+            return PlanOutcome::NotYet(Box::new(req));
+        };
+        let lead = align::lead_steps(a.period_ns);
+        let live: Vec<Rank> = self
+            .live()
+            .iter()
+            .map(|r| r.rank())
+            .filter(|r| a.ranks.iter().any(|x| x.rank == *r))
+            .collect();
+        let sel = match job::window::select_ranks(&live, req.rank_list.as_deref()) {
+            Ok(s) => s,
+            Err(why) => {
+                self.refused(&req, &why);
+                return PlanOutcome::Refused;
+            }
+        };
+        if !sel.unknown.is_empty() {
+            self.notice(format!(
+                "rank_list names {:?}, which are not running ranks of this job",
+                sel.unknown
+            ));
+        }
+        let requested = match req.series {
+            Some((s0, n)) => {
+                job::window::repeat_start(s0, req.plan.warmup, req.plan.active, req.plan.gap, n)
+                    as i64
+            }
+            None => req.plan.start_step,
+        };
+        let start_at = (self.planned == 0 && req.source == Source::Flags)
+            .then_some(self.s.start_at)
+            .flatten();
+        let (start, moved) = match start_at {
+            None => align::job_start(requested, now, lead),
+            Some(at) => {
+                // The reference rank's first boundary at or after the
+                // common instant; until it is seen, wait.
+                let first = self
+                    .s
+                    .ranks
+                    .iter()
+                    .find(|r| r.rank() == a.reference)
+                    .and_then(|r| {
+                        r.tap
+                            .borrow()
+                            .hits
+                            .iter()
+                            .find(|x| x.0.ts_ns >= at.mono_ns)
+                            .map(|x| x.0.step)
+                    });
+                let Some(b) = first else {
+                    return PlanOutcome::NotYet(Box::new(req));
+                };
+                let want = b + at.after_steps;
+                let (s, moved) = align::job_start(want as i64, now, lead);
+                if moved {
+                    eprintln!(
+                        "dynprof: job: WARNING: job step {want} ({} after the first boundary at --start-at) is too close to be planned; other nodes may start at {want}",
+                        at.after_steps
+                    );
+                }
+                (s, moved)
+            }
+        };
+        self.planned += 1;
+        let n = self.planned;
+        let (dir, name, path) = match self.job_dir(n, req.prof_dir.as_deref()) {
+            Ok(v) => v,
+            Err(e) => {
+                self.refused(&req, &format!("{e:#}"));
+                return PlanOutcome::Refused;
+            }
+        };
+        let rel_base = req.prof_dir.clone().unwrap_or_default().join(&name);
+        let last = start + req.plan.warmup + req.plan.active - 1;
+        let mut ranks = Vec::new();
+        for r in self
+            .s
+            .ranks
+            .iter()
+            .filter(|r| sel.ranks.contains(&r.rank()))
+        {
+            let rank = r.rank();
+            let (Some(own), Some(own_last)) = (a.own_step(rank, start), a.own_step(rank, last))
+            else {
+                continue;
+            };
+            let rank_dir = job::rank_dir_name(rank);
+            if let Err(e) = dir.create_subdir(&rank_dir, 0o755) {
+                log::error!("creating {rank_dir}: {e}");
+                continue;
+            }
+            let mut p = req.plan;
+            p.start_step = own as i64;
+            p.repeat = 0;
+            p.gap = 0;
+            let mut pr = PlanRequest::new(p, req.source);
+            pr.collect = Some(req.collect.clone());
+            pr.output = Some(rel_base.join(&rank_dir));
+            let mut md = json!({"job_start_step": start, "rank": rank.0, "job_window": n});
+            if let Some(m) = &req.metadata {
+                md["metadata"] = m.clone();
+            }
+            pr.metadata = Some(md);
+            pr.config = req.config.clone();
+            pr.change = req.change;
+            let _ = r.tx.send(Command::Plan(Box::new(pr)));
+            ranks.push((rank, own, own_last));
+        }
+        let gone: Vec<(Member, String)> = self
+            .s
+            .ranks
+            .iter()
+            .filter(|r| !r.alive() && !sel.ranks.contains(&r.rank()))
+            .map(|r| {
+                let why = r
+                    .ended
+                    .borrow()
+                    .as_ref()
+                    .and_then(|e| e.problem.clone())
+                    .unwrap_or_else(|| "its session ended".into());
+                (r.member.clone(), why)
+            })
+            .collect();
+        if moved && req.series.is_none() && start_at.is_none() {
+            self.notice(format!(
+                "start step {requested} was too close once the ranks were aligned; the window starts at job step {start}"
+            ));
+        } else if moved && req.series.is_some() {
+            self.notice(format!(
+                "repeat window {n} asked for job step {requested}, too close to be planned once every rank had opened the window before; it starts at job step {start}"
+            ));
+        }
+        let what = format!(
+            "job window {n} records job steps {}..={last} on rank(s) {}: {}",
+            start + req.plan.warmup,
+            sel.ranks
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+            path.display()
+        );
+        if let Some(c) = &mut self.s.config
+            && req.source == Source::ConfigFile
+        {
+            c.monitor_result(req.change, true, &what);
+        }
+        self.notice(what.clone());
+        self.running = Some(Running {
+            req,
+            n,
+            dir,
+            path,
+            ranks,
+            gone,
+            start,
+            requested,
+            moved,
+            passed: HashMap::new(),
+        });
+        PlanOutcome::Planned(what)
+    }
+
+    fn refused(&mut self, req: &JobRequest, why: &str) {
+        if let Some(c) = &mut self.s.config
+            && req.source == Source::ConfigFile
+        {
+            c.monitor_result(req.change, false, why);
+        }
+        self.notice(format!("window refused: {why}"));
+        if req.source == Source::Flags {
+            self.failures
+                .push(format!("job window not recorded: {why}"));
+        }
+    }
+
+    /// Whether every rank of `run` has crossed the boundary that ends its
+    /// window (or ended).
+    fn closed(&self, run: &Running) -> bool {
+        run.ranks.iter().all(|(rank, _, own_last)| {
+            self.s
+                .ranks
+                .iter()
+                .find(|r| r.rank() == *rank)
+                .is_none_or(|r| !r.alive() || r.own_now().is_some_and(|k| k > *own_last))
+        })
+    }
+
+    /// Whether every rank of `run` has opened its window (or ended).
+    fn opened(&self, run: &Running) -> bool {
+        run.ranks.iter().all(|(rank, own_start, _)| {
+            self.s
+                .ranks
+                .iter()
+                .find(|r| r.rank() == *rank)
+                .is_none_or(|r| !r.alive() || r.own_now().is_some_and(|k| k >= *own_start))
+        })
+    }
+
+    /// Whether `run` is a `--repeat` window with more to come.
+    fn has_next(&self, run: &Running) -> bool {
+        match (&self.s.trigger, run.req.source) {
+            (Trigger::Flags(plan), Source::Flags) => {
+                run.req.series.map_or(0, |s| s.1) < plan.repeat
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether every rank of window `i` (planned, maybe still open) has
+    /// written its window, or will not.
+    fn written_by_all(&mut self, i: usize) -> bool {
+        let run = &mut self.closing[i];
+        let mut done = true;
+        for (rank, _, own_last) in &run.ranks {
+            let rank_dir = run.path.join(job::rank_dir_name(*rank));
+            if rank_window(&rank_dir).is_some() {
+                continue;
+            }
+            let Some(r) = self.s.ranks.iter().find(|r| r.rank() == *rank) else {
+                continue;
+            };
+            if !r.alive() {
+                continue;
+            }
+            if r.own_now().is_none_or(|k| k <= *own_last) {
+                done = false;
+                continue;
+            }
+            // Past the boundary that closes its window: the directory
+            // should be there (hidden while it is written).
+            let since = *run.passed.entry(*rank).or_insert_with(Instant::now);
+            let writing = hidden_window(&rank_dir);
+            if (!writing && since.elapsed() < NOT_OPENED_GRACE)
+                || (writing && since.elapsed() < WRITE_GRACE)
+            {
+                done = false;
+            }
+        }
+        done
+    }
+}
+
+/// Whether a rank's window is being written (its hidden directory).
+fn hidden_window(rank_dir: &Path) -> bool {
+    std::fs::read_dir(rank_dir).is_ok_and(|rd| {
+        rd.filter_map(|e| e.ok())
+            .any(|e| e.file_name().to_string_lossy().starts_with(".PROF_"))
+    })
+}

@@ -1,0 +1,393 @@
+//! Job mode's other triggers on four native ranks (`hccl_rank` on the
+//! libhccl.so stand-in, RANK in their environment): a profiler_config.json
+//! save starts one job window on the same job steps on every rank it names
+//! (`is_rank` + `rank_list`), the console's `capture` does the same and
+//! refuses `start` with the reason, and `--repeat` gives one job directory
+//! per window, `gap` job steps apart. Each recorded step is checked against
+//! every rank's own log of optimizer_step() calls.
+mod common;
+#[path = "windows_util.rs"]
+mod windows_util;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use common::*;
+use windows_util::{T, spawn};
+
+const WORLD: u32 = 4;
+const SLOW: u32 = 2;
+
+/// One 4-rank job at a time: the host has two cores.
+static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_job() -> std::sync::MutexGuard<'static, ()> {
+    ONE_JOB.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Ranks {
+    procs: Vec<Proc>,
+    shm: String,
+    dir: PathBuf,
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(format!("/dev/shm{}", self.shm));
+    }
+}
+
+impl Ranks {
+    /// Four ranks in lockstep (HcclAllReduce is a barrier); rank 2 computes
+    /// 150 ms per step, the others 20 ms. A long step keeps the ranks'
+    /// start spread (tens of ms when this 2-core host is loaded: a rank
+    /// woken from the barrier waits for a core) well within half a step,
+    /// the bound of the verification.
+    fn start(dir: &Path, tag: &str) -> Ranks {
+        let bin = fixtures().dir.join("hccl/hccl_rank");
+        let shm = format!("/dynprof-{tag}-{}", std::process::id());
+        let mut procs: Vec<Proc> = (0..WORLD)
+            .map(|r| {
+                let mut cmd = Command::new(&bin);
+                cmd.args(["--rank", &r.to_string(), "--world", &WORLD.to_string()])
+                    .args(["--shm", &shm])
+                    .args(["--cpu-us", if r == SLOW { "150000" } else { "20000" }])
+                    .arg("--log")
+                    .arg(dir.join(format!("rank{r}.log")))
+                    .env("RANK", r.to_string())
+                    .env("WORLD_SIZE", WORLD.to_string());
+                Proc::spawn(&mut cmd)
+            })
+            .collect();
+        for p in &mut procs {
+            p.pid = wait_ready(&mut p.child).expect("rank ready");
+        }
+        Ranks {
+            procs,
+            shm,
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    fn pids(&self) -> String {
+        self.procs
+            .iter()
+            .map(|p| p.pid.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+#[derive(Debug)]
+struct Row {
+    rank: u32,
+    step: u64,
+    start: u64,
+    end: u64,
+}
+
+fn rows(job: &Path) -> Vec<Row> {
+    let text = std::fs::read_to_string(job.join("job_steps.csv"))
+        .unwrap_or_else(|e| panic!("{}: {e}", job.display()));
+    text.lines()
+        .skip(1)
+        .map(|l| {
+            let f: Vec<u64> = l.split(',').map(|x| x.parse().unwrap()).collect();
+            Row {
+                rank: f[0] as u32,
+                step: f[1],
+                start: f[2],
+                end: f[3],
+            }
+        })
+        .collect()
+}
+
+/// The job directories under `out`, oldest first (they are numbered).
+fn job_dirs(out: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(out)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("PROF_JOB_"))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort_by_key(|p| {
+        p.file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .rsplit('_')
+            .next()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    });
+    v
+}
+
+fn wait_log(path: &Path, ts: u64) -> Vec<LogLine> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let l = log_lines_of(path, "step");
+        if l.last().is_some_and(|x| x.after >= ts) {
+            return l;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}: no step after {ts}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The job window records `active` job steps on exactly `ranks`, the same
+/// job steps on each, and each job step is the same optimizer_step()
+/// iteration on every rank, by the ranks' own logs. Returns the job steps.
+fn check_window(job: &Path, ranks: &Ranks, on: &[u32], active: u64) -> Vec<u64> {
+    let rows = rows(job);
+    let mut by_rank: BTreeMap<u32, Vec<&Row>> = BTreeMap::new();
+    for r in &rows {
+        by_rank.entry(r.rank).or_default().push(r);
+    }
+    assert_eq!(
+        by_rank.keys().copied().collect::<Vec<_>>(),
+        on,
+        "{}: {rows:?}",
+        job.display()
+    );
+    // Only the covered ranks have a directory.
+    for r in 0..WORLD {
+        assert_eq!(
+            job.join(format!("rank{r}")).exists(),
+            on.contains(&r),
+            "{}: rank{r}",
+            job.display()
+        );
+    }
+    let steps: Vec<u64> = by_rank[&on[0]].iter().map(|r| r.step).collect();
+    assert_eq!(steps.len() as u64, active, "{rows:?}");
+    assert_eq!(steps, (steps[0]..steps[0] + active).collect::<Vec<_>>());
+    let mut iterations: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for r in on {
+        let mine: Vec<u64> = by_rank[r].iter().map(|x| x.step).collect();
+        assert_eq!(mine, steps, "rank {r} recorded other job steps");
+        let last_end = by_rank[r].iter().map(|x| x.end).max().unwrap();
+        let log = wait_log(&ranks.dir.join(format!("rank{r}.log")), last_end);
+        for row in &by_rank[r] {
+            let what = format!("rank {r} job step {}", row.step);
+            let it = iteration_at(&log, row.start, &what);
+            assert_eq!(iteration_at(&log, row.end, &what), it + 1, "{what}");
+            iterations.entry(row.step).or_default().push(it);
+        }
+    }
+    for (step, its) in &iterations {
+        assert!(
+            its.iter().all(|i| *i == its[0]),
+            "job step {step} is iterations {its:?} on ranks {on:?}"
+        );
+    }
+    let meta = job_meta(job);
+    assert_eq!(meta["verification"]["ok"], true, "{meta:#}");
+    assert_eq!(meta["complete"], true, "{meta:#}");
+    steps
+}
+
+fn job_meta(job: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap()
+}
+
+/// Replaces profiler_config.json the way an editor does (write, rename).
+fn save_config(dir: &Path, v: &serde_json::Value) {
+    let tmp = dir.join(".profiler_config.json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(v).unwrap()).unwrap();
+    std::fs::rename(&tmp, dir.join("profiler_config.json")).unwrap();
+}
+
+/// One profiler_config.json save with `is_rank` and `rank_list [1, 3]`
+/// starts one job window on ranks 1 and 3 only, on the same iterations;
+/// the next save without the filter starts one on all four ranks. The
+/// monitor log says which ranks each change took effect on.
+#[test]
+fn config_file_starts_one_job_window_on_the_ranks_of_rank_list() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode_triggers-config");
+    let ranks = Ranks::start(&dir, "jmt-config");
+    let cfg = dir.join("prof_cfg");
+    let out = dir.join("out");
+    let pids = ranks.pids();
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pids",
+            &pids,
+            "--marker",
+            "exe:optimizer_step",
+            "--config-dir",
+            cfg.to_str().unwrap(),
+            "--collect",
+            "offcpu",
+            "--duration",
+            "300",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        false,
+    );
+    d.wait_for("edit it to start a job window", T);
+    let template: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cfg.join("profiler_config.json")).unwrap())
+            .unwrap();
+    let mut c = template.clone();
+    c["start_step"] = (-1).into();
+    c["warmup"] = 1.into();
+    c["active"] = 3.into();
+    c["is_rank"] = true.into();
+    c["rank_list"] = serde_json::json!([1, 3]);
+    c["metadata"] = serde_json::json!({"ticket": "JOB-1"});
+    save_config(&cfg, &c);
+    let i = d.wait_for("dynprof: job window written", T);
+    let mut c2 = template.clone();
+    c2["start_step"] = (-1).into();
+    c2["active"] = 2.into();
+    save_config(&cfg, &c2);
+    d.wait_for_from(i + 1, "dynprof: job window written", T);
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGINT) };
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{st}\n{}", d.transcript());
+
+    let jobs = job_dirs(&out);
+    assert_eq!(jobs.len(), 2, "{jobs:?}\n{}", d.transcript());
+    let first = check_window(&jobs[0], &ranks, &[1, 3], 3);
+    let meta = job_meta(&jobs[0]);
+    assert_eq!(meta["trigger"], "config_file", "{meta:#}");
+    assert_eq!(meta["rank_list"], serde_json::json!([1, 3]), "{meta:#}");
+    assert_eq!(meta["metadata"]["ticket"], "JOB-1", "{meta:#}");
+    let second = check_window(&jobs[1], &ranks, &[0, 1, 2, 3], 2);
+    assert!(second[0] > first[2], "{first:?} then {second:?}");
+
+    let log_dir = cfg.join("log");
+    let monitor = std::fs::read_dir(&log_dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|e| {
+            let n = e.file_name().to_string_lossy().to_string();
+            n.starts_with("monitor_dp_") && n.ends_with("_job.log")
+        })
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .unwrap_or_else(|| panic!("no job monitor log in {}", log_dir.display()));
+    let took: Vec<&str> = monitor
+        .lines()
+        .filter(|l| l.contains("took effect: job window"))
+        .collect();
+    assert_eq!(took.len(), 2, "{monitor}");
+    assert!(
+        took[0].contains(&format!(
+            "change 1 took effect: job window 1 records job steps {}..={} on rank(s) 1,3",
+            first[0], first[2]
+        )),
+        "{monitor}"
+    );
+    assert!(took[1].contains("on rank(s) 0,1,2,3"), "{monitor}");
+    drop(ranks);
+}
+
+/// The console in job mode: `capture 2 warmup 1` records the same job
+/// steps on every rank; `start` is refused with the reason; `status` counts
+/// the window; `quit` detaches.
+#[test]
+fn console_capture_records_one_job_window() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode_triggers-console");
+    let ranks = Ranks::start(&dir, "jmt-console");
+    let out = dir.join("out");
+    let pids = ranks.pids();
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pids",
+            &pids,
+            "--marker",
+            "exe:optimizer_step",
+            "--interactive",
+            "--collect",
+            "offcpu",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        true,
+    );
+    d.wait_for("dynprof console ready", T);
+    d.send("start");
+    d.wait_for("not available in job mode", T);
+    d.send("capture 2 warmup 1");
+    d.wait_for("job window written", T);
+    d.send("status");
+    d.wait_for("job windows written 1", T);
+    d.send("quit");
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{st}\n{}", d.transcript());
+    let jobs = job_dirs(&out);
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    check_window(&jobs[0], &ranks, &[0, 1, 2, 3], 2);
+    assert_eq!(job_meta(&jobs[0])["trigger"], "console");
+    drop(ranks);
+}
+
+/// `--repeat 2 --gap 20`: three job directories, each window `2 + 20` job
+/// steps after the one before, each on the same iterations on every rank.
+#[test]
+fn repeat_gives_one_job_window_per_repeat() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode_triggers-repeat");
+    let ranks = Ranks::start(&dir, "jmt-repeat");
+    let out = dir.join("out");
+    let pids = ranks.pids();
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pids",
+            &pids,
+            "--marker",
+            "exe:optimizer_step",
+            "--active",
+            "2",
+            "--repeat",
+            "2",
+            "--gap",
+            "20",
+            "--collect",
+            "offcpu",
+            "--duration",
+            "300",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        false,
+    );
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{st}\n{}", d.transcript());
+    let jobs = job_dirs(&out);
+    assert_eq!(jobs.len(), 3, "{jobs:?}\n{}", d.transcript());
+    let starts: Vec<u64> = jobs
+        .iter()
+        .map(|j| check_window(j, &ranks, &[0, 1, 2, 3], 2)[0])
+        .collect();
+    assert_eq!(starts[1], starts[0] + 22, "{starts:?}");
+    assert_eq!(starts[2], starts[0] + 44, "{starts:?}");
+    drop(ranks);
+}
