@@ -210,10 +210,16 @@ fn hot_function_under_its_caller(minor: u8) {
         user_mode as f64 >= 0.8 * in_job as f64,
         "{user_mode} of {in_job}"
     );
-    assert_eq!(
-        joined, user_mode,
-        "Python frames not joined to the interpreter's"
-    );
+    // Debian's 3.14 (GCC, PGO) splits `_PyEval_EvalFrameDefault`: its hot
+    // body is a separate, symbol-less part in the stripped binary, so no
+    // native frame is named after the evaluator and the Python frames go
+    // at the root of the native stack (docs/stacks.md). 3.13's is whole.
+    if minor == 13 {
+        assert_eq!(
+            joined, user_mode,
+            "Python frames not joined to the interpreter's"
+        );
+    }
     let share = hot as f64 / in_job as f64;
     // The job splits its work 4:1 (80 %).
     assert!(
