@@ -82,7 +82,10 @@ fn one(suite: &str, version: &str) -> Result<String> {
         format!("mmdebstrap {suite} failed; check access to {MIRROR} and free disk space")
     })?;
     if !tmp.join(&python).is_file() {
-        bail!("mmdebstrap finished but {} is missing", tmp.join(&python).display());
+        bail!(
+            "mmdebstrap finished but {} is missing",
+            tmp.join(&python).display()
+        );
     }
     std::fs::rename(&tmp, &dir)
         .with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
