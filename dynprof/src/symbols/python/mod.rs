@@ -146,16 +146,18 @@ fn interpreter(host_pid: u32, path: &str, minor: u8, runtime: u64) -> Option<Int
         return None;
     };
     let mut o = layout.offsets;
-    o.interp_head = runtime + layout.runtime_interp_head;
+    // Addresses from the target's ELF and memory: wrapping, never a panic
+    // (a wrong address only makes the program's reads fail).
+    o.interp_head = runtime.wrapping_add(layout.runtime_interp_head);
     if let Some(t) = layout.runtime_tstate_current {
-        o.tstate_current = runtime + t;
+        o.tstate_current = runtime.wrapping_add(t);
     }
     // 3.13+: the main interpreter (static, inside _PyRuntime) owns its GIL;
     // its last holder is the likely sampled thread (checked by thread id).
     if let (Some(h), Ok(interp)) = (layout.interp_gil_holder, mem.u64(o.interp_head))
         && interp != 0
     {
-        o.tstate_current = interp + h;
+        o.tstate_current = interp.wrapping_add(h);
     }
     // Thread ids as the target sees them, when its PID namespace is not ours.
     if let (Some(theirs), Some(ours)) = (
@@ -285,7 +287,7 @@ impl PyNames {
         let Some(info) = self.code.get(&code).and_then(Option::as_ref) else {
             return format!("{PY_PREFIX}?");
         };
-        let first = code + layout.code_code_adaptive;
+        let first = code.wrapping_add(layout.code_code_adaptive);
         let line = if instr < first {
             // Not started yet (3.11's `prev_instr` is one before the first).
             info.firstlineno
@@ -410,6 +412,49 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<String> {
         v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn interpreter_file_names() {
+        assert_eq!(minor_of("python3.11"), Some(11));
+        assert_eq!(minor_of("python3.13"), Some(13));
+        assert_eq!(minor_of("libpython3.14.so.1.0"), Some(14));
+        assert_eq!(minor_of("libpython3.12.so"), Some(12));
+        // Free-threaded builds, and files that are not the interpreter.
+        assert_eq!(minor_of("python3.13t"), None);
+        assert_eq!(minor_of("libpython3.13t.so.1.0"), None);
+        assert_eq!(minor_of("python3"), None);
+        assert_eq!(minor_of("python3.11-config"), None);
+        assert_eq!(minor_of("libpython3.11.a"), None);
+    }
+
+    /// 3.12+: each `_PyEval_EvalFrameDefault` call's shim frame (owner 3)
+    /// ends a run and is dropped; owners above 3 (3.14's C-stack frames)
+    /// are dropped too. Without a layout, frames are named `[py] ?`.
+    #[test]
+    fn shim_frames_mark_runs() {
+        let mut n = PyNames {
+            mem: None,
+            layout: Some(PY312),
+            code: HashMap::new(),
+            names: HashMap::new(),
+        };
+        let f = |code, owner| PyFrameRaw {
+            code,
+            instr: 0,
+            is_entry: owner,
+            _pad: 0,
+        };
+        let got = n.frames(&[f(1, 0), f(2, 0), f(0, 3), f(3, 4), f(4, 0), f(0, 3)]);
+        let entries: Vec<bool> = got.iter().map(|g| g.1).collect();
+        assert_eq!(entries, vec![false, true, true]);
+        let mut n311 = PyNames {
+            layout: Some(PY311),
+            ..n
+        };
+        let got = n311.frames(&[f(1, 0), f(2, 1), f(3, 0)]);
+        let entries: Vec<bool> = got.iter().map(|g| g.1).collect();
+        assert_eq!(entries, vec![false, true, false]);
     }
 
     #[test]
