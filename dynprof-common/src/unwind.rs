@@ -48,43 +48,67 @@ pub const MAX_PY_THREADS: usize = 64;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PyFrameRaw {
-    /// `f_code`: the `PyCodeObject*`.
+    /// `f_code` (3.11, 3.12) or `f_executable` (3.13+; in 3.14 a tagged
+    /// `_PyStackRef` whose low bits user space clears).
     pub code: u64,
-    /// `prev_instr`: the instruction being executed (its line).
+    /// `prev_instr` (3.11, 3.12) or `instr_ptr` (3.13+): the instruction
+    /// being executed (its line).
     pub instr: u64,
-    /// `is_entry`: the first frame of one C-level
-    /// `_PyEval_EvalFrameDefault` call.
+    /// The byte at [`PyOffsets::frame_is_entry`]: 3.11's `is_entry` (the
+    /// first frame of one C-level `_PyEval_EvalFrameDefault` call), or
+    /// 3.12+'s `owner`, whose value 3 marks the shim frame each such call
+    /// pushes (user space reads it by version).
     pub is_entry: u32,
     pub _pad: u32,
 }
 
+/// [`PyOffsets::flags`]: the thread state holds a `_PyCFrame*` at
+/// `tstate_cframe` whose `current_frame` is at `cframe_current_frame`
+/// (3.11, 3.12); without it, `tstate_cframe` is the offset of
+/// `current_frame` itself (3.13+).
+pub const PY_FRAME_VIA_CFRAME: u64 = 1;
+
 /// Where the sampled thread's CPython frames are, set by user space at
-/// load for a target whose interpreter it recognised (all zero: none).
-/// Offsets are in bytes, from the interpreter's own structures.
+/// load for a target whose interpreter it recognised (`interp_head` 0:
+/// none). Offsets are in bytes, from the interpreter's own structures
+/// (a version table, or its `_Py_DebugOffsets`). The target controls the
+/// memory they lead to: the program reads it with `bpf_probe_read_user`
+/// only, in bounded loops.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PyOffsets {
-    /// Address, in the target, of `_PyRuntime.gilstate.tstate_current`:
-    /// the `PyThreadState*` holding the GIL (a thread running bytecode
-    /// holds it).
+    /// Address, in the target, of a `PyThreadState*` that is likely the
+    /// sampled thread's (3.11: `_PyRuntime.gilstate.tstate_current`, the
+    /// GIL holder; 3.13+: the main interpreter's `_gil.last_holder`), a
+    /// fast path checked against the thread id; 0: none (3.12).
     pub tstate_current: u64,
     /// Address, in the target, of `_PyRuntime.interpreters.head`: when the
-    /// sampled thread does not hold the GIL (blocked, or in C code that
-    /// released it, as torch ops and autograd do), its `PyThreadState` is
-    /// found in the main interpreter's list (`threads.head`, then `next`).
+    /// fast path misses (blocked, or in C code that released the GIL, as
+    /// torch ops and autograd do), the thread's `PyThreadState` is found
+    /// in the main interpreter's list (`threads.head`, then `next`).
     pub interp_head: u64,
     pub interp_threads_head: u64,
     pub tstate_next: u64,
-    /// `PyThreadState.native_thread_id`: checked against the sampled tid.
+    /// `PyThreadState.native_thread_id`: checked against the sampled
+    /// thread's id as the target sees it (in its PID namespace).
     pub tstate_native_thread_id: u64,
-    /// `PyThreadState.cframe`, then `_PyCFrame.current_frame`.
+    /// `PyThreadState.cframe` (then `_PyCFrame.current_frame`), or
+    /// `PyThreadState.current_frame` (see [`PY_FRAME_VIA_CFRAME`]).
     pub tstate_cframe: u64,
     pub cframe_current_frame: u64,
-    /// `_PyInterpreterFrame` fields.
+    /// `_PyInterpreterFrame` fields (see [`PyFrameRaw`]).
     pub frame_code: u64,
     pub frame_previous: u64,
     pub frame_prev_instr: u64,
     pub frame_is_entry: u64,
+    /// [`PY_FRAME_VIA_CFRAME`].
+    pub flags: u64,
+    /// The target's PID namespace (`st_dev`, `st_ino` of
+    /// `/proc/PID/ns/pid`) when it is not the root one: thread ids are
+    /// compared as the target sees them (`bpf_get_ns_current_pid_tgid`).
+    /// Both 0: the kernel's ids are the target's.
+    pub pidns_dev: u64,
+    pub pidns_ino: u64,
 }
 
 #[cfg(feature = "user")]

@@ -19,8 +19,8 @@ use aya_ebpf::{
 use dynprof_common::{
     SampleEvent, drop_slot,
     unwind::{
-        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_PYTHON, PyFrameRaw, PyOffsets, SAMPLE_STACK,
-        STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample, StackSampleHeader,
+        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_PYTHON, PY_FRAME_VIA_CFRAME, PyFrameRaw, PyOffsets,
+        SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample, StackSampleHeader,
     },
 };
 
@@ -30,7 +30,8 @@ use dynprof_common::{
 static STACK_COPY_BYTES: u32 = 0;
 
 /// The target's CPython layout, set by user space at load (all zero: not
-/// a recognised CPython).
+/// a recognised CPython). One program serves every supported version: the
+/// offsets and `flags` carry the differences.
 #[unsafe(no_mangle)]
 static PY: PyOffsets = PyOffsets {
     tstate_current: 0,
@@ -44,6 +45,9 @@ static PY: PyOffsets = PyOffsets {
     frame_previous: 0,
     frame_prev_instr: 0,
     frame_is_entry: 0,
+    flags: 0,
+    pidns_dev: 0,
+    pidns_ino: 0,
 };
 
 /// Scratch record: too big for the 512-byte BPF stack.
@@ -63,7 +67,7 @@ const RSP: usize = 19;
 pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u64) -> bool {
     let max = unsafe { core::ptr::read_volatile(&STACK_COPY_BYTES) } as usize;
     let py = unsafe { core::ptr::read_volatile(&PY) };
-    if max == 0 && py.tstate_current == 0 {
+    if max == 0 && py.interp_head == 0 {
         return false;
     }
     let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
@@ -118,7 +122,7 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
 #[inline(always)]
 pub fn emit_offcpu_python(tid: u32, ts_ns: u64, flags: u64) {
     let py = unsafe { core::ptr::read_volatile(&PY) };
-    if py.tstate_current == 0 {
+    if py.interp_head == 0 {
         return;
     }
     let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
@@ -159,13 +163,36 @@ fn read_u64(addr: u64) -> u64 {
     unsafe { aya_ebpf::helpers::bpf_probe_read_user(addr as *const u64) }.unwrap_or(0)
 }
 
-/// The `PyThreadState` of thread `tid`: the GIL holder's when that is it
-/// (a thread running bytecode), else from the interpreter's thread list.
+/// The current thread's id as the target sees it: in its PID namespace
+/// when user space named one (`bpf_get_ns_current_pid_tgid`, 5.7), else
+/// `tid`; 0 when the thread is not in that namespace.
+#[inline(always)]
+fn target_tid(py: &PyOffsets, tid: u32) -> u32 {
+    if py.pidns_ino == 0 {
+        return tid;
+    }
+    let mut info = aya_ebpf::bindings::bpf_pidns_info { pid: 0, tgid: 0 };
+    let r = unsafe {
+        generated::bpf_get_ns_current_pid_tgid(
+            py.pidns_dev,
+            py.pidns_ino,
+            &mut info,
+            core::mem::size_of::<aya_ebpf::bindings::bpf_pidns_info>() as u32,
+        )
+    };
+    if r == 0 { info.pid } else { 0 }
+}
+
+/// The `PyThreadState` of thread `tid` (the target's id): the fast path's
+/// when that is it (the GIL holder, a thread running bytecode), else from
+/// the interpreter's thread list.
 #[inline(always)]
 fn thread_state(py: &PyOffsets, tid: u32) -> u64 {
-    let tstate = read_u64(py.tstate_current);
-    if tstate != 0 && read_u64(tstate + py.tstate_native_thread_id) as u32 == tid {
-        return tstate;
+    if py.tstate_current != 0 {
+        let tstate = read_u64(py.tstate_current);
+        if tstate != 0 && read_u64(tstate + py.tstate_native_thread_id) as u32 == tid {
+            return tstate;
+        }
     }
     let interp = read_u64(py.interp_head);
     if interp == 0 {
@@ -189,19 +216,25 @@ fn thread_state(py: &PyOffsets, tid: u32) -> u64 {
 /// interpreter was recognised.
 #[inline(always)]
 fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
-    if py.tstate_current == 0 {
+    if py.interp_head == 0 {
         return 0;
     }
     let read = read_u64;
+    let tid = target_tid(py, tid);
+    if tid == 0 {
+        return 0;
+    }
     let tstate = thread_state(py, tid);
     if tstate == 0 {
         return 0;
     }
-    let cframe = read(tstate + py.tstate_cframe);
-    if cframe == 0 {
-        return 0;
+    let mut frame = read(tstate + py.tstate_cframe);
+    if py.flags & PY_FRAME_VIA_CFRAME != 0 {
+        if frame == 0 {
+            return 0;
+        }
+        frame = read(frame + py.cframe_current_frame);
     }
-    let mut frame = read(cframe + py.cframe_current_frame);
     let mut n = 0u32;
     for i in 0..MAX_PY_FRAMES {
         if frame == 0 {

@@ -122,7 +122,9 @@ impl Kernel {
         }
         let tgid = pid.0;
         let stack_copy = crate::symbols::unwind::stack_copy_bytes(ring_bytes);
-        let python = crate::symbols::python::detect(tgid).unwrap_or_default();
+        let python = crate::symbols::python::detect(tgid)
+            .map(|i| i.offsets)
+            .unwrap_or_default();
         let ebpf = EbpfLoader::new()
             .override_global("TARGET_TGID", &tgid, true)
             .override_global("WAKE_BYTES", &wake_bytes, true)

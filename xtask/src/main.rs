@@ -16,6 +16,7 @@ mod bench;
 mod demo;
 mod fixtures;
 mod fuzz;
+mod pyroots;
 mod setup;
 mod test;
 mod util;

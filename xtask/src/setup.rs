@@ -52,7 +52,7 @@ pub const DEBIAN_PACKAGES: &[(&str, &str)] = &[
 /// .cargo/config.toml.
 pub const AARCH64_TARGET: &str = "aarch64-unknown-linux-gnu";
 
-fn say(what: &str, state: &str) {
+pub fn say(what: &str, state: &str) {
     println!("[setup] {what}: {state}");
 }
 
@@ -64,6 +64,7 @@ pub fn run() -> Result<()> {
     aarch64_target()?;
     tracefs();
     py_spy_venv();
+    crate::pyroots::python_roots();
     cargo_fuzz()?;
     println!("[setup] done");
     Ok(())

@@ -164,9 +164,7 @@ impl StackStore {
         }
         let pid = self.pid.unwrap_or(0);
         let names = self.py_names.get_or_insert_with(|| PyNames::new(pid));
-        py.iter()
-            .map(|f| (names.frame_name(f), f.is_entry != 0))
-            .collect()
+        names.frames(py)
     }
 
     fn intern(&mut self, key: Unwound) -> i32 {

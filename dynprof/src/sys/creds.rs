@@ -340,7 +340,8 @@ pub struct TargetCreds {
     pub lsm_label: Option<String>,
 }
 
-fn ns_id(pid: &str, kind: NsKind) -> Option<NsId> {
+/// The namespace of `kind` of process `pid` (a number, or "self").
+pub fn ns_id(pid: &str, kind: NsKind) -> Option<NsId> {
     let m = std::fs::metadata(format!("/proc/{pid}/ns/{}", kind.proc_name())).ok()?;
     Some(NsId {
         dev: m.dev(),

@@ -2,12 +2,10 @@
 //! frames the `cpu` program read at a sample, and splicing them into the
 //! native stack where `_PyEval_EvalFrameDefault` runs. See docs/stacks.md.
 //!
-//! Only CPython 3.11 is supported (Debian 12's; the only one on the
-//! machines this is tested on). Its layout, from the interpreter's own
-//! headers (`Include/internal/pycore_frame.h`, `pycore_runtime.h`,
-//! `cpython/pystate.h`, `cpython/code.h`; checked by the
-//! `python311_offsets_match_the_headers` test, which compiles `offsetof`s
-//! against the installed headers), is [`PY311`].
+//! Versions ([`layout`]): 3.11 (Debian 12's) and 3.12 from fixed tables,
+//! 3.13 and 3.14 from the interpreter's own `_Py_DebugOffsets`. 3.11,
+//! 3.13 and 3.14 are tested on real interpreters; 3.12 is not (none on
+//! the machines this is tested on).
 //!
 //! Where frames are read: in eBPF, at the sample (as the OpenTelemetry
 //! profiler does). Read later from user space the interpreter would have
@@ -23,64 +21,53 @@ use dynprof_common::unwind::{PyFrameRaw, PyOffsets};
 use object::{Object, ObjectSegment, ObjectSymbol};
 
 use super::ElfImage;
-use crate::sys::procmem::ProcMem;
-
-/// CPython 3.11 on x86-64 and other LP64 targets.
-pub const PY311: Layout = Layout {
-    runtime_tstate_current: 576,
-    runtime_interp_head: 40,
-    offsets: PyOffsets {
-        tstate_current: 0,
-        interp_head: 0,
-        interp_threads_head: 16,
-        tstate_next: 8,
-        tstate_native_thread_id: 160,
-        tstate_cframe: 56,
-        cframe_current_frame: 8,
-        frame_code: 32,
-        frame_previous: 48,
-        frame_prev_instr: 56,
-        frame_is_entry: 68,
-    },
-    code_filename: 112,
-    code_name: 120,
-    code_qualname: 128,
-    code_firstlineno: 72,
-    code_linetable: 136,
-    code_code_adaptive: 184,
+use crate::sys::{
+    creds::{NsKind, ns_id},
+    procmem::ProcMem,
 };
 
-/// One CPython version's layout.
-#[derive(Clone, Copy, Debug)]
-pub struct Layout {
-    /// `offsetof(_PyRuntimeState, gilstate.tstate_current)`.
-    pub runtime_tstate_current: u64,
-    /// `offsetof(_PyRuntimeState, interpreters.head)`.
-    pub runtime_interp_head: u64,
-    /// What the `cpu` program reads (`tstate_current` and `interp_head`
-    /// are filled in per target).
-    pub offsets: PyOffsets,
-    pub code_filename: u64,
-    pub code_name: u64,
-    pub code_qualname: u64,
-    pub code_firstlineno: u64,
-    pub code_linetable: u64,
-    /// `co_code_adaptive`: the first instruction (`_PyCode_CODE`).
-    pub code_code_adaptive: u64,
-}
+pub mod layout;
+mod lines;
+
+pub use layout::{EntryMark, Layout, PY311, PY312};
+pub use lines::line_of;
 
 /// Frame name used when prefixing Python frames.
 pub const PY_PREFIX: &str = "[py] ";
 /// The native frame that runs Python frames.
 pub const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
 
-/// The offsets for a target whose interpreter is CPython 3.11, with
-/// `_PyRuntime`'s address in it; `None` (logged at debug) for any other
-/// process.
-pub fn detect(host_pid: u32) -> Option<PyOffsets> {
+/// A recognised interpreter in a target.
+#[derive(Clone, Copy, Debug)]
+pub struct Interpreter {
+    /// For the `cpu` program.
+    pub offsets: PyOffsets,
+    /// For naming frames.
+    pub layout: Layout,
+}
+
+/// The minor version `N` of a file named `python3.N` or `libpython3.N.so…`
+/// (`None` for anything else, free-threaded `3.Nt` builds included).
+fn minor_of(base: &str) -> Option<u8> {
+    let rest = base
+        .strip_prefix("libpython3.")
+        .filter(|r| r.contains(".so"))
+        .or_else(|| base.strip_prefix("python3."))?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    let after = &rest[digits.len()..];
+    if digits.is_empty() || !(after.is_empty() || after.starts_with(".so")) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The interpreter of a target whose CPython is a supported version, with
+/// `_PyRuntime`'s address in it; `None` for any other process (logged:
+/// at debug for no CPython, as a warning for a CPython refused).
+pub fn detect(host_pid: u32) -> Option<Interpreter> {
     let maps = std::fs::read_to_string(format!("/proc/{host_pid}/maps")).ok()?;
-    // libpython first: a python3.11 that links it has no _PyRuntime.
-    let mut candidates: Vec<(u64, u64, u64, String)> = Vec::new();
+    // libpython first: a python3.X that links it has no _PyRuntime.
+    let mut candidates: Vec<(u64, u64, u64, String, u8)> = Vec::new();
     for line in maps.lines() {
         let mut it = line.split_ascii_whitespace();
         let (Some(range), Some(_perms), Some(off), Some(_dev), Some(_ino)) =
@@ -90,9 +77,9 @@ pub fn detect(host_pid: u32) -> Option<PyOffsets> {
         };
         let path = it.collect::<Vec<_>>().join(" ");
         let base = path.rsplit('/').next().unwrap_or("");
-        if !(base.starts_with("libpython3.11.so") || base == "python3.11") {
+        let Some(minor) = minor_of(base) else {
             continue;
-        }
+        };
         let Some((s, e)) = range.split_once('-') else {
             continue;
         };
@@ -104,11 +91,11 @@ pub fn detect(host_pid: u32) -> Option<PyOffsets> {
             continue;
         };
         if !candidates.iter().any(|c| c.3 == path) {
-            candidates.push((s, e, off, path));
+            candidates.push((s, e, off, path, minor));
         }
     }
     candidates.sort_by_key(|c| !c.3.contains("libpython"));
-    for (start, end, off, path) in candidates {
+    for (start, end, off, path, minor) in candidates {
         let by_map = PathBuf::from(format!("/proc/{host_pid}/map_files/{start:x}-{end:x}"));
         let img = match ElfImage::open(&by_map) {
             Ok(i) => i,
@@ -121,13 +108,68 @@ pub fn detect(host_pid: u32) -> Option<PyOffsets> {
             log::debug!("python: {path} has no _PyRuntime symbol");
             continue;
         };
-        let mut o = PY311.offsets;
-        o.tstate_current = runtime + PY311.runtime_tstate_current;
-        o.interp_head = runtime + PY311.runtime_interp_head;
-        log::debug!("python: CPython 3.11 in PID {host_pid} ({path}), _PyRuntime at {runtime:#x}");
-        return Some(o);
+        return interpreter(host_pid, &path, minor, runtime);
     }
     None
+}
+
+/// The interpreter at `runtime` (`_PyRuntime`) in CPython 3.`minor`.
+fn interpreter(host_pid: u32, path: &str, minor: u8, runtime: u64) -> Option<Interpreter> {
+    let mem = ProcMem::open(host_pid)
+        .map_err(|e| log::warn!("python: PID {host_pid}: /proc/{host_pid}/mem: {e}"))
+        .ok()?;
+    let layout = if minor >= 13 {
+        let len = layout::debug_offsets_len(minor);
+        let table = len.and_then(|len| mem.read(runtime, len).ok());
+        let parsed = match (len, table) {
+            (None, _) => Err(anyhow::anyhow!("not a supported version")),
+            (_, None) => Err(anyhow::anyhow!("_PyRuntime is unreadable")),
+            (_, Some(t)) => layout::from_debug_offsets(&t, minor),
+        };
+        match parsed {
+            Ok(l) => l,
+            Err(e) => {
+                log::warn!(
+                    "python: PID {host_pid}: {path} (CPython 3.{minor}): {e:#}; \
+                     no Python frames for this target"
+                );
+                return None;
+            }
+        }
+    } else if let Some(l) = layout::fixed(minor) {
+        l
+    } else {
+        log::warn!(
+            "python: PID {host_pid}: {path}: CPython 3.{minor} is not supported \
+             (3.11 to 3.14 are); no Python frames for this target"
+        );
+        return None;
+    };
+    let mut o = layout.offsets;
+    // Addresses from the target's ELF and memory: wrapping, never a panic
+    // (a wrong address only makes the program's reads fail).
+    o.interp_head = runtime.wrapping_add(layout.runtime_interp_head);
+    if let Some(t) = layout.runtime_tstate_current {
+        o.tstate_current = runtime.wrapping_add(t);
+    }
+    // 3.13+: the main interpreter (static, inside _PyRuntime) owns its GIL;
+    // its last holder is the likely sampled thread (checked by thread id).
+    if let (Some(h), Ok(interp)) = (layout.interp_gil_holder, mem.u64(o.interp_head))
+        && interp != 0
+    {
+        o.tstate_current = interp.wrapping_add(h);
+    }
+    // Thread ids as the target sees them, when its PID namespace is not ours.
+    if let (Some(theirs), Some(ours)) = (
+        ns_id(&host_pid.to_string(), NsKind::Pid),
+        ns_id("self", NsKind::Pid),
+    ) && theirs != ours
+    {
+        o.pidns_dev = theirs.dev;
+        o.pidns_ino = theirs.ino;
+    }
+    log::debug!("python: CPython 3.{minor} in PID {host_pid} ({path}), _PyRuntime at {runtime:#x}");
+    Some(Interpreter { offsets: o, layout })
 }
 
 /// `_PyRuntime`'s address in the target, from a mapping of the file at
@@ -164,7 +206,9 @@ const MAX_LINETABLE: usize = 1 << 20;
 /// Names Python frames of one target.
 pub struct PyNames {
     mem: Option<ProcMem>,
-    layout: Layout,
+    /// `None`: the target's interpreter was not recognised (its frames,
+    /// had any been read, are named `[py] ?`).
+    layout: Option<Layout>,
     code: HashMap<u64, Option<CodeInfo>>,
     /// (code, instr) → name: a line table is scanned once per place, not
     /// once per sample (the target sizes it, up to [`MAX_LINETABLE`]).
@@ -182,59 +226,88 @@ impl PyNames {
             .ok();
         Self {
             mem,
-            layout: PY311,
+            layout: detect(host_pid).map(|i| i.layout),
             code: HashMap::new(),
             names: HashMap::new(),
         }
     }
 
+    /// The frames read at one sample (innermost first), named, each with
+    /// whether it is the outermost of its `_PyEval_EvalFrameDefault` call
+    /// (for [`splice`]). 3.12+'s shim frames are dropped: each marks the
+    /// frame before it as its call's outermost.
+    pub fn frames(&mut self, raw: &[PyFrameRaw]) -> Vec<(String, bool)> {
+        let entry = self.layout.map_or(EntryMark::IsEntry, |l| l.entry);
+        let mut out: Vec<(String, bool)> = Vec::with_capacity(raw.len());
+        for f in raw {
+            match entry {
+                EntryMark::IsEntry => out.push((self.frame_name(f), f.is_entry != 0)),
+                EntryMark::ShimOwner if f.is_entry == 3 => {
+                    if let Some(last) = out.last_mut() {
+                        last.1 = true;
+                    }
+                }
+                EntryMark::ShimOwner if f.is_entry > 3 => {}
+                EntryMark::ShimOwner => out.push((self.frame_name(f), false)),
+            }
+        }
+        out
+    }
+
     /// `[py] qualname (file.py:LINE)`, or `[py] ?` for an unreadable code
     /// object.
     pub fn frame_name(&mut self, f: &PyFrameRaw) -> String {
-        if let Some(n) = self.names.get(&(f.code, f.instr)) {
+        let code = match self.layout {
+            // A `_PyStackRef`'s tag bits (objects are 8-byte aligned).
+            Some(l) if l.code_tagged => f.code & !7,
+            _ => f.code,
+        };
+        if let Some(n) = self.names.get(&(code, f.instr)) {
             return n.clone();
         }
         if self.names.len() >= MAX_CACHED {
             self.names.clear();
         }
-        let n = self.name_uncached(f);
-        self.names.insert((f.code, f.instr), n.clone());
+        let n = self.name_uncached(code, f.instr);
+        self.names.insert((code, f.instr), n.clone());
         n
     }
 
-    fn name_uncached(&mut self, f: &PyFrameRaw) -> String {
+    fn name_uncached(&mut self, code: u64, instr: u64) -> String {
+        let Some(layout) = self.layout else {
+            return format!("{PY_PREFIX}?");
+        };
         if self.code.len() >= MAX_CACHED {
             self.code.clear();
         }
-        if !self.code.contains_key(&f.code) {
-            let info = self.read_code(f.code);
-            self.code.insert(f.code, info);
+        if !self.code.contains_key(&code) {
+            let info = self.read_code(&layout, code);
+            self.code.insert(code, info);
         }
-        let Some(info) = self.code.get(&f.code).and_then(Option::as_ref) else {
+        let Some(info) = self.code.get(&code).and_then(Option::as_ref) else {
             return format!("{PY_PREFIX}?");
         };
-        let first = f.code + self.layout.code_code_adaptive;
-        let line = if f.instr < first {
-            // Not started yet (`prev_instr` is one before the first).
+        let first = code.wrapping_add(layout.code_code_adaptive);
+        let line = if instr < first {
+            // Not started yet (3.11's `prev_instr` is one before the first).
             info.firstlineno
         } else {
-            line_of(&info.linetable, info.firstlineno, (f.instr - first) / 2)
+            line_of(&info.linetable, info.firstlineno, (instr - first) / 2)
                 .unwrap_or(info.firstlineno)
         };
         let file = info.filename.rsplit('/').next().unwrap_or(&info.filename);
         format!("{PY_PREFIX}{} ({file}:{line})", info.qualname)
     }
 
-    fn read_code(&self, code: u64) -> Option<CodeInfo> {
+    fn read_code(&self, l: &Layout, code: u64) -> Option<CodeInfo> {
         let mem = self.mem.as_ref()?;
-        let l = &self.layout;
-        let ptr = |off: u64| mem.u64(code + off).ok();
-        let first = mem.read(code + l.code_firstlineno, 4).ok()?;
+        let ptr = |off: u64| mem.u64(code.checked_add(off)?).ok();
+        let first = mem.read(code.checked_add(l.code_firstlineno)?, 4).ok()?;
         let firstlineno = i32::from_le_bytes(first.try_into().ok()?);
-        let qualname =
-            read_str(mem, ptr(l.code_qualname)?).or_else(|| read_str(mem, ptr(l.code_name)?))?;
-        let filename = read_str(mem, ptr(l.code_filename)?).unwrap_or_else(|| "?".into());
-        let linetable = read_bytes(mem, ptr(l.code_linetable)?).unwrap_or_default();
+        let qualname = read_str(mem, l, ptr(l.code_qualname)?)
+            .or_else(|| read_str(mem, l, ptr(l.code_name)?))?;
+        let filename = read_str(mem, l, ptr(l.code_filename)?).unwrap_or_else(|| "?".into());
+        let linetable = read_bytes(mem, l, ptr(l.code_linetable)?).unwrap_or_default();
         Some(CodeInfo {
             qualname,
             filename,
@@ -246,92 +319,45 @@ impl PyNames {
 
 /// A `str` object's text: compact ASCII or compact latin-1 only (what
 /// identifiers and paths nearly always are); `None` otherwise.
-fn read_str(mem: &ProcMem, obj: u64) -> Option<String> {
-    // PyASCIIObject: length at 16, state at 32, ASCII data at 48;
-    // PyCompactUnicodeObject data at 72.
-    let head = mem.read(obj, 48).ok()?;
-    let len = i64::from_le_bytes(head[16..24].try_into().ok()?);
-    let state = u32::from_le_bytes(head[32..36].try_into().ok()?);
+fn read_str(mem: &ProcMem, l: &Layout, obj: u64) -> Option<String> {
+    let len = i64::from_le_bytes(
+        mem.read(obj.checked_add(l.str_length)?, 8)
+            .ok()?
+            .try_into()
+            .ok()?,
+    );
+    let state = u32::from_le_bytes(
+        mem.read(obj.checked_add(l.str_state)?, 4)
+            .ok()?
+            .try_into()
+            .ok()?,
+    );
+    // `interned:2, kind:3, compact:1, ascii:1` (3.11 to 3.14).
     let (kind, compact, ascii) = ((state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1);
     if !(0..=MAX_STR as i64).contains(&len) || compact != 1 || kind != 1 {
         return None;
     }
-    let data = if ascii == 1 { obj + 48 } else { obj + 72 };
-    let bytes = mem.read(data, len as usize).ok()?;
+    let data = if ascii == 1 {
+        l.str_ascii_data
+    } else {
+        l.str_compact_data
+    };
+    let bytes = mem.read(obj.checked_add(data)?, len as usize).ok()?;
     Some(bytes.iter().map(|&b| b as char).collect())
 }
 
-/// A `bytes` object's contents (ob_size at 16, data at 32).
-fn read_bytes(mem: &ProcMem, obj: u64) -> Option<Vec<u8>> {
-    let size = i64::from_le_bytes(mem.read(obj + 16, 8).ok()?.try_into().ok()?);
+/// A `bytes` object's contents.
+fn read_bytes(mem: &ProcMem, l: &Layout, obj: u64) -> Option<Vec<u8>> {
+    let size = i64::from_le_bytes(
+        mem.read(obj.checked_add(l.bytes_size)?, 8)
+            .ok()?
+            .try_into()
+            .ok()?,
+    );
     if !(0..=MAX_LINETABLE as i64).contains(&size) {
         return None;
     }
-    mem.read(obj + 32, size as usize).ok()
-}
-
-/// The line of code unit `index` from a CPython 3.11 location table
-/// (`Objects/locations.md`): entries of `(byte & 7) + 1` code units whose
-/// code `(byte >> 3) & 15` says how the line changes.
-pub fn line_of(table: &[u8], firstlineno: i32, index: u64) -> Option<i32> {
-    let mut line = firstlineno;
-    let mut addr = 0u64;
-    let mut i = 0usize;
-    while i < table.len() {
-        let b = table[i];
-        if b & 0x80 == 0 {
-            return None;
-        }
-        i += 1;
-        let code = (b >> 3) & 15;
-        let len = u64::from(b & 7) + 1;
-        let varint = |i: &mut usize| -> Option<u32> {
-            let mut v = 0u32;
-            let mut shift = 0;
-            loop {
-                let c = *table.get(*i)?;
-                *i += 1;
-                v |= u32::from(c & 63).checked_shl(shift)?;
-                if c & 64 == 0 {
-                    return Some(v);
-                }
-                shift += 6;
-            }
-        };
-        let svarint = |v: u32| -> i32 {
-            if v & 1 == 1 {
-                -((v >> 1) as i32)
-            } else {
-                (v >> 1) as i32
-            }
-        };
-        let mut this_line = Some(line);
-        match code {
-            15 => this_line = None,
-            14 => {
-                line = line.wrapping_add(svarint(varint(&mut i)?));
-                this_line = Some(line);
-                varint(&mut i)?;
-                varint(&mut i)?;
-                varint(&mut i)?;
-            }
-            13 => {
-                line = line.wrapping_add(svarint(varint(&mut i)?));
-                this_line = Some(line);
-            }
-            10..=12 => {
-                line = line.wrapping_add(i32::from(code) - 10);
-                this_line = Some(line);
-                i += 2;
-            }
-            _ => i += 1,
-        }
-        if index < addr + len {
-            return this_line;
-        }
-        addr += len;
-    }
-    None
+    mem.read(obj.checked_add(l.bytes_data)?, size as usize).ok()
 }
 
 /// Splices Python frames (innermost first, with their `is_entry` flags)
@@ -389,6 +415,49 @@ mod tests {
     }
 
     #[test]
+    fn interpreter_file_names() {
+        assert_eq!(minor_of("python3.11"), Some(11));
+        assert_eq!(minor_of("python3.13"), Some(13));
+        assert_eq!(minor_of("libpython3.14.so.1.0"), Some(14));
+        assert_eq!(minor_of("libpython3.12.so"), Some(12));
+        // Free-threaded builds, and files that are not the interpreter.
+        assert_eq!(minor_of("python3.13t"), None);
+        assert_eq!(minor_of("libpython3.13t.so.1.0"), None);
+        assert_eq!(minor_of("python3"), None);
+        assert_eq!(minor_of("python3.11-config"), None);
+        assert_eq!(minor_of("libpython3.11.a"), None);
+    }
+
+    /// 3.12+: each `_PyEval_EvalFrameDefault` call's shim frame (owner 3)
+    /// ends a run and is dropped; owners above 3 (3.14's C-stack frames)
+    /// are dropped too. Without a layout, frames are named `[py] ?`.
+    #[test]
+    fn shim_frames_mark_runs() {
+        let mut n = PyNames {
+            mem: None,
+            layout: Some(PY312),
+            code: HashMap::new(),
+            names: HashMap::new(),
+        };
+        let f = |code, owner| PyFrameRaw {
+            code,
+            instr: 0,
+            is_entry: owner,
+            _pad: 0,
+        };
+        let got = n.frames(&[f(1, 0), f(2, 0), f(0, 3), f(3, 4), f(4, 0), f(0, 3)]);
+        let entries: Vec<bool> = got.iter().map(|g| g.1).collect();
+        assert_eq!(entries, vec![false, true, true]);
+        let mut n311 = PyNames {
+            layout: Some(PY311),
+            ..n
+        };
+        let got = n311.frames(&[f(1, 0), f(2, 1), f(3, 0)]);
+        let entries: Vec<bool> = got.iter().map(|g| g.1).collect();
+        assert_eq!(entries, vec![false, true, false]);
+    }
+
+    #[test]
     fn splice_runs_under_their_evaluator_calls() {
         let native = s(&["main", EVAL_FRAME, "call", EVAL_FRAME, "leaf_c"]);
         // Innermost first: hot and caller in the inner call, outer in the
@@ -426,37 +495,7 @@ mod tests {
         assert_eq!(splice(s(&["a"]), &[]), s(&["a"]));
     }
 
-    #[test]
-    fn location_table_lines() {
-        // firstlineno 10. Entry 1: code 13 (no columns), +1 line, 2 units.
-        // Entry 2: code 11 (one-line form, +1), 1 unit, two column bytes.
-        // Entry 3: code 14 (long form), -2 lines, 3 units.
-        // Entry 4: code 15 (no location), 1 unit.
-        let table = [
-            0x80 | (13 << 3) | 1,
-            2, // svarint +1
-            0x80 | (11 << 3),
-            0,
-            0,
-            0x80 | (14 << 3) | 2,
-            5, // svarint -2
-            0,
-            0,
-            0,
-            0x80 | (15 << 3),
-        ];
-        assert_eq!(line_of(&table, 10, 0), Some(11));
-        assert_eq!(line_of(&table, 10, 1), Some(11));
-        assert_eq!(line_of(&table, 10, 2), Some(12));
-        assert_eq!(line_of(&table, 10, 3), Some(10));
-        assert_eq!(line_of(&table, 10, 5), Some(10));
-        assert_eq!(line_of(&table, 10, 6), None);
-        assert_eq!(line_of(&table, 10, 7), None);
-        // Garbage: no entry marker.
-        assert_eq!(line_of(&[0x01, 0x02], 10, 0), None);
-    }
-
-    /// The table above against the installed interpreter's own headers
+    /// [`PY311`] against the installed interpreter's own headers
     /// (python3.11-dev), when they and a C compiler are present.
     #[test]
     fn python311_offsets_match_the_headers() {
@@ -518,7 +557,7 @@ int main(void) {
         assert_eq!(
             got,
             vec![
-                l.runtime_tstate_current,
+                l.runtime_tstate_current.unwrap(),
                 l.runtime_interp_head,
                 o.interp_threads_head,
                 o.tstate_next,
