@@ -879,3 +879,158 @@ fn sigterm_during_a_capture_detaches_everything_and_records_it() {
     drop(job);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `curl --unix-socket SOCK` as `who` (setpriv arguments, empty: root):
+/// curl's exit code, HTTP status and body.
+fn curl_unix(sock: &Path, who: &[&str], method: &str, path: &str, body: &str) -> (i32, u16, String) {
+    let mut cmd = if who.is_empty() {
+        Command::new("curl")
+    } else {
+        let mut c = Command::new("setpriv");
+        c.args(who).arg("curl");
+        c
+    };
+    let out = cmd
+        .args(["-sS", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
+        .arg("--unix-socket")
+        .arg(sock)
+        .args(["-X", method, "-H", "Content-Type: application/json"])
+        .args(if body.is_empty() { vec![] } else { vec!["--data-binary", body] })
+        .arg(format!("http://agent{path}"))
+        .output()
+        .expect("running curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (b, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (
+        out.status.code().unwrap_or(-1),
+        code.trim().parse().unwrap_or(0),
+        format!("{b}{}", String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
+/// `connect(2)` to `sock` as uid/gid 65534 (plus `groups`): the errno, or 0.
+fn connect_as_nobody(sock: &Path, groups: &str) -> i32 {
+    let out = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534"])
+        .args(if groups.is_empty() {
+            vec!["--clear-groups".to_string()]
+        } else {
+            vec!["--groups".to_string(), groups.to_string()]
+        })
+        .args([
+            PYTHON3,
+            "-c",
+            "import socket,sys\ns=socket.socket(socket.AF_UNIX)\ntry:\n s.connect(sys.argv[1]); print(0)\nexcept OSError as e:\n print(e.errno)",
+        ])
+        .arg(sock)
+        .output()
+        .expect("running setpriv");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{out:?}"))
+}
+
+/// `--socket`: captures over the unix socket end to end; the socket is
+/// root:GID 0660, so uid 65534 gets EACCES unless in that group; TCP
+/// without a token is metrics-only; a planted file or symlink, or a
+/// directory others may write, is refused and left alone.
+#[test]
+fn unix_socket_serves_captures_to_root_and_its_group_only() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_socket");
+    let run = dir.join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let sock = run.join("agent.sock");
+    let sock_s = sock.to_str().unwrap();
+    let refused = |why: &str| {
+        let out = Command::new(dynprof_bin())
+            .args(["agent", "--listen", "127.0.0.1:0", "--socket", sock_s, "--output"])
+            .arg(dir.join("refused-out"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(&format!("refusing --socket {sock_s}")), "{err}");
+        assert!(err.contains(why), "{err}");
+    };
+    // A planted regular file: refused, left as it was.
+    std::fs::write(&sock, "precious").unwrap();
+    refused("exists and is a regular file");
+    assert_eq!(std::fs::read_to_string(&sock).unwrap(), "precious");
+    std::fs::remove_file(&sock).unwrap();
+    // A planted symlink: refused, neither followed nor removed.
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "keep").unwrap();
+    std::os::unix::fs::symlink(&victim, &sock).unwrap();
+    refused("exists and is a symbolic link");
+    assert!(std::fs::symlink_metadata(&sock).unwrap().file_type().is_symlink());
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+    std::fs::remove_file(&sock).unwrap();
+    // A directory others may write (even sticky): refused.
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    refused("may be written by users other than root");
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert!(!sock.exists());
+    // A stale socket (a killed agent's) is replaced.
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+
+    let (job, _log) = torch_job(&dir, 0, None);
+    let a = Agent::start(&dir, "sock", &["--socket", sock_s, "--socket-group", "4242"]);
+    let m = std::fs::symlink_metadata(&sock).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
+    assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (0, 4242, 0o660));
+    wait_for(
+        T,
+        "the job attached",
+        || a.metric("dynprof_steps_total", job.pid),
+        || a.log(),
+    );
+    // Not in the group: EACCES. In it: served.
+    assert_eq!(connect_as_nobody(&sock, ""), libc::EACCES);
+    assert_eq!(connect_as_nobody(&sock, "4242"), 0);
+    let member = ["--reuid", "65534", "--regid", "65534", "--groups", "4242"];
+    let (rc, st, body) = curl_unix(&sock, &member, "GET", "/captures", "");
+    assert_eq!((rc, st), (0, 200), "{body}");
+    let nobody = ["--reuid", "65534", "--regid", "65534", "--clear-groups"];
+    let (rc, _, body) = curl_unix(&sock, &nobody, "GET", "/captures", "");
+    assert_eq!(rc, 7, "curl cannot connect: {body}");
+
+    // TCP without a token: metrics only.
+    let req = format!(
+        r#"{{"pid": {}, "start_step": 5, "active": 2, "collect": ["offcpu"]}}"#,
+        job.pid
+    );
+    let (st, resp) = http(a.port, "POST", "/capture", &[], &req).unwrap();
+    assert_eq!(st, 403, "{resp}");
+    assert!(resp.contains("unix socket"), "{resp}");
+    assert_eq!(a.get("/metrics").map(|r| r.0), Some(200));
+
+    // A capture over the socket, end to end.
+    let (rc, st, resp) = curl_unix(&sock, &[], "POST", "/capture", &req);
+    assert_eq!((rc, st), (0, 202), "{resp}");
+    let rec = wait_for(
+        T,
+        "the capture to finish",
+        || {
+            let (_, _, b) = curl_unix(&sock, &[], "GET", "/captures", "");
+            let v: serde_json::Value = serde_json::from_str(&b).ok()?;
+            (v.as_array()?.len() == 1 && v[0]["state"] != "running").then(|| v[0].clone())
+        },
+        || a.log(),
+    );
+    assert_eq!(rec["state"], "written", "{rec}\n{}", a.log());
+    let csv = std::fs::read_to_string(
+        dir.join("sock-out")
+            .join(rec["window"].as_str().unwrap())
+            .join("job_steps.csv"),
+    )
+    .unwrap();
+    assert_eq!(csv.lines().skip(1).count(), 2, "{csv}");
+    drop(a);
+    drop(job);
+    let _ = std::fs::remove_dir_all(&dir);
+}

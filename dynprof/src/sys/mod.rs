@@ -17,6 +17,7 @@
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 //! | `procmem` | read a target's memory (`/proc/PID/mem`): CPython code objects |
 //! | `signal` | SIGTERM to dynprof's own children (the agent's captures) |
+//! | `unixsock` | the agent's root-only unix socket: checked parent, stale-socket replacement |
 pub mod caps;
 pub mod clock;
 pub mod creds;
@@ -30,3 +31,4 @@ pub mod rootfs;
 pub mod signal;
 pub mod targetdir;
 pub mod uprobe;
+pub mod unixsock;
