@@ -614,6 +614,29 @@ enum Trigger {
     Http,
     /// One save of the shared `profiler_config.json` (both agents watch it).
     ConfigDir(PathBuf),
+    /// One update of a ConfigMap volume, as kubelet's atomic writer makes
+    /// it (both agents watch the same directory).
+    ConfigMap(PathBuf),
+}
+
+/// Updates `dir` as kubelet's atomic writer does: a new timestamped
+/// directory, a `..data_tmp` link to it renamed over `..data`, the file's
+/// link `profiler_config.json -> ..data/profiler_config.json` made once,
+/// the previous timestamped directory removed.
+fn kubelet_update(dir: &Path, version: u32, text: &str) {
+    let ts = format!("..2026_12_03_10_00_{version:02}.{version:09}");
+    std::fs::create_dir(dir.join(&ts)).unwrap();
+    std::fs::write(dir.join(&ts).join("profiler_config.json"), text).unwrap();
+    let old = std::fs::read_link(dir.join("..data")).ok();
+    std::os::unix::fs::symlink(&ts, dir.join("..data_tmp")).unwrap();
+    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+    let link = dir.join("profiler_config.json");
+    if std::fs::symlink_metadata(&link).is_err() {
+        std::os::unix::fs::symlink("..data/profiler_config.json", &link).unwrap();
+    }
+    if let Some(old) = old {
+        std::fs::remove_dir_all(dir.join(old)).unwrap();
+    }
 }
 
 const CONFIG_LEAD_S: u64 = 4;
@@ -661,7 +684,9 @@ fn two_nodes(tag: &str, trigger: Trigger) {
     let lead = CONFIG_LEAD_S.to_string();
     let extra: Vec<&str> = match &trigger {
         Trigger::Http => vec![],
-        Trigger::ConfigDir(d) => vec!["--config-dir", d.to_str().unwrap(), "--config-lead", &lead],
+        Trigger::ConfigDir(d) | Trigger::ConfigMap(d) => {
+            vec!["--config-dir", d.to_str().unwrap(), "--config-lead", &lead]
+        }
     };
     let agents: Vec<Agent> = shells
         .iter()
@@ -720,6 +745,33 @@ fn two_nodes(tag: &str, trigger: Trigger) {
                 .as_secs_f64();
             let ahead = mtime + CONFIG_LEAD_S as f64 - unix_now();
             (mono_now_ns() as f64 + ahead * 1e9) as u64
+        }
+        Trigger::ConfigMap(d) => {
+            // Without metadata.dynprof_start_at: a log line on each node
+            // (the file's time is per node), nothing started.
+            kubelet_update(d, 2, r#"{"start_step": 40, "active": 3}"#);
+            for a in &agents {
+                wait_for(
+                    T,
+                    "the no-start-instant log line",
+                    || {
+                        a.log()
+                            .contains("give metadata.dynprof_start_at")
+                            .then_some(())
+                    },
+                    || a.log(),
+                );
+            }
+            let start_at = unix_now() + CONFIG_LEAD_S as f64;
+            let start_mono = mono_now_ns() + CONFIG_LEAD_S * 1_000_000_000;
+            kubelet_update(
+                d,
+                3,
+                &format!(
+                    r#"{{"start_step": 40, "warmup": 1, "active": 3, "activities": [], "metadata": {{"dynprof_start_at": {start_at:.6}}}}}"#
+                ),
+            );
+            start_mono
         }
     };
     let mut iterations = Vec::new();
@@ -806,6 +858,74 @@ fn two_agents_sharing_a_config_dir_capture_the_same_iterations() {
     std::fs::create_dir_all(&cfg).unwrap();
     two_nodes("agent_two_nodes_cfg", Trigger::ConfigDir(cfg.clone()));
     let _ = std::fs::remove_dir_all(cfg.parent().unwrap());
+}
+
+/// A ConfigMap volume (kubelet's `..data` links, root's) as the shared
+/// config dir: one update, both nodes, the same iterations.
+#[test]
+fn two_agents_sharing_a_configmap_volume_capture_the_same_iterations() {
+    require_privileges!();
+    let _g = one();
+    let cfg = scratch_dir("agent_configmap").join("prof_cfg");
+    std::fs::create_dir_all(&cfg).unwrap();
+    // The volume as the pod first sees it: the baseline, not a request.
+    kubelet_update(&cfg, 1, "{}");
+    two_nodes("agent_two_nodes_cm", Trigger::ConfigMap(cfg.clone()));
+    let _ = std::fs::remove_dir_all(cfg.parent().unwrap());
+}
+
+/// Links at the config file that are not kubelet's layout owned by root:
+/// one that leads out of the directory, one owned by a user, one in a
+/// directory others may write. Each is one log line, never followed.
+#[test]
+fn config_dir_refuses_escaping_and_user_owned_links() {
+    use std::os::unix::fs::PermissionsExt as _;
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_cfg_links");
+    let cfg = dir.join("prof_cfg");
+    std::fs::create_dir(&cfg).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let outside = dir.join("outside.json");
+    std::fs::write(&outside, r#"{"active": 1}"#).unwrap();
+    let link = cfg.join("profiler_config.json");
+    std::os::unix::fs::symlink("../outside.json", &link).unwrap();
+    let a = Agent::start(&dir, "links", &["--config-dir", cfg.to_str().unwrap()]);
+    let shown = link.display().to_string();
+    let line = |what: &str| {
+        let needle = what.to_string();
+        wait_for(
+            T,
+            what,
+            || {
+                a.log()
+                    .lines()
+                    .find(|l| l.contains(&shown) && l.contains(&needle))
+                    .map(str::to_string)
+            },
+            || a.log(),
+        )
+    };
+    let l = line("leads out of");
+    assert!(l.ends_with("refused; ignored"), "{l}");
+    // A link inside the directory, but a user's.
+    std::fs::remove_file(&link).unwrap();
+    std::fs::write(cfg.join("real.json"), r#"{"active": 1}"#).unwrap();
+    std::os::unix::fs::symlink("real.json", &link).unwrap();
+    std::os::unix::fs::lchown(&link, Some(65534), Some(65534)).unwrap();
+    line("is owned by uid 65534, not root");
+    // Root's link, but in a directory others may write.
+    std::os::unix::fs::lchown(&link, Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    line("may be written by group or others (mode 1777)");
+    assert_eq!(a.get("/healthz").map(|r| r.0), Some(200));
+    assert_eq!(
+        a.get("/captures").map(|r| (r.0, r.1.trim().to_string())),
+        Some((200, "[]".into())),
+        "nothing started"
+    );
+    drop(a);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// SIGTERM while a capture waits for its window: the capture's child
