@@ -173,7 +173,29 @@ fn daemonset_matches_the_agent() {
         mounts.iter().any(|m| token.starts_with(s(&m["mountPath"]))),
         "the token file is mounted"
     );
+    // The socket's directory is a writable mount (a hostPath, so the node's
+    // root reaches it); the config dir is the ConfigMap, read-only.
+    let sock = a.socket.as_ref().expect("the DaemonSet gives --socket");
+    assert!(
+        mounted(sock.parent().unwrap()),
+        "--socket {} is not in a writable mount",
+        sock.display()
+    );
+    let cfg = a.config_dir.as_ref().expect("the DaemonSet gives --config-dir");
+    let cfg_mount = mounts
+        .iter()
+        .find(|m| Path::new(s(&m["mountPath"])) == cfg.as_path())
+        .expect("--config-dir is a mount");
+    assert_eq!(cfg_mount["readOnly"].as_bool(), Some(true));
     let volumes = pod["volumes"].as_sequence().unwrap();
+    let cfg_vol = volumes
+        .iter()
+        .find(|v| v["name"] == cfg_mount["name"])
+        .unwrap();
+    assert!(
+        cfg_vol["configMap"]["name"].as_str().is_some(),
+        "--config-dir is a ConfigMap volume: {cfg_vol:?}"
+    );
     for m in mounts {
         assert!(
             volumes.iter().any(|v| v["name"] == m["name"]),
@@ -218,9 +240,16 @@ fn systemd_unit_verifies_and_bounds_the_documented_caps() {
         .unwrap_or_else(|e| panic!("ExecStart: {e}"));
     assert!(w.a.listen.ip().is_loopback() || w.a.token_file.is_some());
     let rw: Vec<&str> = get("ReadWritePaths").split_whitespace().collect();
+    let sock_dir = w
+        .a
+        .socket
+        .as_deref()
+        .and_then(Path::parent)
+        .expect("the unit gives --socket");
     for p in [
         w.a.output.as_path(),
         dynprof::sys::lock::lock_dir().as_path(),
+        sock_dir,
     ] {
         assert!(
             rw.iter().any(|r| p.starts_with(r)),

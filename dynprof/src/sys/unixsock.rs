@@ -11,8 +11,8 @@
 //!   nobody serves (a killed agent's); a regular file, directory or symlink
 //!   is refused, never followed or unlinked;
 //! - the socket is bound under umask 0177 (so it is never connectable by
-//!   others, not even between bind and chmod), then set to root:root 0600,
-//!   or root:GID 0660 with a group.
+//!   others, not even between bind and chmod): root's, 0600; with a group
+//!   it is then chowned to root:GID (CAP_CHOWN) and set to 0660.
 use std::{
     os::{fd::AsFd, unix::net::UnixListener},
     path::Path,
@@ -91,20 +91,25 @@ pub fn bind_private(path: &Path, group: Option<u32>) -> Result<UnixListener> {
     let bound = UnixListener::bind(&via);
     rustix::process::umask(old);
     let l = bound.with_context(|| format!("binding --socket {}", path.display()))?;
-    let (gid, mode) = match group {
-        Some(g) => (g, 0o660),
-        None => (0, 0o600),
-    };
-    rfs::chownat(
-        fd,
-        name,
-        Some(Uid::ROOT),
-        Some(Gid::from_raw(gid)),
-        AtFlags::SYMLINK_NOFOLLOW,
-    )
-    .with_context(|| format!("chown --socket {}", path.display()))?;
-    rfs::chmodat(fd, name, Mode::from_raw_mode(mode), AtFlags::empty())
-        .with_context(|| format!("chmod --socket {}", path.display()))?;
+    // Created by root (umask 0177): root:root-or-egid 0600 already; a
+    // group takes a chown (CAP_CHOWN) and 0660.
+    if let Some(g) = group {
+        rfs::chownat(
+            fd,
+            name,
+            Some(Uid::ROOT),
+            Some(Gid::from_raw(g)),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .with_context(|| {
+            format!(
+                "--socket-group {g}: chown {} (needs CAP_CHOWN)",
+                path.display()
+            )
+        })?;
+        rfs::chmodat(fd, name, Mode::from_raw_mode(0o660), AtFlags::empty())
+            .with_context(|| format!("chmod --socket {}", path.display()))?;
+    }
     l.set_nonblocking(true)?;
     Ok(l)
 }
