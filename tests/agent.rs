@@ -928,6 +928,86 @@ fn config_dir_refuses_escaping_and_user_owned_links() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A capture's child attaches next to the agent's markers: every step the
+/// job takes, before, during and after the capture, is in the agent's
+/// counter, which ends equal to the job's own log; and the agent holds
+/// the process's lock again afterwards.
+#[test]
+fn steps_during_a_capture_count_in_the_metrics() {
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_capture_steps");
+    const STEPS: u32 = 60;
+    let start = dir.join("go");
+    let (mut job, log) = torch_job(&dir, STEPS, Some(&start));
+    let a = Agent::start(&dir, "steps", &[]);
+    wait_for(
+        T,
+        "the job attached",
+        || a.metric("dynprof_steps_total", job.pid),
+        || a.log(),
+    );
+    let body = format!(
+        r#"{{"pid": {}, "start_step": 5, "active": 3, "collect": ["offcpu"]}}"#,
+        job.pid
+    );
+    let (st, resp) = http(a.port, "POST", "/capture", &[], &body).unwrap();
+    assert_eq!(st, 202, "{resp}");
+    wait_for(
+        T,
+        "the capture's child attached next to the agent",
+        || {
+            (marker_programs_for(job.pid) == 2 && a.log().contains("rank 0: attached"))
+                .then_some(())
+        },
+        || format!("{} programs\n{}", marker_programs_for(job.pid), a.log()),
+    );
+    std::fs::write(&start, "").unwrap();
+    let rec = wait_for(
+        T,
+        "the capture to finish",
+        || {
+            let (_, b) = a.get("/captures")?;
+            let v: serde_json::Value = serde_json::from_str(&b).ok()?;
+            (v.as_array()?.len() == 1 && v[0]["state"] != "running").then(|| v[0].clone())
+        },
+        || a.log(),
+    );
+    assert_eq!(rec["state"], "written", "{rec}\n{}", a.log());
+    let st = job.wait_timeout(T).expect("the job finishes its steps");
+    assert!(st.success());
+    let logged = log_lines_of(&log, "step").len();
+    assert_eq!(logged, STEPS as usize, "the job's own log");
+    // The session ended with the process: every event is counted.
+    wait_for(
+        T,
+        "the agent to see the job exit",
+        || {
+            a.log()
+                .contains(&format!("detached from PID {}", job.pid))
+                .then_some(())
+        },
+        || a.log(),
+    );
+    assert_eq!(
+        a.metric("dynprof_steps_total", job.pid),
+        Some(logged as f64),
+        "{}",
+        a.log()
+    );
+    assert_eq!(
+        a.metric("dynprof_step_duration_seconds_count", job.pid),
+        Some((logged - 1) as f64)
+    );
+    assert!(
+        !a.log().contains("not taken back"),
+        "the agent took the lock back: {}",
+        a.log()
+    );
+    drop(a);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// SIGTERM while a capture waits for its window: the capture's child
 /// detaches, the agent records the capture as failed in captures.json,
 /// exits 0, and no dynprof program stays loaded for the job.
@@ -957,7 +1037,8 @@ fn sigterm_during_a_capture_detaches_everything_and_records_it() {
         T,
         "the capture's child attached",
         || {
-            (marker_programs_for(job.pid) == 1 && a.log().contains("rank 0: attached"))
+            // The agent's markers stay next to the child's.
+            (marker_programs_for(job.pid) == 2 && a.log().contains("rank 0: attached"))
                 .then_some(())
         },
         || a.log(),
