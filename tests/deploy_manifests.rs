@@ -278,3 +278,67 @@ fn systemd_unit_verifies_and_bounds_the_documented_caps() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Where `cargo xtask setup` installs kubernetes-validate (xtask's
+/// `K8S_VALIDATE_VENV`).
+const K8S_VALIDATE: &str = "/var/cache/dynprof/venv-kubernetes-validate/bin/kubernetes-validate";
+
+/// A real schema check: kubernetes-validate (PyPI, the Kubernetes OpenAPI
+/// schemas bundled, offline) passes every built-in kind in the file,
+/// strictly (no unknown field); and the same file with one field misspelt
+/// fails, so the check is not a no-op. The PodMonitor is a CRD with no
+/// bundled schema: only warned about. Required under CI.
+#[test]
+fn daemonset_passes_the_kubernetes_schema() {
+    if !Path::new(K8S_VALIDATE).exists() {
+        let msg = format!("{K8S_VALIDATE} is missing: run `cargo xtask setup`");
+        if std::env::var_os("CI").is_some() {
+            panic!("{msg}");
+        }
+        eprintln!("skipping: {msg}");
+        return;
+    }
+    let file = root().join("deploy/kubernetes/daemonset.yaml");
+    let run = |f: &Path| {
+        let out = Command::new(K8S_VALIDATE)
+            .args(["--strict", "--no-warn"])
+            .arg(f)
+            .output()
+            .expect("running kubernetes-validate");
+        (
+            out.status.code(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let (code, text) = run(&file);
+    assert_eq!(code, Some(0), "{text}");
+    for r in [
+        "namespace/dynprof",
+        "daemonset/dynprof-agent",
+        "service/dynprof-agent",
+    ] {
+        assert!(
+            text.contains(&format!("passed for resource {r}")),
+            "{r} not validated: {text}"
+        );
+    }
+    let dir = common::scratch_dir("k8s_validate");
+    let bad = dir.join("daemonset.yaml");
+    let yaml = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(
+        &bad,
+        yaml.replacen("readOnlyRootFilesystem:", "readOnlyRootFileSystem:", 1),
+    )
+    .unwrap();
+    let (code, text) = run(&bad);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("'readOnlyRootFileSystem' was unexpected"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

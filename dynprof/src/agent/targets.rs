@@ -173,10 +173,24 @@ struct Prepared {
     namespace: Option<String>,
 }
 
+/// One marker resolution at a time: each reads libtorch's symbol tables
+/// (tens of MiB while it runs), and 8 ranks of a new job resolving at once
+/// would hold eight copies. Serially, and with the freed heap handed back
+/// after each, the agent's peak stays near one copy; attaching 8 ranks
+/// takes a little longer (the resolutions share 2 cores anyway).
+static RESOLVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn resolve_serially(target: &Target) -> Result<Vec<ResolvedProbe>> {
+    let _one = RESOLVING.lock().unwrap_or_else(|e| e.into_inner());
+    let r = probes::resolve_markers(target, &[MarkerArg::Auto]);
+    crate::sys::memory::trim_heap();
+    r
+}
+
 fn prepare(pid: HostPid) -> Result<Prepared> {
     let target = Target::open(pid)?;
     let lock = lock::acquire(pid, "agent")?;
-    let probes = probes::resolve_markers(&target, &[MarkerArg::Auto])?;
+    let probes = resolve_serially(&target)?;
     let env = crate::target::read_environ(pid).unwrap_or_default();
     let (pod, namespace) = labels::pod_names(target.container_id.as_ref(), &env);
     Ok(Prepared {
