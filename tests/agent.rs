@@ -1083,7 +1083,13 @@ fn sigterm_during_a_capture_detaches_everything_and_records_it() {
 
 /// `curl --unix-socket SOCK` as `who` (setpriv arguments, empty: root):
 /// curl's exit code, HTTP status and body.
-fn curl_unix(sock: &Path, who: &[&str], method: &str, path: &str, body: &str) -> (i32, u16, String) {
+fn curl_unix(
+    sock: &Path,
+    who: &[&str],
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (i32, u16, String) {
     let mut cmd = if who.is_empty() {
         Command::new("curl")
     } else {
@@ -1096,7 +1102,11 @@ fn curl_unix(sock: &Path, who: &[&str], method: &str, path: &str, body: &str) ->
         .arg("--unix-socket")
         .arg(sock)
         .args(["-X", method, "-H", "Content-Type: application/json"])
-        .args(if body.is_empty() { vec![] } else { vec!["--data-binary", body] })
+        .args(if body.is_empty() {
+            vec![]
+        } else {
+            vec!["--data-binary", body]
+        })
         .arg(format!("http://agent{path}"))
         .output()
         .expect("running curl");
@@ -1149,13 +1159,23 @@ fn unix_socket_serves_captures_to_root_and_its_group_only() {
     let sock_s = sock.to_str().unwrap();
     let refused = |why: &str| {
         let out = Command::new(dynprof_bin())
-            .args(["agent", "--listen", "127.0.0.1:0", "--socket", sock_s, "--output"])
+            .args([
+                "agent",
+                "--listen",
+                "127.0.0.1:0",
+                "--socket",
+                sock_s,
+                "--output",
+            ])
             .arg(dir.join("refused-out"))
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(err.contains(&format!("refusing --socket {sock_s}")), "{err}");
+        assert!(
+            err.contains(&format!("refusing --socket {sock_s}")),
+            "{err}"
+        );
         assert!(err.contains(why), "{err}");
     };
     // A planted regular file: refused, left as it was.
@@ -1168,7 +1188,12 @@ fn unix_socket_serves_captures_to_root_and_its_group_only() {
     std::fs::write(&victim, "keep").unwrap();
     std::os::unix::fs::symlink(&victim, &sock).unwrap();
     refused("exists and is a symbolic link");
-    assert!(std::fs::symlink_metadata(&sock).unwrap().file_type().is_symlink());
+    assert!(
+        std::fs::symlink_metadata(&sock)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
     std::fs::remove_file(&sock).unwrap();
     // A directory others may write (even sticky): refused.
@@ -1180,7 +1205,11 @@ fn unix_socket_serves_captures_to_root_and_its_group_only() {
     drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
 
     let (job, _log) = torch_job(&dir, 0, None);
-    let a = Agent::start(&dir, "sock", &["--socket", sock_s, "--socket-group", "4242"]);
+    let a = Agent::start(
+        &dir,
+        "sock",
+        &["--socket", sock_s, "--socket-group", "4242"],
+    );
     let m = std::fs::symlink_metadata(&sock).unwrap();
     assert!(std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
     assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (0, 4242, 0o660));

@@ -181,7 +181,10 @@ fn daemonset_matches_the_agent() {
         "--socket {} is not in a writable mount",
         sock.display()
     );
-    let cfg = a.config_dir.as_ref().expect("the DaemonSet gives --config-dir");
+    let cfg = a
+        .config_dir
+        .as_ref()
+        .expect("the DaemonSet gives --config-dir");
     let cfg_mount = mounts
         .iter()
         .find(|m| Path::new(s(&m["mountPath"])) == cfg.as_path())
@@ -240,12 +243,11 @@ fn systemd_unit_verifies_and_bounds_the_documented_caps() {
         .unwrap_or_else(|e| panic!("ExecStart: {e}"));
     assert!(w.a.listen.ip().is_loopback() || w.a.token_file.is_some());
     let rw: Vec<&str> = get("ReadWritePaths").split_whitespace().collect();
-    let sock_dir = w
-        .a
-        .socket
-        .as_deref()
-        .and_then(Path::parent)
-        .expect("the unit gives --socket");
+    let sock_dir =
+        w.a.socket
+            .as_deref()
+            .and_then(Path::parent)
+            .expect("the unit gives --socket");
     for p in [
         w.a.output.as_path(),
         dynprof::sys::lock::lock_dir().as_path(),

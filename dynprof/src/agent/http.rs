@@ -13,9 +13,8 @@ use std::{
 };
 
 use axum::{
-    Json, Router,
+    Extension, Json, Router,
     body::Bytes,
-    Extension,
     extract::{ConnectInfo, DefaultBodyLimit, FromRequestParts, State},
     http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
@@ -160,11 +159,7 @@ fn denied(s: &Shared, peer: Peer, headers: &HeaderMap) -> Option<Response> {
     r.err()
 }
 
-async fn get_captures(
-    State(s): State<Arc<Shared>>,
-    peer: Peer,
-    headers: HeaderMap,
-) -> Response {
+async fn get_captures(State(s): State<Arc<Shared>>, peer: Peer, headers: HeaderMap) -> Response {
     if let Some(r) = denied(&s, peer, &headers) {
         return r;
     }

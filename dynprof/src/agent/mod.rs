@@ -138,7 +138,11 @@ pub async fn run(cfg: Config) -> Result<()> {
         eprintln!(
             "dynprof: agent: capture requests on unix socket {} (mode {}){}",
             p.display(),
-            if shared.cfg.socket_group.is_some() { "0660" } else { "0600" },
+            if shared.cfg.socket_group.is_some() {
+                "0660"
+            } else {
+                "0600"
+            },
             if shared.cfg.token.is_none() {
                 "; TCP serves metrics only"
             } else {

@@ -36,7 +36,10 @@ use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, ResolveFlags, Sta
 pub enum Found {
     Missing,
     /// A regular file in DIR itself (shared storage).
-    Plain { text: String, mtime: SystemTime },
+    Plain {
+        text: String,
+        mtime: SystemTime,
+    },
     /// The file reached through kubelet's atomic-writer links; `data` is
     /// the timestamped directory `..data` pointed at when it was read.
     AtomicWriter {
@@ -91,7 +94,9 @@ fn not_roots(st: &rfs::Stat) -> Option<String> {
     if st.st_uid != 0 {
         Some(format!("is owned by uid {}, not root", st.st_uid))
     } else if mode & 0o022 != 0 {
-        Some(format!("may be written by group or others (mode {mode:04o})"))
+        Some(format!(
+            "may be written by group or others (mode {mode:04o})"
+        ))
     } else {
         None
     }

@@ -32,5 +32,5 @@ pub mod procmem;
 pub mod rootfs;
 pub mod signal;
 pub mod targetdir;
-pub mod uprobe;
 pub mod unixsock;
+pub mod uprobe;
