@@ -120,9 +120,22 @@ impl Agent {
     }
 
     fn start_under(dir: &Path, name: &str, under: u32, extra: &[&str]) -> Agent {
+        Self::start_via(dir, name, under, &[], extra)
+    }
+
+    /// `wrapper` runs first and execs the rest (e.g. `unshare -m …`).
+    fn start_via(dir: &Path, name: &str, under: u32, wrapper: &[&str], extra: &[&str]) -> Agent {
         let port = free_port();
         let stderr = dir.join(format!("{name}.stderr"));
-        let child = Command::new(dynprof_bin())
+        let mut cmd = match wrapper.split_first() {
+            Some((w, rest)) => {
+                let mut c = Command::new(w);
+                c.args(rest).arg(dynprof_bin());
+                c
+            }
+            None => Command::new(dynprof_bin()),
+        };
+        let child = cmd
             .args(["agent", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--output")
             .arg(dir.join(format!("{name}-out")))
@@ -872,6 +885,80 @@ fn two_agents_sharing_a_configmap_volume_capture_the_same_iterations() {
     kubelet_update(&cfg, 1, "{}");
     two_nodes("agent_two_nodes_cm", Trigger::ConfigMap(cfg.clone()));
     let _ = std::fs::remove_dir_all(cfg.parent().unwrap());
+}
+
+/// A ConfigMap volume's root as the pod sees it: mode 0777, but mounted
+/// read-only (nobody in the pod can plant a name there). The agent, in a
+/// mount namespace of its own with that read-only bind mount, follows the
+/// links and captures on an update made behind the mount.
+#[test]
+fn configmap_root_0777_on_a_read_only_mount_is_followed() {
+    use std::os::unix::fs::PermissionsExt as _;
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_cm_ro");
+    let src = dir.join("volume");
+    let cfg = dir.join("prof_cfg");
+    std::fs::create_dir(&src).unwrap();
+    std::fs::create_dir(&cfg).unwrap();
+    std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o777)).unwrap();
+    kubelet_update(&src, 1, "{}");
+    let (job, _log) = torch_job(&dir, 0, None);
+    let (s, c) = (src.to_str().unwrap(), cfg.to_str().unwrap());
+    let a = Agent::start_via(
+        &dir,
+        "ro",
+        std::process::id(),
+        &[
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            r#"mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && shift 2 && exec "$@""#,
+            "sh",
+            s,
+            c,
+        ],
+        &["--config-dir", c],
+    );
+    wait_for(
+        T,
+        "the job attached",
+        || a.metric("dynprof_steps_total", job.pid),
+        || a.log(),
+    );
+    let start_at = unix_now() + 2.0;
+    kubelet_update(
+        &src,
+        2,
+        &format!(
+            r#"{{"start_step": 5, "active": 2, "activities": [], "metadata": {{"dynprof_start_at": {start_at:.6}}}}}"#
+        ),
+    );
+    let rec = wait_for(
+        T,
+        "the capture to finish",
+        || {
+            let (_, b) = a.get("/captures")?;
+            let v: serde_json::Value = serde_json::from_str(&b).ok()?;
+            (v.as_array()?.len() == 1 && v[0]["state"] != "running").then(|| v[0].clone())
+        },
+        || a.log(),
+    );
+    assert_eq!(rec["state"], "written", "{rec}\n{}", a.log());
+    let csv = std::fs::read_to_string(
+        dir.join("ro-out")
+            .join(rec["window"].as_str().unwrap())
+            .join("job_steps.csv"),
+    )
+    .unwrap();
+    assert_eq!(csv.lines().skip(1).count(), 2, "{csv}");
+    assert!(!a.log().contains("refused"), "{}", a.log());
+    drop(a);
+    drop(job);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Links at the config file that are not kubelet's layout owned by root:
