@@ -120,9 +120,22 @@ impl Agent {
     }
 
     fn start_under(dir: &Path, name: &str, under: u32, extra: &[&str]) -> Agent {
+        Self::start_via(dir, name, under, &[], extra)
+    }
+
+    /// `wrapper` runs first and execs the rest (e.g. `unshare -m …`).
+    fn start_via(dir: &Path, name: &str, under: u32, wrapper: &[&str], extra: &[&str]) -> Agent {
         let port = free_port();
         let stderr = dir.join(format!("{name}.stderr"));
-        let child = Command::new(dynprof_bin())
+        let mut cmd = match wrapper.split_first() {
+            Some((w, rest)) => {
+                let mut c = Command::new(w);
+                c.args(rest).arg(dynprof_bin());
+                c
+            }
+            None => Command::new(dynprof_bin()),
+        };
+        let child = cmd
             .args(["agent", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--output")
             .arg(dir.join(format!("{name}-out")))
@@ -614,6 +627,29 @@ enum Trigger {
     Http,
     /// One save of the shared `profiler_config.json` (both agents watch it).
     ConfigDir(PathBuf),
+    /// One update of a ConfigMap volume, as kubelet's atomic writer makes
+    /// it (both agents watch the same directory).
+    ConfigMap(PathBuf),
+}
+
+/// Updates `dir` as kubelet's atomic writer does: a new timestamped
+/// directory, a `..data_tmp` link to it renamed over `..data`, the file's
+/// link `profiler_config.json -> ..data/profiler_config.json` made once,
+/// the previous timestamped directory removed.
+fn kubelet_update(dir: &Path, version: u32, text: &str) {
+    let ts = format!("..2026_12_03_10_00_{version:02}.{version:09}");
+    std::fs::create_dir(dir.join(&ts)).unwrap();
+    std::fs::write(dir.join(&ts).join("profiler_config.json"), text).unwrap();
+    let old = std::fs::read_link(dir.join("..data")).ok();
+    std::os::unix::fs::symlink(&ts, dir.join("..data_tmp")).unwrap();
+    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+    let link = dir.join("profiler_config.json");
+    if std::fs::symlink_metadata(&link).is_err() {
+        std::os::unix::fs::symlink("..data/profiler_config.json", &link).unwrap();
+    }
+    if let Some(old) = old {
+        std::fs::remove_dir_all(dir.join(old)).unwrap();
+    }
 }
 
 const CONFIG_LEAD_S: u64 = 4;
@@ -661,7 +697,9 @@ fn two_nodes(tag: &str, trigger: Trigger) {
     let lead = CONFIG_LEAD_S.to_string();
     let extra: Vec<&str> = match &trigger {
         Trigger::Http => vec![],
-        Trigger::ConfigDir(d) => vec!["--config-dir", d.to_str().unwrap(), "--config-lead", &lead],
+        Trigger::ConfigDir(d) | Trigger::ConfigMap(d) => {
+            vec!["--config-dir", d.to_str().unwrap(), "--config-lead", &lead]
+        }
     };
     let agents: Vec<Agent> = shells
         .iter()
@@ -720,6 +758,33 @@ fn two_nodes(tag: &str, trigger: Trigger) {
                 .as_secs_f64();
             let ahead = mtime + CONFIG_LEAD_S as f64 - unix_now();
             (mono_now_ns() as f64 + ahead * 1e9) as u64
+        }
+        Trigger::ConfigMap(d) => {
+            // Without metadata.dynprof_start_at: a log line on each node
+            // (the file's time is per node), nothing started.
+            kubelet_update(d, 2, r#"{"start_step": 40, "active": 3}"#);
+            for a in &agents {
+                wait_for(
+                    T,
+                    "the no-start-instant log line",
+                    || {
+                        a.log()
+                            .contains("give metadata.dynprof_start_at")
+                            .then_some(())
+                    },
+                    || a.log(),
+                );
+            }
+            let start_at = unix_now() + CONFIG_LEAD_S as f64;
+            let start_mono = mono_now_ns() + CONFIG_LEAD_S * 1_000_000_000;
+            kubelet_update(
+                d,
+                3,
+                &format!(
+                    r#"{{"start_step": 40, "warmup": 1, "active": 3, "activities": [], "metadata": {{"dynprof_start_at": {start_at:.6}}}}}"#
+                ),
+            );
+            start_mono
         }
     };
     let mut iterations = Vec::new();
@@ -808,6 +873,228 @@ fn two_agents_sharing_a_config_dir_capture_the_same_iterations() {
     let _ = std::fs::remove_dir_all(cfg.parent().unwrap());
 }
 
+/// A ConfigMap volume (kubelet's `..data` links, root's) as the shared
+/// config dir: one update, both nodes, the same iterations.
+#[test]
+fn two_agents_sharing_a_configmap_volume_capture_the_same_iterations() {
+    require_privileges!();
+    let _g = one();
+    let cfg = scratch_dir("agent_configmap").join("prof_cfg");
+    std::fs::create_dir_all(&cfg).unwrap();
+    // The volume as the pod first sees it: the baseline, not a request.
+    kubelet_update(&cfg, 1, "{}");
+    two_nodes("agent_two_nodes_cm", Trigger::ConfigMap(cfg.clone()));
+    let _ = std::fs::remove_dir_all(cfg.parent().unwrap());
+}
+
+/// A ConfigMap volume's root as the pod sees it: mode 0777, but mounted
+/// read-only (nobody in the pod can plant a name there). The agent, in a
+/// mount namespace of its own with that read-only bind mount, follows the
+/// links and captures on an update made behind the mount.
+#[test]
+fn configmap_root_0777_on_a_read_only_mount_is_followed() {
+    use std::os::unix::fs::PermissionsExt as _;
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_cm_ro");
+    let src = dir.join("volume");
+    let cfg = dir.join("prof_cfg");
+    std::fs::create_dir(&src).unwrap();
+    std::fs::create_dir(&cfg).unwrap();
+    std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o777)).unwrap();
+    kubelet_update(&src, 1, "{}");
+    let (job, _log) = torch_job(&dir, 0, None);
+    let (s, c) = (src.to_str().unwrap(), cfg.to_str().unwrap());
+    let a = Agent::start_via(
+        &dir,
+        "ro",
+        std::process::id(),
+        &[
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            r#"mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && shift 2 && exec "$@""#,
+            "sh",
+            s,
+            c,
+        ],
+        &["--config-dir", c],
+    );
+    wait_for(
+        T,
+        "the job attached",
+        || a.metric("dynprof_steps_total", job.pid),
+        || a.log(),
+    );
+    let start_at = unix_now() + 2.0;
+    kubelet_update(
+        &src,
+        2,
+        &format!(
+            r#"{{"start_step": 5, "active": 2, "activities": [], "metadata": {{"dynprof_start_at": {start_at:.6}}}}}"#
+        ),
+    );
+    let rec = wait_for(
+        T,
+        "the capture to finish",
+        || {
+            let (_, b) = a.get("/captures")?;
+            let v: serde_json::Value = serde_json::from_str(&b).ok()?;
+            (v.as_array()?.len() == 1 && v[0]["state"] != "running").then(|| v[0].clone())
+        },
+        || a.log(),
+    );
+    assert_eq!(rec["state"], "written", "{rec}\n{}", a.log());
+    let csv = std::fs::read_to_string(
+        dir.join("ro-out")
+            .join(rec["window"].as_str().unwrap())
+            .join("job_steps.csv"),
+    )
+    .unwrap();
+    assert_eq!(csv.lines().skip(1).count(), 2, "{csv}");
+    assert!(!a.log().contains("refused"), "{}", a.log());
+    drop(a);
+    drop(job);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Links at the config file that are not kubelet's layout owned by root:
+/// one that leads out of the directory, one owned by a user, one in a
+/// directory others may write. Each is one log line, never followed.
+#[test]
+fn config_dir_refuses_escaping_and_user_owned_links() {
+    use std::os::unix::fs::PermissionsExt as _;
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_cfg_links");
+    let cfg = dir.join("prof_cfg");
+    std::fs::create_dir(&cfg).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let outside = dir.join("outside.json");
+    std::fs::write(&outside, r#"{"active": 1}"#).unwrap();
+    let link = cfg.join("profiler_config.json");
+    std::os::unix::fs::symlink("../outside.json", &link).unwrap();
+    let a = Agent::start(&dir, "links", &["--config-dir", cfg.to_str().unwrap()]);
+    let shown = link.display().to_string();
+    let line = |what: &str| {
+        let needle = what.to_string();
+        wait_for(
+            T,
+            what,
+            || {
+                a.log()
+                    .lines()
+                    .find(|l| l.contains(&shown) && l.contains(&needle))
+                    .map(str::to_string)
+            },
+            || a.log(),
+        )
+    };
+    let l = line("leads out of");
+    assert!(l.ends_with("refused; ignored"), "{l}");
+    // A link inside the directory, but a user's.
+    std::fs::remove_file(&link).unwrap();
+    std::fs::write(cfg.join("real.json"), r#"{"active": 1}"#).unwrap();
+    std::os::unix::fs::symlink("real.json", &link).unwrap();
+    std::os::unix::fs::lchown(&link, Some(65534), Some(65534)).unwrap();
+    line("is owned by uid 65534, not root");
+    // Root's link, but in a directory others may write.
+    std::os::unix::fs::lchown(&link, Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    line("may be written by group or others (mode 1777)");
+    assert_eq!(a.get("/healthz").map(|r| r.0), Some(200));
+    assert_eq!(
+        a.get("/captures").map(|r| (r.0, r.1.trim().to_string())),
+        Some((200, "[]".into())),
+        "nothing started"
+    );
+    drop(a);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A capture's child attaches next to the agent's markers: every step the
+/// job takes, before, during and after the capture, is in the agent's
+/// counter, which ends equal to the job's own log; and the agent holds
+/// the process's lock again afterwards.
+#[test]
+fn steps_during_a_capture_count_in_the_metrics() {
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_capture_steps");
+    const STEPS: u32 = 60;
+    let start = dir.join("go");
+    let (mut job, log) = torch_job(&dir, STEPS, Some(&start));
+    let a = Agent::start(&dir, "steps", &[]);
+    wait_for(
+        T,
+        "the job attached",
+        || a.metric("dynprof_steps_total", job.pid),
+        || a.log(),
+    );
+    let body = format!(
+        r#"{{"pid": {}, "start_step": 5, "active": 3, "collect": ["offcpu"]}}"#,
+        job.pid
+    );
+    let (st, resp) = http(a.port, "POST", "/capture", &[], &body).unwrap();
+    assert_eq!(st, 202, "{resp}");
+    wait_for(
+        T,
+        "the capture's child attached next to the agent",
+        || {
+            (marker_programs_for(job.pid) == 2 && a.log().contains("rank 0: attached"))
+                .then_some(())
+        },
+        || format!("{} programs\n{}", marker_programs_for(job.pid), a.log()),
+    );
+    std::fs::write(&start, "").unwrap();
+    let rec = wait_for(
+        T,
+        "the capture to finish",
+        || {
+            let (_, b) = a.get("/captures")?;
+            let v: serde_json::Value = serde_json::from_str(&b).ok()?;
+            (v.as_array()?.len() == 1 && v[0]["state"] != "running").then(|| v[0].clone())
+        },
+        || a.log(),
+    );
+    assert_eq!(rec["state"], "written", "{rec}\n{}", a.log());
+    let st = job.wait_timeout(T).expect("the job finishes its steps");
+    assert!(st.success());
+    let logged = log_lines_of(&log, "step").len();
+    assert_eq!(logged, STEPS as usize, "the job's own log");
+    // The session ended with the process: every event is counted.
+    wait_for(
+        T,
+        "the agent to see the job exit",
+        || {
+            a.log()
+                .contains(&format!("detached from PID {}", job.pid))
+                .then_some(())
+        },
+        || a.log(),
+    );
+    assert_eq!(
+        a.metric("dynprof_steps_total", job.pid),
+        Some(logged as f64),
+        "{}",
+        a.log()
+    );
+    assert_eq!(
+        a.metric("dynprof_step_duration_seconds_count", job.pid),
+        Some((logged - 1) as f64)
+    );
+    assert!(
+        !a.log().contains("not taken back"),
+        "the agent took the lock back: {}",
+        a.log()
+    );
+    drop(a);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// SIGTERM while a capture waits for its window: the capture's child
 /// detaches, the agent records the capture as failed in captures.json,
 /// exits 0, and no dynprof program stays loaded for the job.
@@ -837,7 +1124,8 @@ fn sigterm_during_a_capture_detaches_everything_and_records_it() {
         T,
         "the capture's child attached",
         || {
-            (marker_programs_for(job.pid) == 1 && a.log().contains("rank 0: attached"))
+            // The agent's markers stay next to the child's.
+            (marker_programs_for(job.pid) == 2 && a.log().contains("rank 0: attached"))
                 .then_some(())
         },
         || a.log(),
@@ -876,6 +1164,190 @@ fn sigterm_during_a_capture_detaches_everything_and_records_it() {
     assert_eq!(listed[0]["id"], index[0]["id"], "{listed}");
     assert_eq!(listed[0]["state"], "failed", "{listed}");
     drop(b);
+    drop(job);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `curl --unix-socket SOCK` as `who` (setpriv arguments, empty: root):
+/// curl's exit code, HTTP status and body.
+fn curl_unix(
+    sock: &Path,
+    who: &[&str],
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (i32, u16, String) {
+    let mut cmd = if who.is_empty() {
+        Command::new("curl")
+    } else {
+        let mut c = Command::new("setpriv");
+        c.args(who).arg("curl");
+        c
+    };
+    let out = cmd
+        .args(["-sS", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
+        .arg("--unix-socket")
+        .arg(sock)
+        .args(["-X", method, "-H", "Content-Type: application/json"])
+        .args(if body.is_empty() {
+            vec![]
+        } else {
+            vec!["--data-binary", body]
+        })
+        .arg(format!("http://agent{path}"))
+        .output()
+        .expect("running curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (b, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (
+        out.status.code().unwrap_or(-1),
+        code.trim().parse().unwrap_or(0),
+        format!("{b}{}", String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
+/// `connect(2)` to `sock` as uid/gid 65534 (plus `groups`): the errno, or 0.
+fn connect_as_nobody(sock: &Path, groups: &str) -> i32 {
+    let out = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534"])
+        .args(if groups.is_empty() {
+            vec!["--clear-groups".to_string()]
+        } else {
+            vec!["--groups".to_string(), groups.to_string()]
+        })
+        .args([
+            PYTHON3,
+            "-c",
+            "import socket,sys\ns=socket.socket(socket.AF_UNIX)\ntry:\n s.connect(sys.argv[1]); print(0)\nexcept OSError as e:\n print(e.errno)",
+        ])
+        .arg(sock)
+        .output()
+        .expect("running setpriv");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{out:?}"))
+}
+
+/// `--socket`: captures over the unix socket end to end; the socket is
+/// root:GID 0660, so uid 65534 gets EACCES unless in that group; TCP
+/// without a token is metrics-only; a planted file or symlink, or a
+/// directory others may write, is refused and left alone.
+#[test]
+fn unix_socket_serves_captures_to_root_and_its_group_only() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    require_privileges!();
+    let _g = one();
+    let dir = scratch_dir("agent_socket");
+    let run = dir.join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let sock = run.join("agent.sock");
+    let sock_s = sock.to_str().unwrap();
+    let refused = |why: &str| {
+        let out = Command::new(dynprof_bin())
+            .args([
+                "agent",
+                "--listen",
+                "127.0.0.1:0",
+                "--socket",
+                sock_s,
+                "--output",
+            ])
+            .arg(dir.join("refused-out"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(&format!("refusing --socket {sock_s}")),
+            "{err}"
+        );
+        assert!(err.contains(why), "{err}");
+    };
+    // A planted regular file: refused, left as it was.
+    std::fs::write(&sock, "precious").unwrap();
+    refused("exists and is a regular file");
+    assert_eq!(std::fs::read_to_string(&sock).unwrap(), "precious");
+    std::fs::remove_file(&sock).unwrap();
+    // A planted symlink: refused, neither followed nor removed.
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "keep").unwrap();
+    std::os::unix::fs::symlink(&victim, &sock).unwrap();
+    refused("exists and is a symbolic link");
+    assert!(
+        std::fs::symlink_metadata(&sock)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+    std::fs::remove_file(&sock).unwrap();
+    // A directory others may write (even sticky): refused.
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    refused("may be written by users other than root");
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert!(!sock.exists());
+    // A stale socket (a killed agent's) is replaced.
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+
+    let (job, _log) = torch_job(&dir, 0, None);
+    let a = Agent::start(
+        &dir,
+        "sock",
+        &["--socket", sock_s, "--socket-group", "4242"],
+    );
+    let m = std::fs::symlink_metadata(&sock).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
+    assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (0, 4242, 0o660));
+    wait_for(
+        T,
+        "the job attached",
+        || a.metric("dynprof_steps_total", job.pid),
+        || a.log(),
+    );
+    // Not in the group: EACCES. In it: served.
+    assert_eq!(connect_as_nobody(&sock, ""), libc::EACCES);
+    assert_eq!(connect_as_nobody(&sock, "4242"), 0);
+    let member = ["--reuid", "65534", "--regid", "65534", "--groups", "4242"];
+    let (rc, st, body) = curl_unix(&sock, &member, "GET", "/captures", "");
+    assert_eq!((rc, st), (0, 200), "{body}");
+    let nobody = ["--reuid", "65534", "--regid", "65534", "--clear-groups"];
+    let (rc, _, body) = curl_unix(&sock, &nobody, "GET", "/captures", "");
+    assert_eq!(rc, 7, "curl cannot connect: {body}");
+
+    // TCP without a token: metrics only.
+    let req = format!(
+        r#"{{"pid": {}, "start_step": 5, "active": 2, "collect": ["offcpu"]}}"#,
+        job.pid
+    );
+    let (st, resp) = http(a.port, "POST", "/capture", &[], &req).unwrap();
+    assert_eq!(st, 403, "{resp}");
+    assert!(resp.contains("unix socket"), "{resp}");
+    assert_eq!(a.get("/metrics").map(|r| r.0), Some(200));
+
+    // A capture over the socket, end to end.
+    let (rc, st, resp) = curl_unix(&sock, &[], "POST", "/capture", &req);
+    assert_eq!((rc, st), (0, 202), "{resp}");
+    let rec = wait_for(
+        T,
+        "the capture to finish",
+        || {
+            let (_, _, b) = curl_unix(&sock, &[], "GET", "/captures", "");
+            let v: serde_json::Value = serde_json::from_str(&b).ok()?;
+            (v.as_array()?.len() == 1 && v[0]["state"] != "running").then(|| v[0].clone())
+        },
+        || a.log(),
+    );
+    assert_eq!(rec["state"], "written", "{rec}\n{}", a.log());
+    let csv = std::fs::read_to_string(
+        dir.join("sock-out")
+            .join(rec["window"].as_str().unwrap())
+            .join("job_steps.csv"),
+    )
+    .unwrap();
+    assert_eq!(csv.lines().skip(1).count(), 2, "{csv}");
+    drop(a);
     drop(job);
     let _ = std::fs::remove_dir_all(&dir);
 }

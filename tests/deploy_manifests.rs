@@ -173,7 +173,32 @@ fn daemonset_matches_the_agent() {
         mounts.iter().any(|m| token.starts_with(s(&m["mountPath"]))),
         "the token file is mounted"
     );
+    // The socket's directory is a writable mount (a hostPath, so the node's
+    // root reaches it); the config dir is the ConfigMap, read-only.
+    let sock = a.socket.as_ref().expect("the DaemonSet gives --socket");
+    assert!(
+        mounted(sock.parent().unwrap()),
+        "--socket {} is not in a writable mount",
+        sock.display()
+    );
+    let cfg = a
+        .config_dir
+        .as_ref()
+        .expect("the DaemonSet gives --config-dir");
+    let cfg_mount = mounts
+        .iter()
+        .find(|m| Path::new(s(&m["mountPath"])) == cfg.as_path())
+        .expect("--config-dir is a mount");
+    assert_eq!(cfg_mount["readOnly"].as_bool(), Some(true));
     let volumes = pod["volumes"].as_sequence().unwrap();
+    let cfg_vol = volumes
+        .iter()
+        .find(|v| v["name"] == cfg_mount["name"])
+        .unwrap();
+    assert!(
+        cfg_vol["configMap"]["name"].as_str().is_some(),
+        "--config-dir is a ConfigMap volume: {cfg_vol:?}"
+    );
     for m in mounts {
         assert!(
             volumes.iter().any(|v| v["name"] == m["name"]),
@@ -218,9 +243,15 @@ fn systemd_unit_verifies_and_bounds_the_documented_caps() {
         .unwrap_or_else(|e| panic!("ExecStart: {e}"));
     assert!(w.a.listen.ip().is_loopback() || w.a.token_file.is_some());
     let rw: Vec<&str> = get("ReadWritePaths").split_whitespace().collect();
+    let sock_dir =
+        w.a.socket
+            .as_deref()
+            .and_then(Path::parent)
+            .expect("the unit gives --socket");
     for p in [
         w.a.output.as_path(),
         dynprof::sys::lock::lock_dir().as_path(),
+        sock_dir,
     ] {
         assert!(
             rw.iter().any(|r| p.starts_with(r)),
@@ -246,6 +277,70 @@ fn systemd_unit_verifies_and_bounds_the_documented_caps() {
     assert!(
         out.status.success() && err.trim().is_empty(),
         "systemd-analyze verify: {err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Where `cargo xtask setup` installs kubernetes-validate (xtask's
+/// `K8S_VALIDATE_VENV`).
+const K8S_VALIDATE: &str = "/var/cache/dynprof/venv-kubernetes-validate/bin/kubernetes-validate";
+
+/// A real schema check: kubernetes-validate (PyPI, the Kubernetes OpenAPI
+/// schemas bundled, offline) passes every built-in kind in the file,
+/// strictly (no unknown field); and the same file with one field misspelt
+/// fails, so the check is not a no-op. The PodMonitor is a CRD with no
+/// bundled schema: only warned about. Required under CI.
+#[test]
+fn daemonset_passes_the_kubernetes_schema() {
+    if !Path::new(K8S_VALIDATE).exists() {
+        let msg = format!("{K8S_VALIDATE} is missing: run `cargo xtask setup`");
+        if std::env::var_os("CI").is_some() {
+            panic!("{msg}");
+        }
+        eprintln!("skipping: {msg}");
+        return;
+    }
+    let file = root().join("deploy/kubernetes/daemonset.yaml");
+    let run = |f: &Path| {
+        let out = Command::new(K8S_VALIDATE)
+            .args(["--strict", "--no-warn"])
+            .arg(f)
+            .output()
+            .expect("running kubernetes-validate");
+        (
+            out.status.code(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let (code, text) = run(&file);
+    assert_eq!(code, Some(0), "{text}");
+    for r in [
+        "namespace/dynprof",
+        "daemonset/dynprof-agent",
+        "service/dynprof-agent",
+    ] {
+        assert!(
+            text.contains(&format!("passed for resource {r}")),
+            "{r} not validated: {text}"
+        );
+    }
+    let dir = common::scratch_dir("k8s_validate");
+    let bad = dir.join("daemonset.yaml");
+    let yaml = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(
+        &bad,
+        yaml.replacen("readOnlyRootFilesystem:", "readOnlyRootFileSystem:", 1),
+    )
+    .unwrap();
+    let (code, text) = run(&bad);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("'readOnlyRootFileSystem' was unexpected"),
+        "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

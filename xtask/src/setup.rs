@@ -65,6 +65,7 @@ pub fn run() -> Result<()> {
     tracefs();
     py_spy_venv();
     crate::pyroots::python_roots();
+    kubernetes_validate_venv();
     cargo_fuzz()?;
     println!("[setup] done");
     Ok(())
@@ -484,6 +485,47 @@ fn py_spy_venv() {
         Err(e) => say(
             &what,
             &format!("not installed ({e:#}); the py-spy comparison test will skip"),
+        ),
+    }
+}
+
+/// kubernetes-validate (PyPI): the Kubernetes OpenAPI schemas, bundled,
+/// checked offline. tests/deploy_manifests.rs runs it on the DaemonSet.
+pub const K8S_VALIDATE_VENV: &str = "/var/cache/dynprof/venv-kubernetes-validate";
+
+/// Installs kubernetes-validate into [`K8S_VALIDATE_VENV`]. Not fatal
+/// here; the manifest test says what is missing (and fails under CI).
+fn kubernetes_validate_venv() {
+    let what = format!("kubernetes-validate venv at {K8S_VALIDATE_VENV}");
+    let dir = Path::new(K8S_VALIDATE_VENV);
+    if dir.join("bin/kubernetes-validate").is_file() {
+        say(&what, "ok (already installed)");
+        return;
+    }
+    let installed = (|| -> Result<()> {
+        python3_venv_package()?;
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
+        }
+        util::run(
+            Command::new("/usr/bin/python3")
+                .args(["-m", "venv"])
+                .arg(dir),
+        )?;
+        util::run(Command::new(dir.join("bin/pip")).args([
+            "install",
+            "--no-cache-dir",
+            "--progress-bar",
+            "off",
+            "kubernetes-validate>=1.37,<2",
+        ]))
+    })();
+    match installed {
+        Ok(()) => say(&what, "installed"),
+        Err(e) => say(
+            &what,
+            &format!("not installed ({e:#}); the manifest schema test will fail under CI"),
         ),
     }
 }

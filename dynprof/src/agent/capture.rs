@@ -1,7 +1,9 @@
 //! `POST /capture`: a job-mode window on one job's ranks, run by a child
-//! `dynprof attach --pids …` (the agent detaches from those ranks first and
-//! attaches again when the child is done), written under `--output` as an
-//! ordinary `PROF_JOB_*` directory, listed in `captures.json`.
+//! `dynprof attach --pids …` (the agent hands it those ranks' locks and
+//! keeps its own step markers attached, so the step metrics go on
+//! counting; it takes the locks back when the child is done), written
+//! under `--output` as an ordinary `PROF_JOB_*` directory, listed in
+//! `captures.json`.
 //!
 //! Across nodes: every agent given the same `start_at` (UNIX seconds)
 //! starts its window at the same job step, counted from the first step

@@ -10,6 +10,11 @@
 //!   the file gives one, else the file's modification time plus
 //!   `--config-lead`: shared storage shows every node the same mtime.
 //!
+//! The directory may be a Kubernetes ConfigMap volume (kubelet's
+//! `..data` links, followed only when root owns the whole layout:
+//! [`configmap`]); then the file's time is no common instant and
+//! `metadata.dynprof_start_at` is required.
+//!
 //! The agent only reads the file (never writes a template or logs there:
 //! many nodes share it). A file already there when the agent starts is
 //! taken as the baseline, not as a request.
@@ -19,7 +24,10 @@ use anyhow::Result;
 
 use super::capture::Request;
 use crate::{
-    sys::hostfs::MAX_CONFIG_BYTES,
+    sys::{
+        configmap::{self, Found},
+        hostfs::MAX_CONFIG_BYTES,
+    },
     types::Builtin,
     window::trigger::config_file::{self, CONFIG_FILE},
 };
@@ -33,10 +41,12 @@ pub struct Asked {
 }
 
 pub struct ConfigDir {
+    dir: PathBuf,
     file: PathBuf,
     lead: Duration,
-    /// (mtime, content) of the last version seen; None before the first read.
-    last: Option<(Option<std::time::SystemTime>, String)>,
+    /// What the last read found (text, time, `..data` target, or the
+    /// refusal); None before the first read.
+    last: Option<String>,
 }
 
 impl ConfigDir {
@@ -44,6 +54,7 @@ impl ConfigDir {
         let dir = config_file::check_dir(dir)?;
         Ok(Self {
             file: dir.join(CONFIG_FILE),
+            dir,
             lead,
             last: None,
         })
@@ -53,34 +64,30 @@ impl ConfigDir {
         &self.file
     }
 
-    /// Reads the file; a new version gives what it asks for, or why it
-    /// cannot be acted on.
+    /// Reads the file (plain, or a ConfigMap's `..data` layout:
+    /// [`configmap`]); a new version gives what it asks for, or why it
+    /// cannot be acted on. A refusal is reported once per state.
     pub fn poll(&mut self) -> Option<Result<Asked, String>> {
-        let meta = std::fs::symlink_metadata(&self.file).ok();
-        if meta.as_ref().is_some_and(|m| m.file_type().is_symlink()) {
-            let seen = (None, "<symlink>".to_string());
-            if self.last.as_ref() == Some(&seen) {
-                return None;
-            }
-            self.last = Some(seen);
-            return Some(Err(format!(
-                "{} is a symbolic link; refused (torch_npu's rule; a ConfigMap volume presents its files as links: use shared storage)",
-                self.file.display()
-            )));
-        }
-        let mtime = meta.as_ref().and_then(|m| m.modified().ok());
-        let text =
-            crate::sys::hostfs::read_path_capped(&self.file, MAX_CONFIG_BYTES).unwrap_or_default();
-        let now = (mtime, text);
+        let found = configmap::read(&self.dir, CONFIG_FILE, MAX_CONFIG_BYTES);
+        let seen = format!("{found:?}");
         let first = self.last.is_none();
-        if self.last.as_ref() == Some(&now) {
+        if self.last.as_deref() == Some(seen.as_str()) {
             return None;
         }
-        self.last = Some(now.clone());
-        if first || now.1.trim().is_empty() {
-            return None;
+        self.last = Some(seen);
+        match found {
+            Err(why) => Some(Err(why)),
+            Ok(Found::Missing) => None,
+            Ok(Found::Plain { text, .. } | Found::AtomicWriter { text, .. })
+                if first || text.trim().is_empty() =>
+            {
+                None
+            }
+            Ok(Found::Plain { text, mtime }) => Some(asked(&text, Some(mtime), self.lead)),
+            // kubelets sync a ConfigMap on their own schedules: the file's
+            // time differs per node and cannot be the common instant.
+            Ok(Found::AtomicWriter { text, .. }) => Some(asked(&text, None, self.lead)),
         }
-        Some(asked(&now.1, mtime, self.lead))
     }
 }
 
@@ -106,7 +113,9 @@ pub fn asked(
             .duration_since(std::time::UNIX_EPOCH)
             .map_err(|_| "the file's modification time is before 1970".to_string())?
             .as_secs_f64(),
-        (None, None) => return Err("the file's modification time is unknown".into()),
+        (None, None) => {
+            return Err("no common start instant: a ConfigMap reaches each node when its kubelet syncs, so its file times differ per node; give metadata.dynprof_start_at (UNIX seconds, e.g. now + 120)".into());
+        }
     };
     let mut collect: Vec<String> = p.collect.iter().map(|b| b.name().to_string()).collect();
     if collect.is_empty() {

@@ -1,15 +1,21 @@
 //! The agent's HTTP endpoints. `/metrics`, `/healthz` and `/readyz` are
-//! read-only and open; `/capture` and `/captures` start work as root and
-//! need a loopback peer, or the bearer token when one is configured.
+//! read-only and open; `/capture` and `/captures` start work as root. Who
+//! may use them:
+//! - over the unix socket (`--socket`): whoever can connect, i.e. what the
+//!   socket file's permissions allow (root, or `--socket-group`);
+//! - over TCP with `--token-file`: whoever presents the bearer token;
+//! - over TCP without a token: loopback peers, unless `--socket` is given;
+//!   then TCP is metrics-only (any local user can reach 127.0.0.1, the
+//!   socket is the narrower door).
 use std::{
     net::SocketAddr,
     sync::{Arc, atomic::Ordering},
 };
 
 use axum::{
-    Json, Router,
+    Extension, Json, Router,
     body::Bytes,
-    extract::{ConnectInfo, DefaultBodyLimit, State},
+    extract::{ConnectInfo, DefaultBodyLimit, FromRequestParts, State},
     http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -32,7 +38,48 @@ pub const CAPTURES: &str = "/captures";
 /// Largest request body: a capture request is a few hundred bytes.
 const MAX_BODY: usize = 64 * 1024;
 
+/// Marks requests that came in over the unix socket (a layer on that
+/// router only; TCP requests carry `ConnectInfo<SocketAddr>` instead).
+#[derive(Clone, Copy)]
+pub struct ViaUnixSocket;
+
+/// Where a request came from.
+enum Peer {
+    Unix,
+    Tcp(SocketAddr),
+    /// Neither marker: a server set up without its peer information.
+    Unknown,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Peer {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let e = &parts.extensions;
+        Ok(if e.get::<ViaUnixSocket>().is_some() {
+            Peer::Unix
+        } else if let Some(ConnectInfo(a)) = e.get::<ConnectInfo<SocketAddr>>() {
+            Peer::Tcp(*a)
+        } else {
+            Peer::Unknown
+        })
+    }
+}
+
+/// The routes for the TCP listener (served with `ConnectInfo<SocketAddr>`).
 pub fn router(shared: Arc<Shared>) -> Router {
+    routes(shared)
+}
+
+/// The same routes for the unix socket.
+pub fn unix_router(shared: Arc<Shared>) -> Router {
+    routes(shared).layer(Extension(ViaUnixSocket))
+}
+
+fn routes(shared: Arc<Shared>) -> Router {
     Router::new()
         .route(METRICS, get(metrics))
         .route(HEALTHZ, get(|| async { "ok\n" }))
@@ -71,10 +118,18 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Who may start captures: with a token configured, whoever presents it;
-/// without one (the agent then listens on loopback only), loopback peers.
-/// The refusal, if any.
-fn denied(s: &Shared, peer: SocketAddr, headers: &HeaderMap) -> Option<Response> {
+/// Who may start captures (the module's rules). The refusal, if any.
+fn denied(s: &Shared, peer: Peer, headers: &HeaderMap) -> Option<Response> {
+    let peer = match peer {
+        Peer::Unix => return None,
+        Peer::Tcp(a) => a,
+        Peer::Unknown => {
+            return Some(error(
+                StatusCode::FORBIDDEN,
+                "the peer of this connection is unknown",
+            ));
+        }
+    };
     let r: Result<(), Response> = match &s.cfg.token {
         Some(tok) => {
             let given = headers
@@ -91,6 +146,10 @@ fn denied(s: &Shared, peer: SocketAddr, headers: &HeaderMap) -> Option<Response>
                     .into_response()),
             }
         }
+        None if s.cfg.socket.is_some() => Err(error(
+            StatusCode::FORBIDDEN,
+            "capture requests go to the agent's unix socket (--socket); TCP serves metrics only without --token-file",
+        )),
         None if peer.ip().is_loopback() => Ok(()),
         None => Err(error(
             StatusCode::FORBIDDEN,
@@ -100,11 +159,7 @@ fn denied(s: &Shared, peer: SocketAddr, headers: &HeaderMap) -> Option<Response>
     r.err()
 }
 
-async fn get_captures(
-    State(s): State<Arc<Shared>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-) -> Response {
+async fn get_captures(State(s): State<Arc<Shared>>, peer: Peer, headers: HeaderMap) -> Response {
     if let Some(r) = denied(&s, peer, &headers) {
         return r;
     }
@@ -114,7 +169,7 @@ async fn get_captures(
 
 async fn post_capture(
     State(s): State<Arc<Shared>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    peer: Peer,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {

@@ -39,6 +39,10 @@ use crate::{job::group::JobGroup, sys::hostfs::OutputRoot, types::HostPid};
 /// How the agent was configured (`dynprof agent` flags).
 pub struct Config {
     pub listen: SocketAddr,
+    /// The unix socket for capture requests (`--socket`), and the group
+    /// that may use it besides root (`--socket-group`).
+    pub socket: Option<PathBuf>,
+    pub socket_group: Option<u32>,
     pub output: PathBuf,
     pub node: String,
     /// The bearer token capture requests must carry (required when
@@ -99,6 +103,12 @@ pub async fn run(cfg: Config) -> Result<()> {
     crate::sys::caps::check(&needs)?;
     crate::bpf::preflight()?;
     let output = OutputRoot::open(&cfg.output)?;
+    // Bound while the agent still holds CAP_CHOWN (for --socket-group).
+    let unix = cfg
+        .socket
+        .as_deref()
+        .map(|p| crate::sys::unixsock::bind_private(p, cfg.socket_group))
+        .transpose()?;
     // The agent attaches for as long as it runs, and a capture's child
     // attaches its collectors: it keeps what those need, nothing else.
     let kept = crate::sys::caps::drop_after_attach(&needs)?;
@@ -122,6 +132,30 @@ pub async fn run(cfg: Config) -> Result<()> {
         listener.local_addr().unwrap_or(shared.cfg.listen),
         shared.output.path().display()
     );
+    if let (Some(l), Some(p)) = (unix, &shared.cfg.socket) {
+        let l = tokio::net::UnixListener::from_std(l)
+            .with_context(|| format!("--socket {}", p.display()))?;
+        eprintln!(
+            "dynprof: agent: capture requests on unix socket {} (mode {}){}",
+            p.display(),
+            if shared.cfg.socket_group.is_some() {
+                "0660"
+            } else {
+                "0600"
+            },
+            if shared.cfg.token.is_none() {
+                "; TCP serves metrics only"
+            } else {
+                ""
+            }
+        );
+        let app = http::unix_router(Arc::clone(&shared));
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(l, app).await {
+                eprintln!("dynprof: agent: unix socket server stopped: {e}");
+            }
+        });
+    }
     let app = http::router(Arc::clone(&shared));
     tokio::spawn(async move {
         if let Err(e) = axum::serve(

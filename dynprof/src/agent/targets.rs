@@ -42,16 +42,39 @@ const CAPTURE_STOP: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Commands into one process's session.
 pub(super) enum AgentCmd {
-    /// Detach (the process goes to a capture, or the agent stops).
+    /// Detach (the agent stops, or the process cannot be shared).
     Stop,
+    /// A capture takes the process: release its lock so the capture's
+    /// child can attach, and keep counting steps meanwhile (answers true);
+    /// or detach if the markers cannot be shared (answers false).
+    HandOver(Option<tokio::sync::oneshot::Sender<bool>>),
+    /// The capture is done: take the lock back, or detach if another
+    /// dynprof took the process meanwhile.
+    TakeBack,
 }
 
-/// The session observer: counts the step hits into the process's series.
+/// The session observer: counts the step hits into the process's series,
+/// and holds the process's lock while nobody else controls it.
 struct StepMetrics {
+    pid: HostPid,
     series: TargetSeries,
+    lock: Option<lock::TargetLock>,
     lost_seen: u64,
     ticks: u32,
     stop: bool,
+}
+
+/// Whether the agent's markers may stay attached next to a capture's: a
+/// semaphore the agent raised through /proc/PID/mem is recorded under
+/// the lock directory, and the capture's child (holding the lock) would
+/// take it for a killed dynprof's and lower it. Kernel-owned semaphores
+/// and plain uprobes are counted per probe by the kernel: shareable.
+fn shareable(kernel: &Kernel) -> bool {
+    !kernel
+        .semaphore_report()
+        .markers
+        .iter()
+        .any(|m| m.owner == probes::semaphore::SemaphoreOwner::ProcMem)
 }
 
 impl Observer<AgentCmd> for StepMetrics {
@@ -67,9 +90,32 @@ impl Observer<AgentCmd> for StepMetrics {
         Ok(())
     }
 
-    fn on_command(&mut self, cmd: &mut AgentCmd, _c: &mut Ctx) -> Result<()> {
+    fn on_command(&mut self, cmd: &mut AgentCmd, ctx: &mut Ctx) -> Result<()> {
         match cmd {
             AgentCmd::Stop => self.stop = true,
+            AgentCmd::HandOver(reply) => {
+                let share = shareable(ctx.kernel);
+                if share {
+                    // The capture's child takes the lock; the agent's
+                    // probes stay, so no step goes uncounted.
+                    self.lock = None;
+                } else {
+                    self.stop = true;
+                }
+                if let Some(r) = reply.take() {
+                    let _ = r.send(share);
+                }
+            }
+            AgentCmd::TakeBack => match lock::acquire(self.pid, "agent") {
+                Ok(l) => self.lock = Some(l),
+                Err(e) => {
+                    eprintln!(
+                        "dynprof: agent: PID {}: not taken back after the capture: {e:#}",
+                        self.pid
+                    );
+                    self.stop = true;
+                }
+            },
         }
         Ok(())
     }
@@ -127,10 +173,24 @@ struct Prepared {
     namespace: Option<String>,
 }
 
+/// One marker resolution at a time: each reads libtorch's symbol tables
+/// (tens of MiB while it runs), and 8 ranks of a new job resolving at once
+/// would hold eight copies. Serially, and with the freed heap handed back
+/// after each, the agent's peak stays near one copy; attaching 8 ranks
+/// takes a little longer (the resolutions share 2 cores anyway).
+static RESOLVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn resolve_serially(target: &Target) -> Result<Vec<ResolvedProbe>> {
+    let _one = RESOLVING.lock().unwrap_or_else(|e| e.into_inner());
+    let r = probes::resolve_markers(target, &[MarkerArg::Auto]);
+    crate::sys::memory::trim_heap();
+    r
+}
+
 fn prepare(pid: HostPid) -> Result<Prepared> {
     let target = Target::open(pid)?;
     let lock = lock::acquire(pid, "agent")?;
-    let probes = probes::resolve_markers(&target, &[MarkerArg::Auto])?;
+    let probes = resolve_serially(&target)?;
     let env = crate::target::read_environ(pid).unwrap_or_default();
     let (pod, namespace) = labels::pod_names(target.container_id.as_ref(), &env);
     Ok(Prepared {
@@ -256,21 +316,36 @@ impl Follower {
         self.set_attached_gauge();
     }
 
-    /// Detaches from `pids` and waits until their sessions (and locks) are
-    /// gone, so a capture can take them.
+    /// Hands `pids` to a capture: each session releases its lock and goes
+    /// on counting steps, or (markers that cannot be shared) detaches; on
+    /// return no lock of `pids` is the agent's.
     async fn release(&mut self, pids: &[HostPid]) {
         {
             let mut st = self.shared.lock();
             st.busy.extend(pids.iter().copied());
         }
         for pid in pids {
-            if let Some(r) = self.running.remove(pid) {
-                let _ = r.tx.send(AgentCmd::Stop);
+            let Some(r) = self.running.get(pid) else {
+                continue;
+            };
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let kept = r.tx.send(AgentCmd::HandOver(Some(tx))).is_ok() && rx.await == Ok(true);
+            if !kept && let Some(r) = self.running.remove(pid) {
                 let _ = r.task.await;
                 self.shared.lock().attached.remove(pid);
             }
         }
         self.set_attached_gauge();
+    }
+
+    /// The capture of `pids` is done: the sessions that kept counting
+    /// take their locks back.
+    fn take_back(&mut self, pids: &[HostPid]) {
+        for pid in pids {
+            if let Some(r) = self.running.get(pid) {
+                let _ = r.tx.send(AgentCmd::TakeBack);
+            }
+        }
     }
 }
 
@@ -344,10 +419,11 @@ async fn attach_and_run(
         },
     );
     set_attached_gauge(shared);
-    let lock = p.lock;
     let mut session = Session::new(kernel, p.target, p.probes);
     let mut observers: Vec<Box<dyn Observer<AgentCmd>>> = vec![Box::new(StepMetrics {
+        pid,
         series,
+        lock: Some(p.lock),
         lost_seen: 0,
         ticks: 0,
         stop: false,
@@ -362,8 +438,9 @@ async fn attach_and_run(
             Some(rx),
         )
         .await;
+    // Probes first, then the lock (the observer holds it).
     drop(session);
-    drop(lock);
+    drop(observers);
     if let Err(e) = r {
         eprintln!("dynprof: agent: PID {pid}: session failed: {e:#}");
     }
@@ -460,6 +537,7 @@ pub(super) async fn follow(
                 }));
             }
             Some(pids) = done_rx.recv() => {
+                f.take_back(&pids);
                 let mut st = shared.lock();
                 for p in pids {
                     st.busy.remove(&p);

@@ -11,6 +11,19 @@ pub struct AgentArgs {
     #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:9464")]
     pub listen: SocketAddr,
 
+    /// Also serve the endpoints on a unix socket at PATH (e.g.
+    /// /run/dynprof/agent.sock), created root-owned 0600: the socket file's
+    /// permissions authorize capture requests. Its directory must be
+    /// writable by root only. Without --token-file, TCP then serves
+    /// metrics only (docs/fleet.md).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+
+    /// With --socket: members of group GID may use the socket too (mode 0660).
+    #[arg(long, value_name = "GID", requires = "socket",
+          value_parser = crate::cli::int(0u32, u32::MAX))]
+    pub socket_group: Option<u32>,
+
     /// Where captures are written (one CAPTURE_<id>/PROF_JOB_* per capture,
     /// and the index captures.json). Must be a directory only root can change.
     #[arg(
@@ -111,6 +124,8 @@ pub fn config(a: &AgentArgs) -> Result<crate::agent::Config> {
         .unwrap_or_else(host_name);
     Ok(crate::agent::Config {
         listen: a.listen,
+        socket: a.socket.clone(),
+        socket_group: a.socket_group,
         output: a.output.clone(),
         node,
         token,

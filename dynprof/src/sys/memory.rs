@@ -1,5 +1,5 @@
-//! dynprof's own memory: its peak RSS, and unnamed files to spill window
-//! events into.
+//! dynprof's own memory: its peak RSS, giving freed heap back, and
+//! unnamed files to spill window events into.
 use std::{fs::File, path::Path};
 
 use anyhow::{Context as _, Result};
@@ -21,4 +21,17 @@ pub fn peak_rss_bytes() -> Result<u64> {
 pub fn unnamed_temp_file(dir: &Path) -> Result<File> {
     tempfile::tempfile_in(dir)
         .with_context(|| format!("creating an unnamed spill file in {}", dir.display()))
+}
+
+/// Hands the heap's free pages back to the kernel (glibc `malloc_trim`):
+/// after a large, short-lived allocation (a library's symbol tables) the
+/// freed memory would otherwise stay resident in malloc's arenas and add
+/// to a long-running process's RSS.
+pub fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks malloc's own arenas; no pointer of
+    // ours is involved.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }

@@ -17,8 +17,11 @@
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 //! | `procmem` | read a target's memory (`/proc/PID/mem`): CPython code objects |
 //! | `signal` | SIGTERM to dynprof's own children (the agent's captures) |
+//! | `configmap` | read a `--config-dir` file, plain or through a ConfigMap's root-owned `..data` links |
+//! | `unixsock` | the agent's root-only unix socket: checked parent, stale-socket replacement |
 pub mod caps;
 pub mod clock;
+pub mod configmap;
 pub mod creds;
 pub mod exec;
 pub mod hostfs;
@@ -29,4 +32,5 @@ pub mod procmem;
 pub mod rootfs;
 pub mod signal;
 pub mod targetdir;
+pub mod unixsock;
 pub mod uprobe;
