@@ -391,3 +391,109 @@ fn repeat_gives_one_job_window_per_repeat() {
     assert_eq!(starts[2], starts[0] + 44, "{starts:?}");
     drop(ranks);
 }
+
+/// `rank N [label n, …]` from the job console's `status` answer.
+fn rank_hits(status: &str, rank: u32, label: &str) -> u64 {
+    let list = status
+        .split("marker hits:")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no marker hits in {status:?}"));
+    let of_rank = list
+        .split(&format!("rank {rank} ["))
+        .nth(1)
+        .and_then(|x| x.split(']').next())
+        .unwrap_or_else(|| panic!("no rank {rank} in {status:?}"));
+    of_rank
+        .split(',')
+        .map(str::trim)
+        .find_map(|e| e.strip_prefix(label)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {label} for rank {rank} in {status:?}"))
+}
+
+/// An aux marker (HcclAllReduce, once per step) is attached on the ranks
+/// only around job windows: over twenty idle steps it counts nothing on any
+/// rank, and each recorded job step of every rank counts exactly one call.
+#[test]
+fn aux_marker_only_around_job_windows() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode_triggers-aux");
+    let ranks = Ranks::start(&dir, "jmt-aux");
+    let out = dir.join("out");
+    let pids = ranks.pids();
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pids",
+            &pids,
+            "--marker",
+            "exe:optimizer_step",
+            "--marker",
+            "libhccl:HcclAllReduce,role=aux",
+            "--interactive",
+            "--collect",
+            "offcpu",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        true,
+    );
+    d.wait_for("dynprof console ready", T);
+    // Twenty idle steps on every rank with the markers attached (the ranks
+    // are in lockstep: rank 0's log stands for all).
+    let log0 = dir.join("rank0.log");
+    let have = log_lines_of(&log0, "step").len();
+    wait_for_log_lines(&log0, "step", have + 20, T);
+    // The hits are read on each session tick: ask until every rank's step
+    // marker shows idle steps.
+    let deadline = std::time::Instant::now() + T;
+    let mut from = 0;
+    let idle = loop {
+        d.send("status");
+        let i = d.wait_for_from(from, "marker hits:", T);
+        from = i + 1;
+        let line = d.lines[i].1.clone();
+        if (0..WORLD).all(|r| rank_hits(&line, r, "optimizer_step") >= 20) {
+            break line;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", d.transcript());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(idle.contains("no window"), "{idle}");
+    for r in 0..WORLD {
+        assert_eq!(rank_hits(&idle, r, "HcclAllReduce"), 0, "rank {r}: {idle}");
+    }
+    d.send("capture 3 warmup 1");
+    d.wait_for("job window written", T);
+    d.send("quit");
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{st}\n{}", d.transcript());
+    let jobs = job_dirs(&out);
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    check_window(&jobs[0], &ranks, &[0, 1, 2, 3], 3);
+    for r in 0..WORLD {
+        let rank_dir = jobs[0].join(format!("rank{r}"));
+        let prof = std::fs::read_dir(&rank_dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("PROF_"))
+            })
+            .unwrap_or_else(|| panic!("no PROF_ dir in {}", rank_dir.display()));
+        let csv = std::fs::read_to_string(prof.join("steps.csv")).unwrap();
+        let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+        let col = header
+            .iter()
+            .position(|h| *h == "aux_HcclAllReduce")
+            .unwrap_or_else(|| panic!("rank {r}: no HcclAllReduce column: {csv}"));
+        let rows: Vec<&str> = csv.lines().skip(1).collect();
+        assert_eq!(rows.len(), 3, "rank {r}: {csv}");
+        for row in rows {
+            assert_eq!(row.split(',').nth(col), Some("1"), "rank {r}: {csv}");
+        }
+    }
+    drop(ranks);
+}

@@ -141,7 +141,13 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         )?),
         _ => None,
     };
-    let kept = crate::sys::caps::drop_after_attach(&driver::needs(&args.window, &trigger.mode())?)?;
+    // Keep what the windows and the detach need, and the uprobe
+    // capabilities to attach aux markers again around each job window.
+    let mut session_needs = driver::needs(&args.window, &trigger.mode())?;
+    if attached.iter().any(|a| a.aux_in_windows) {
+        session_needs.push(crate::sys::caps::Need::AuxMarkers);
+    }
+    let kept = crate::sys::caps::drop_after_attach(&session_needs)?;
     log::info!("capabilities kept after attach: {kept:?}");
 
     let ctl_ranks: Vec<CtlRank> = attached
@@ -202,6 +208,7 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
                     tap: _,
                     lock,
                     ended,
+                    aux_in_windows: _,
                 } = a;
                 handles.push(tokio::task::spawn_local(async move {
                     let r = session

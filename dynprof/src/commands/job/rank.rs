@@ -12,6 +12,9 @@ pub(super) struct TapData {
     pub(super) step_tids: Vec<u32>,
     pub(super) offcpu: Vec<OffCpu>,
     pub(super) offcpu_dropped: u64,
+    /// Hits per marker label, read on each session tick (for `status`: an
+    /// aux marker counts only while it is attached, around job windows).
+    pub(super) marker_hits: std::collections::BTreeMap<String, u64>,
 }
 
 /// A session observer that records the rank's boundaries and the off-CPU
@@ -52,6 +55,10 @@ impl<C> Observer<C> for StepTap {
         }
         Ok(())
     }
+    fn on_tick(&mut self, ctx: &mut Ctx) -> Result<()> {
+        self.0.borrow_mut().marker_hits = crate::session::marker_hits(ctx.kernel, ctx.probes);
+        Ok(())
+    }
     // `wants_exit` stays false: the session ends when the scheduler (or a
     // limit) says so.
 }
@@ -66,6 +73,9 @@ pub(super) struct Attached {
     pub(super) tap: Rc<RefCell<TapData>>,
     pub(super) lock: lock::TargetLock,
     pub(super) ended: Rc<RefCell<Option<Ended>>>,
+    /// Whether it has aux markers, attached only around its windows (the
+    /// uprobe capabilities are then kept for the whole run).
+    pub(super) aux_in_windows: bool,
 }
 
 /// How a rank's session ended (set once, when it has).
@@ -151,9 +161,21 @@ pub(super) fn attach_rank(
     for h in args.window.build_hooks(&target)? {
         sched.add_hook(h);
     }
+    // Aux markers (e.g. the backward pass) are attached only around job
+    // windows, as for one PID: each hit is a uprobe trap on every idle step.
+    // The scheduler attaches them when a job window's plan arrives and
+    // detaches them with the collectors.
+    let window_markers: Vec<probes::ResolvedProbe> = resolved
+        .iter()
+        .filter(|p| p.role == probes::Role::Aux)
+        .cloned()
+        .collect();
+    sched.set_window_markers(window_markers.clone());
     // No plan yet: it comes once the ranks are aligned.
     sched.begin(&mut kernel, &target, None)?;
-    for p in probes::attach_order(&resolved) {
+    for p in probes::attach_order(&resolved)
+        .filter(|p| !window_markers.iter().any(|w| w.index == p.index))
+    {
         kernel.attach_marker(p)?;
     }
     let (tx, rx) = mpsc::unbounded_channel::<Command>();
@@ -164,9 +186,12 @@ pub(super) fn attach_rank(
     let tap = Rc::new(RefCell::new(TapData::default()));
     let observers: Vec<Box<dyn Observer<Command>>> =
         vec![Box::new(StepTap(Rc::clone(&tap))), Box::new(sched)];
+    let mut session = Session::new(kernel, target, resolved);
+    session.clock.aux_in_windows_only = !window_markers.is_empty();
     Ok(Attached {
         member: m.clone(),
-        session: Session::new(kernel, target, resolved),
+        aux_in_windows: !window_markers.is_empty(),
+        session,
         observers,
         tx,
         rx,

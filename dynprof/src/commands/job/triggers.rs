@@ -154,6 +154,14 @@ impl Controller {
         if self.pending.is_some() {
             s.push_str("; one window waiting");
         }
+        // Per rank, as of its last tick: aux markers count only while
+        // attached, around job windows.
+        s.push_str("; marker hits:");
+        for r in &self.s.ranks {
+            let hits = r.tap.borrow().marker_hits.clone();
+            let list: Vec<String> = hits.iter().map(|(l, n)| format!("{l} {n}")).collect();
+            s.push_str(&format!(" rank {} [{}]", r.rank(), list.join(", ")));
+        }
         s.push_str(&format!("; job windows written {}", self.written.len()));
         if let Some(last) = self.written.last() {
             s.push_str(&format!(" (last: {})", last.display()));
