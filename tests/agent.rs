@@ -842,12 +842,24 @@ fn two_nodes(tag: &str, trigger: Trigger) {
             bs.iter().any(|b| its == [b + 41, b + 42, b + 43]),
             "node{i}: recorded iterations {its:?}, expected B+41.. with B in {bs:?}"
         );
-        iterations.push(its);
+        iterations.push((its, bs));
     }
-    assert_eq!(
-        iterations[0], iterations[1],
-        "both nodes recorded the same training iterations"
-    );
+    // The ranks cross a boundary a few milliseconds apart. An instant in
+    // that gap (or inside one rank's optimizer.step()) lets the nodes pick
+    // neighbouring iterations, as docs/fleet.md says; each node's own rule
+    // was checked above. Otherwise both must have picked the same B.
+    if iterations[0].1 == iterations[1].1 && iterations[0].1.len() == 1 {
+        assert_eq!(
+            iterations[0].0, iterations[1].0,
+            "both nodes recorded the same training iterations"
+        );
+    } else {
+        eprintln!(
+            "the instant fell between the ranks' boundaries (B in {:?} and {:?}): \
+             each node checked against its own rank only",
+            iterations[0].1, iterations[1].1
+        );
+    }
     assert_eq!(agents[0].get("/healthz").map(|r| r.0), Some(200));
     drop(agents);
     drop(ranks);
