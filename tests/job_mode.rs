@@ -461,8 +461,12 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
             compute(r),
             wait(r)
         );
+        // Nominally 10× (hccl fixture: 60 ms against 6 ms) or more (DDP:
+        // 60 ms burn against none). Compute is wall time outside the
+        // collective, and four ranks share two cores, so a fast rank's
+        // 6 ms stretches while the others run: 4.3× was seen under load.
         assert!(
-            compute(SLOW) > 5 * compute(r),
+            compute(SLOW) > 3 * compute(r),
             "rank {SLOW} computes {} ns, rank {r} {} ns",
             compute(SLOW),
             compute(r)
