@@ -126,9 +126,11 @@ fn python_frames_hot_function_under_its_caller() {
         user_mode as f64 >= 0.8 * in_job as f64,
         "{user_mode} of {in_job}"
     );
-    assert_eq!(
-        joined, user_mode,
-        "Python frames not joined to the interpreter's"
+    // All but the rare sample taken in the evaluator's symbol-less `.cold`
+    // part (1 of 308 in one run of five; docs/stacks.md, Splicing).
+    assert!(
+        joined * 100 >= user_mode * 99,
+        "Python frames not joined to the interpreter's: {joined} of {user_mode}"
     );
     let share = hot as f64 / in_job as f64;
     // The job splits its work 4:1 (80 %).
