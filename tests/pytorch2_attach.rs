@@ -155,7 +155,8 @@ fn pytorch2_resnet_cpu_window_stacks() {
         s.len() >= 2
             && s[s.len() - 1] == "[jit]"
             && !s[s.len() - 2].starts_with("[py]")
-            && s.iter().any(|f| f.starts_with("dnnl") || f.starts_with("at::"))
+            && s.iter()
+                .any(|f| f.starts_with("dnnl") || f.starts_with("at::"))
     });
     eprintln!(
         "torch {v}: {total} samples; no module {no_module}, broken chain {broken}, lost {lost}, \

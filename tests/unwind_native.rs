@@ -251,7 +251,9 @@ fn unwind_native_through_jit_code() {
         .filter(|(s, _)| s.ends_with(&chain))
         .map(|s| s.1)
         .sum();
-    eprintln!("{in_jit} of {total} user-mode samples in JIT code, {full} with the whole chain above it");
+    eprintln!(
+        "{in_jit} of {total} user-mode samples in JIT code, {full} with the whole chain above it"
+    );
     for (s, n) in &unwound {
         eprintln!("  {n:5} {}", s.join(";"));
     }

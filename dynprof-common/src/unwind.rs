@@ -60,6 +60,11 @@ pub struct PyFrameRaw {
     /// pushes (user space reads it by version).
     pub is_entry: u32,
     pub _pad: u32,
+    /// The frame's own address in the target. A 3.12+ shim frame is a
+    /// local of its `_PyEval_EvalFrameDefault` call, so its address falls
+    /// in that call's C stack frame: user space places the call's Python
+    /// frames there even where the evaluator has no symbol.
+    pub addr: u64,
 }
 
 /// [`PyOffsets::flags`]: the thread state holds a `_PyCFrame*` at

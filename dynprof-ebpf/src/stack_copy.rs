@@ -249,6 +249,7 @@ fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
             instr: read(frame + py.frame_prev_instr),
             is_entry: entry as u32,
             _pad: 0,
+            addr: frame,
         };
         unsafe { *(&raw mut (*buf).py).cast::<PyFrameRaw>().add(i) = f };
         n = i as u32 + 1;

@@ -27,18 +27,21 @@ use crate::{
     session::StackCopy,
     symbols::{
         python::{self, PyNames},
-        unwind::NativeUnwinder,
+        unwind::{NativeUnwinder, frame_holding},
     },
 };
 
 /// A stack built in user space: the sample's frame-pointer id, the
 /// addresses unwound from its stack copy (leaf first; `None` without a
-/// copy) and its Python frames (innermost first, named, with `is_entry`).
+/// copy), its Python frames (innermost first, named, with `is_entry`) and,
+/// per run of them, the leaf-first index of the native frame that runs it
+/// where its shim frame told (`python::splice`).
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct Unwound {
     fp_id: i32,
     ips: Option<Vec<u64>>,
     py: Vec<(String, bool)>,
+    anchors: Vec<Option<usize>>,
 }
 
 /// First id of stacks unwound in user space (the kernel's ids stay below
@@ -132,39 +135,51 @@ impl StackStore {
     pub fn unwind(&mut self, copy: &StackCopy) -> i32 {
         let fp_id = copy.sample.user_stack;
         let t0 = std::time::Instant::now();
-        let ips = match &mut self.sym {
+        let unwound = match &mut self.sym {
             Some(sym) if !copy.stack.is_empty() => Some(self.unwinder.unwind(
                 copy.regs,
                 &copy.stack,
                 |a| sym.unwind_lookup(a),
             ))
-            .filter(|v| !v.is_empty()),
+            .filter(|v| !v.ips.is_empty()),
             _ => None,
         };
-        let py = self.name_python(&copy.py);
+        let (py, shims) = self.name_python(&copy.py);
+        let anchors = match &unwound {
+            Some(u) => shims.iter().map(|&a| frame_holding(&u.sps, a)).collect(),
+            None => Vec::new(),
+        };
         self.unwind_time += t0.elapsed();
         self.unwind_count += 1;
-        self.intern(Unwound { fp_id, ips, py })
+        self.intern(Unwound {
+            fp_id,
+            ips: unwound.map(|u| u.ips),
+            py,
+            anchors,
+        })
     }
 
     /// The user stack id of an off-CPU interval whose Python frames were
     /// read at its switch-out: its frame-pointer stack with them spliced in.
     pub fn with_python(&mut self, fp_id: i32, py: &[PyFrameRaw]) -> i32 {
-        let py = self.name_python(py);
+        let (py, _) = self.name_python(py);
         self.intern(Unwound {
             fp_id,
             ips: None,
             py,
+            anchors: Vec::new(),
         })
     }
 
-    fn name_python(&mut self, py: &[PyFrameRaw]) -> Vec<(String, bool)> {
+    /// The named frames, and the addresses of the shims that end their
+    /// runs (3.12+).
+    fn name_python(&mut self, py: &[PyFrameRaw]) -> (Vec<(String, bool)>, Vec<u64>) {
         if py.is_empty() {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         let pid = self.pid.unwrap_or(0);
         let names = self.py_names.get_or_insert_with(|| PyNames::new(pid));
-        names.frames(py)
+        names.frames_and_shims(py)
     }
 
     fn intern(&mut self, key: Unwound) -> i32 {
@@ -283,31 +298,40 @@ impl StackStore {
                 .ok_or_else(|| anyhow::anyhow!("unwound stack id {id} is unknown")),
             None => kernel.stack(id as u32),
         };
-        let frames = match lookup {
+        // User frames as leaf-first groups (one per address: a function
+        // and what was inlined into it there), for `python::splice`.
+        let lost = || {
+            if is_kernel {
+                "[lost kernel stack]_[k]"
+            } else {
+                "[lost user stack]"
+            }
+            .to_string()
+        };
+        let groups: Vec<Vec<String>> = match lookup {
             Ok(ips) => match &mut self.sym {
-                Some(sym) if is_kernel => sym.kernel_stack(&ips),
-                Some(sym) => sym.user_stack(&ips),
-                None => {
-                    let n = ips.iter().position(|&ip| ip == 0).unwrap_or(ips.len());
-                    ips[..n].iter().rev().map(|ip| format!("{ip:#x}")).collect()
-                }
+                Some(sym) if is_kernel => sym
+                    .kernel_stack(&ips)
+                    .into_iter()
+                    .rev()
+                    .map(|f| vec![f])
+                    .collect(),
+                Some(sym) => sym.user_groups(&ips),
+                None => ips
+                    .iter()
+                    .take_while(|&&ip| ip != 0)
+                    .map(|ip| vec![format!("{ip:#x}")])
+                    .collect(),
             },
             Err(e) => {
                 log::debug!("stacks: id {id}: {e:#}");
                 self.lookup_failures += 1;
-                vec![
-                    if is_kernel {
-                        "[lost kernel stack]_[k]"
-                    } else {
-                        "[lost user stack]"
-                    }
-                    .to_string(),
-                ]
+                vec![vec![lost()]]
             }
         };
         let frames = match self.unwound_entry(id) {
-            Some(e) if !is_kernel && !e.py.is_empty() => python::splice(frames, &e.py),
-            _ => frames,
+            Some(e) if !is_kernel && !e.py.is_empty() => python::splice(groups, &e.py, &e.anchors),
+            _ => groups.into_iter().rev().flatten().collect(),
         };
         let cache = if is_kernel {
             &mut self.kernel

@@ -120,6 +120,13 @@ impl Symbolizer {
     /// zero-terminated), root first. Should DWARF be consulted (it is not by
     /// default, see `new`), inlined functions become frames of their own.
     pub fn user_stack(&mut self, ips: &[u64]) -> Vec<String> {
+        self.user_groups(ips).into_iter().rev().flatten().collect()
+    }
+
+    /// The frames of each address of a user stack, leaf first: one group
+    /// per address (the function, then what was inlined into it there),
+    /// up to the first 0.
+    pub fn user_groups(&mut self, ips: &[u64]) -> Vec<Vec<String>> {
         let addrs = adjusted(ips);
         let missing: Vec<u64> = addrs
             .iter()
@@ -129,11 +136,7 @@ impl Symbolizer {
         if !missing.is_empty() {
             self.resolve_user(&missing);
         }
-        let mut out = Vec::new();
-        for a in addrs.iter().rev() {
-            out.extend(self.user_cache[a].iter().cloned());
-        }
-        out
+        addrs.iter().map(|a| self.user_cache[a].clone()).collect()
     }
 
     /// Resolves the new addresses of many stacks in one blazesym call per

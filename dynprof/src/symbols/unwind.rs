@@ -123,7 +123,9 @@ pub const JIT_VALIDATE_FRAMES: usize = 3;
 enum Kind {
     /// Code in a file: framehop unwinds it (from its tables, or by frame
     /// pointers where the file had none).
-    File { tables: bool },
+    File {
+        tables: bool,
+    },
     Anonymous,
 }
 
@@ -156,17 +158,21 @@ impl NativeUnwinder {
     /// (one more frame in code, higher on the stack), as Breakpad's stack
     /// scanning does; a stale return address left below the frame fails
     /// that check far more often than not. docs/stacks.md.
+    ///
+    /// Each frame comes with its stack pointer: frame `i`'s locals lie in
+    /// `sps[i]..sps[i + 1]` (see [`frame_holding`]).
     pub fn unwind(
         &mut self,
         regs: UserRegs,
         stack: &[u8],
         mut lookup: impl FnMut(u64) -> Lookup,
-    ) -> Vec<u64> {
+    ) -> UnwoundStack {
         let base = regs.sp;
         let mut read = |addr: u64| read_word(stack, base, addr);
         let mut r = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
         let mut addr = FrameAddress::from_instruction_pointer(regs.ip);
         let mut out = vec![regs.ip];
+        let mut sps = vec![regs.sp];
         while out.len() < MAX_FRAMES {
             let next = match self.kind(addr.address_for_lookup(), &mut lookup) {
                 None => break,
@@ -192,9 +198,10 @@ impl NativeUnwinder {
                 break;
             };
             out.push(ra.address());
+            sps.push(r.sp());
             addr = ra;
         }
-        out
+        UnwoundStack { ips: out, sps }
     }
 
     /// What is mapped at `addr`, asking `lookup` the first time.
@@ -272,7 +279,10 @@ impl NativeUnwinder {
                 return false;
             };
             let sp = r.sp();
-            match self.unwinder.unwind_frame(ra, &mut r, &mut self.cache, &mut read) {
+            match self
+                .unwinder
+                .unwind_frame(ra, &mut r, &mut self.cache, &mut read)
+            {
                 // "Outermost frame" this close to a JIT frame means a zero
                 // word was read as the return address: uninitialised stack,
                 // not a root (threads start several frames below any JIT
@@ -294,6 +304,21 @@ impl NativeUnwinder {
     }
 }
 
+/// A stack unwound from a copy: return addresses (leaf first, the sampled
+/// ip first) and, for each, the stack pointer while that frame ran.
+#[derive(Debug, Default)]
+pub struct UnwoundStack {
+    pub ips: Vec<u64>,
+    pub sps: Vec<u64>,
+}
+
+/// The frame (leaf-first index into `sps`) whose stack memory holds
+/// `addr`: `sps[i] <= addr < sps[i + 1]`. The outermost frame's extent is
+/// unknown, so an address above the last stack pointer is in no frame.
+pub fn frame_holding(sps: &[u64], addr: u64) -> Option<usize> {
+    sps.windows(2).position(|w| w[0] <= addr && addr < w[1])
+}
+
 /// The 8 bytes of the stack copy (which starts at address `base`) at
 /// address `addr`.
 fn read_word(stack: &[u8], base: u64, addr: u64) -> Result<u64, ()> {
@@ -305,6 +330,20 @@ fn read_word(stack: &[u8], base: u64, addr: u64) -> Result<u64, ()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_address_belongs_to_the_frame_whose_stack_holds_it() {
+        let sps = [0x1000, 0x1040, 0x10c0, 0x2000];
+        assert_eq!(frame_holding(&sps, 0x1000), Some(0));
+        assert_eq!(frame_holding(&sps, 0x1080), Some(1));
+        assert_eq!(frame_holding(&sps, 0x1fff), Some(2));
+        // Below the leaf's sp (the red zone), or in the outermost frame,
+        // whose end is unknown.
+        assert_eq!(frame_holding(&sps, 0xff8), None);
+        assert_eq!(frame_holding(&sps, 0x2000), None);
+        // A frame of no size holds nothing.
+        assert_eq!(frame_holding(&[0x1000, 0x1000, 0x1010], 0x1000), Some(1));
+    }
 
     #[test]
     fn copy_size_fits_the_ring() {

@@ -237,21 +237,32 @@ impl PyNames {
     /// (for [`splice`]). 3.12+'s shim frames are dropped: each marks the
     /// frame before it as its call's outermost.
     pub fn frames(&mut self, raw: &[PyFrameRaw]) -> Vec<(String, bool)> {
+        self.frames_and_shims(raw).0
+    }
+
+    /// [`frames`](Self::frames), and the address of the shim frame that
+    /// ends each run (3.12+; innermost first; empty for 3.11). The shim is
+    /// a local of its `_PyEval_EvalFrameDefault` call, so its address
+    /// names the native frame the run belongs to ([`splice`]).
+    pub fn frames_and_shims(&mut self, raw: &[PyFrameRaw]) -> (Vec<(String, bool)>, Vec<u64>) {
         let entry = self.layout.map_or(EntryMark::IsEntry, |l| l.entry);
         let mut out: Vec<(String, bool)> = Vec::with_capacity(raw.len());
+        let mut shims = Vec::new();
         for f in raw {
             match entry {
                 EntryMark::IsEntry => out.push((self.frame_name(f), f.is_entry != 0)),
                 EntryMark::ShimOwner if f.is_entry == 3 => {
-                    if let Some(last) = out.last_mut() {
+                    // A shim with no frame since the last one starts no run.
+                    if let Some(last) = out.last_mut().filter(|l| !l.1) {
                         last.1 = true;
+                        shims.push(f.addr);
                     }
                 }
                 EntryMark::ShimOwner if f.is_entry > 3 => {}
                 EntryMark::ShimOwner => out.push((self.frame_name(f), false)),
             }
         }
-        out
+        (out, shims)
     }
 
     /// `[py] qualname (file.py:LINE)`, or `[py] ?` for an unreadable code
@@ -361,13 +372,28 @@ fn read_bytes(mem: &ProcMem, l: &Layout, obj: u64) -> Option<Vec<u8>> {
 }
 
 /// Splices Python frames (innermost first, with their `is_entry` flags)
-/// into a native stack (root first): each run of frames up to an entry
-/// frame belongs to one `_PyEval_EvalFrameDefault` call, the innermost run
-/// to the innermost call. Runs left over (the native stack was cut short)
-/// go at the root; with no evaluator frame at all, every run does.
-pub fn splice(native: Vec<String>, py: &[(String, bool)]) -> Vec<String> {
+/// into a native stack, given leaf first, one group of names per address
+/// (a function and the functions inlined into it there). Returns the
+/// joined stack, root first.
+///
+/// Each run of frames up to an entry frame belongs to one
+/// `_PyEval_EvalFrameDefault` call, the innermost run to the innermost
+/// call. Where the run's call is known by its stack frame (`anchors[k]`,
+/// the leaf-first index of the group whose stack memory holds run `k`'s
+/// shim), the run goes right above that frame, whatever its name: a
+/// PGO-split evaluator has no symbol. Runs without an anchor go under the
+/// evaluator frames (by name) rootward of the last anchored one, innermost
+/// to innermost. Runs left over (the native stack was cut short, or has no
+/// evaluator frame) go at the root. Anchors that are not in order are
+/// ignored.
+pub fn splice(
+    native: Vec<Vec<String>>,
+    py: &[(String, bool)],
+    anchors: &[Option<usize>],
+) -> Vec<String> {
+    let flat = |native: Vec<Vec<String>>| native.into_iter().rev().flatten().collect();
     if py.is_empty() {
-        return native;
+        return flat(native);
     }
     // Runs, innermost first; each run root first.
     let mut runs: Vec<Vec<String>> = Vec::new();
@@ -383,25 +409,64 @@ pub fn splice(native: Vec<String>, py: &[(String, bool)]) -> Vec<String> {
         cur.reverse();
         runs.push(cur);
     }
-    let evals: Vec<usize> = native
+    // The group each run goes above, leaf-first index.
+    let mut at: Vec<Option<usize>> = vec![None; runs.len()];
+    let anchored: Vec<(usize, usize)> = anchors
         .iter()
+        .take(runs.len())
         .enumerate()
-        .filter(|(_, f)| f.as_str() == EVAL_FRAME)
-        .map(|(i, _)| i)
+        .filter_map(|(k, a)| a.filter(|&i| i < native.len()).map(|i| (k, i)))
         .collect();
-    let mut out = native;
-    // Innermost run ↔ last evaluator frame; insert from the leaf end so
-    // that earlier positions stay valid.
-    let mut runs = runs.into_iter();
-    for &pos in evals.iter().rev() {
-        let Some(run) = runs.next() else { break };
-        out.splice(pos + 1..pos + 1, run);
+    // Anchors must be a prefix of the runs, each strictly rootward of the
+    // one before.
+    let in_order = anchored.iter().enumerate().all(|(j, (k, _))| j == *k)
+        && anchored.windows(2).all(|w| w[0].1 < w[1].1);
+    let mut next = 0;
+    let mut from = 0;
+    if in_order {
+        for (k, i) in &anchored {
+            at[*k] = Some(*i);
+            next = k + 1;
+            from = i + 1;
+        }
     }
-    let rest: Vec<Vec<String>> = runs.collect();
-    if !rest.is_empty() {
-        let mut head: Vec<String> = rest.into_iter().rev().flatten().collect();
-        head.extend(out);
-        out = head;
+    let is_eval = |g: &Vec<String>| g.iter().any(|f| f == EVAL_FRAME);
+    let mut evals = (from..native.len()).filter(|&i| is_eval(&native[i]));
+    for slot in at.iter_mut().skip(next) {
+        match evals.next() {
+            Some(i) => *slot = Some(i),
+            None => break,
+        }
+    }
+    // Root first: the runs with no place, outermost first, then each
+    // group followed by the runs placed above it (outermost first).
+    let mut out: Vec<String> = Vec::new();
+    for (k, run) in runs.iter().enumerate().rev() {
+        if at[k].is_none() {
+            out.extend(run.iter().cloned());
+        }
+    }
+    for (i, group) in native.into_iter().enumerate().rev() {
+        let here: Vec<usize> = (0..runs.len())
+            .rev()
+            .filter(|&k| at[k] == Some(i))
+            .collect();
+        if here.is_empty() {
+            out.extend(group);
+            continue;
+        }
+        // Right after the evaluator's own name where the group has it (an
+        // inlined callee comes after the Python frames it runs for).
+        let split = group
+            .iter()
+            .position(|f| f == EVAL_FRAME)
+            .map_or(1, |p| p + 1);
+        let mut group = group.into_iter();
+        out.extend(group.by_ref().take(split));
+        for k in here {
+            out.extend(runs[k].iter().cloned());
+        }
+        out.extend(group);
     }
     out
 }
@@ -444,6 +509,7 @@ mod tests {
             instr: 0,
             is_entry: owner,
             _pad: 0,
+            addr: 0,
         };
         let got = n.frames(&[f(1, 0), f(2, 0), f(0, 3), f(3, 4), f(4, 0), f(0, 3)]);
         let entries: Vec<bool> = got.iter().map(|g| g.1).collect();
@@ -457,9 +523,14 @@ mod tests {
         assert_eq!(entries, vec![false, true, false]);
     }
 
+    /// A root-first list of names as leaf-first groups of one.
+    fn groups(v: &[&str]) -> Vec<Vec<String>> {
+        v.iter().rev().map(|x| vec![x.to_string()]).collect()
+    }
+
     #[test]
     fn splice_runs_under_their_evaluator_calls() {
-        let native = s(&["main", EVAL_FRAME, "call", EVAL_FRAME, "leaf_c"]);
+        let native = groups(&["main", EVAL_FRAME, "call", EVAL_FRAME, "leaf_c"]);
         // Innermost first: hot and caller in the inner call, outer in the
         // outer one.
         let py = vec![
@@ -467,32 +538,119 @@ mod tests {
             ("[py] caller".to_string(), true),
             ("[py] <module>".to_string(), true),
         ];
+        let joined = s(&[
+            "main",
+            EVAL_FRAME,
+            "[py] <module>",
+            "call",
+            EVAL_FRAME,
+            "[py] caller",
+            "[py] hot",
+            "leaf_c",
+        ]);
+        assert_eq!(splice(native.clone(), &py, &[]), joined);
+        // Anchored where the evaluators are: the same.
+        assert_eq!(splice(native.clone(), &py, &[Some(1), Some(3)]), joined);
+        // Anchors out of order are ignored.
+        assert_eq!(splice(native, &py, &[Some(3), Some(1)]), joined);
+        // A native stack cut short: the outer run goes at the root.
+        let native = groups(&[EVAL_FRAME, "leaf_c"]);
         assert_eq!(
-            splice(native, &py),
+            splice(native, &py, &[]),
+            s(&[
+                "[py] <module>",
+                EVAL_FRAME,
+                "[py] caller",
+                "[py] hot",
+                "leaf_c"
+            ])
+        );
+        assert_eq!(splice(groups(&["a"]), &[], &[]), s(&["a"]));
+    }
+
+    /// A PGO-split evaluator (Debian's 3.14): the evaluation loop has no
+    /// symbol, so names find no evaluator frame, but each run's shim lies
+    /// in a known frame. The inner run is anchored; the outer run's shim is
+    /// beyond the copy, and goes under the evaluator named rootward.
+    #[test]
+    fn splice_by_anchor_without_evaluator_symbols() {
+        let native = groups(&[
+            "main",
+            EVAL_FRAME,
+            "call",
+            "[unknown] python3.14+0x10",
+            "leaf_c",
+        ]);
+        let py = vec![
+            ("[py] hot".to_string(), false),
+            ("[py] caller".to_string(), true),
+            ("[py] <module>".to_string(), true),
+        ];
+        assert_eq!(
+            splice(native.clone(), &py, &[Some(1), None]),
             s(&[
                 "main",
                 EVAL_FRAME,
                 "[py] <module>",
                 "call",
-                EVAL_FRAME,
+                "[unknown] python3.14+0x10",
                 "[py] caller",
                 "[py] hot",
                 "leaf_c"
             ])
         );
-        // A native stack cut short: the outer run goes at the root.
-        let native = s(&[EVAL_FRAME, "leaf_c"]);
+        // Without anchors (the old result): the inner run is taken for the
+        // named evaluator's, and the outer one goes at the root.
         assert_eq!(
-            splice(native, &py),
+            splice(native, &py, &[]),
             s(&[
                 "[py] <module>",
+                "main",
                 EVAL_FRAME,
                 "[py] caller",
                 "[py] hot",
+                "call",
+                "[unknown] python3.14+0x10",
                 "leaf_c"
             ])
         );
-        assert_eq!(splice(s(&["a"]), &[]), s(&["a"]));
+        // An inlined group: the run goes after the evaluator's name in it.
+        let native = vec![
+            vec!["leaf_c".to_string()],
+            vec![EVAL_FRAME.to_string(), "inl".to_string()],
+        ];
+        assert_eq!(
+            splice(native, &py[..2], &[Some(1)]),
+            s(&[EVAL_FRAME, "[py] caller", "[py] hot", "inl", "leaf_c"])
+        );
+    }
+
+    /// 3.12+ shims give one address per run; a repeated shim starts none.
+    #[test]
+    fn shim_addresses_follow_the_runs() {
+        let mut n = PyNames {
+            mem: None,
+            layout: Some(PY312),
+            code: HashMap::new(),
+            names: HashMap::new(),
+        };
+        let f = |code, owner, addr| PyFrameRaw {
+            code,
+            instr: 0,
+            is_entry: owner,
+            _pad: 0,
+            addr,
+        };
+        let (frames, shims) = n.frames_and_shims(&[
+            f(0, 3, 0x10),
+            f(1, 0, 0x20),
+            f(0, 3, 0x30),
+            f(0, 3, 0x40),
+            f(2, 0, 0x50),
+            f(0, 3, 0x60),
+        ]);
+        assert_eq!(frames.len(), 2);
+        assert_eq!(shims, vec![0x30, 0x60]);
     }
 
     /// [`PY311`] against the installed interpreter's own headers
