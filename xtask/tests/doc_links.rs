@@ -274,11 +274,12 @@ fn readme_stays_a_readme() {
     }
 }
 
-/// setup.rs installs the venv where tests/pytorch2_attach.rs looks for it.
+/// setup/venvs.rs installs the venv where tests/pytorch2_attach.rs looks
+/// for it.
 #[test]
 fn torch2_venv_default_agrees_between_setup_and_test() {
     let r = root();
-    let setup = std::fs::read_to_string(r.join("xtask/src/setup.rs")).unwrap();
+    let setup = std::fs::read_to_string(r.join("xtask/src/setup/venvs.rs")).unwrap();
     let test = std::fs::read_to_string(r.join("tests/pytorch2_attach.rs")).unwrap();
     let default_of = |text: &str, file: &str| -> String {
         let line = text
@@ -291,7 +292,7 @@ fn torch2_venv_default_agrees_between_setup_and_test() {
             .to_string()
     };
     assert_eq!(
-        default_of(&setup, "setup.rs"),
+        default_of(&setup, "setup/venvs.rs"),
         default_of(&test, "pytorch2_attach.rs")
     );
 }

@@ -45,6 +45,13 @@ pub mod limits {
     /// `.eh_frame` is tens of MiB). A larger one is not read: stacks
     /// through that file fall back to frame pointers.
     pub const EH_FRAME: u64 = 192 << 20;
+    /// `.gnu_debugdata` (MiniDebugInfo: an xz-compressed ELF with the
+    /// local function symbols a stripped binary lost; a few MiB even for
+    /// big libraries).
+    pub const DEBUGDATA: u64 = 64 << 20;
+    /// What `.gnu_debugdata` may decompress to. Checked by decompressing
+    /// it once before blazesym does, so an xz bomb is refused, not expanded.
+    pub const DEBUGDATA_OUT: u64 = 256 << 20;
     /// Everything read from one file.
     pub const TOTAL: u64 = 512 << 20;
     /// Demangling while looking names up in one file.
@@ -89,6 +96,32 @@ impl Sparse {
     pub fn file_len(&self) -> u64 {
         self.len
     }
+
+    /// Overwrites one byte of what was read (false: not read).
+    fn patch(&mut self, offset: u64, byte: u8) -> bool {
+        for (start, bytes) in &mut self.chunks {
+            if let Some(b) = offset
+                .checked_sub(*start)
+                .and_then(|i| bytes.get_mut(usize::try_from(i).ok()?))
+            {
+                *b = byte;
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// Does the xz stream `data` decompress, to at most `cap` bytes
+/// ([`limits::DEBUGDATA_OUT`])? The output is counted, not kept.
+fn debugdata_fits(data: &[u8], cap: u64) -> Result<u64> {
+    use std::io::Read as _;
+    let mut dec = xz2::read::XzDecoder::new(data).take(cap + 1);
+    let n = std::io::copy(&mut dec, &mut std::io::sink()).context("not a valid xz stream")?;
+    if n > cap {
+        bail!("it decompresses to over dynprof's cap of {} MiB", cap >> 20);
+    }
+    Ok(n)
 }
 
 impl<'a> ReadRef<'a> for &'a Sparse {
@@ -152,6 +185,7 @@ impl Source for &[u8] {
 }
 
 struct Loader<'s> {
+    path: &'s Path,
     src: &'s dyn Source,
     sparse: Sparse,
 }
@@ -274,6 +308,7 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
     let mut wanted: Vec<(&'static str, u64, u64, u64)> = Vec::new();
     let mut stapsdt = StapsdtNotes::Absent;
     let mut stapsdt_base = None;
+    let mut debugdata = None;
     let sections = header
         .sections(endian, &loader.sparse)
         .map_err(|e| anyhow!("{e}"))?;
@@ -287,6 +322,13 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
         };
         if (name == b".eh_frame" || name == b".eh_frame_hdr") && size <= limits::EH_FRAME {
             wanted.push(("unwind table", off, size, limits::EH_FRAME));
+        }
+        if name == b".gnu_debugdata" {
+            debugdata = Some((
+                off,
+                size,
+                names_range.map(|r| r.0 + u64::from(h.sh_name(endian))),
+            ));
         }
         match h.sh_type(endian) {
             elf::SHT_SYMTAB | elf::SHT_DYNSYM => {
@@ -325,6 +367,27 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
     }
     for (what, off, size, cap) in wanted {
         loader.load(what, off, size, cap)?;
+    }
+    if let Some((off, size, name_at)) = debugdata {
+        // MiniDebugInfo: blazesym reads the symbols in it when `.symtab`
+        // is gone. One that cannot be read or is too big is hidden from
+        // blazesym (its name changed in the copy), which then names what
+        // `.dynsym` can; otherwise its error would lose those too.
+        let checked = loader
+            .load(".gnu_debugdata section", off, size, limits::DEBUGDATA)
+            .and_then(|()| {
+                let data = loader.sparse.chunk(off, size).unwrap_or_default();
+                debugdata_fits(data, limits::DEBUGDATA_OUT)
+            });
+        if let Err(e) = checked {
+            log::warn!(
+                "{}: ignoring its MiniDebugInfo (.gnu_debugdata): {e:#}",
+                loader.path.display()
+            );
+            if !name_at.is_some_and(|at| loader.sparse.patch(at, b'X')) {
+                bail!("its .gnu_debugdata section cannot be read or hidden: {e:#}");
+            }
+        }
     }
     if let StapsdtNotes::Read { base, .. } = &mut stapsdt {
         *base = stapsdt_base;
@@ -412,6 +475,7 @@ impl ElfImage {
 
     fn read(path: &Path, src: &dyn Source, len: u64) -> Result<Self> {
         let mut loader = Loader {
+            path,
             src,
             sparse: Sparse {
                 len,

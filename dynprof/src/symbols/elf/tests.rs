@@ -161,3 +161,61 @@ fn a_file_that_shrinks_while_read_is_an_error_not_a_crash() {
     assert!(format!("{e:#}").contains("reading its"), "{e:#}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// MiniDebugInfo that is not xz (or is an xz bomb) is hidden from
+/// blazesym, whose error would otherwise lose the file's `.dynsym` names
+/// too; the file itself still reads.
+#[test]
+fn unreadable_minidebuginfo_is_hidden_not_fatal() {
+    let mut bytes = this_binary();
+    // `.gnu.version_r` has the same length as `.gnu_debugdata`: renamed,
+    // its contents are a `.gnu_debugdata` that is not xz.
+    let img = ElfImage::from_bytes(Path::new("t"), &bytes).unwrap();
+    let file = img.file();
+    let object::File::Elf64(elf) = &file else {
+        panic!("ELF64 expected")
+    };
+    let table = elf.elf_section_table();
+    let (_, sh) = table
+        .section_by_name(Endianness::Little, b".gnu.version_r")
+        .expect("the test binary has .gnu.version_r");
+    let strtab = elf.elf_header().e_shstrndx.get(Endianness::Little) as usize;
+    let names_off = table
+        .section(object::SectionIndex(strtab))
+        .unwrap()
+        .sh_offset
+        .get(Endianness::Little) as usize;
+    let at = names_off + sh.sh_name.get(Endianness::Little) as usize;
+    drop(file);
+    bytes[at..at + 14].copy_from_slice(b".gnu_debugdata");
+
+    let img = ElfImage::from_bytes(Path::new("bad-debugdata"), &bytes).unwrap();
+    let file = img.file();
+    let object::File::Elf64(elf) = &file else {
+        panic!("ELF64 expected")
+    };
+    let table = elf.elf_section_table();
+    assert!(
+        table
+            .section_by_name(Endianness::Little, b".gnu_debugdata")
+            .is_none(),
+        "the unreadable .gnu_debugdata is still visible in the copy"
+    );
+    assert!(!img.find_function("main").is_empty());
+}
+
+#[test]
+fn minidebuginfo_over_the_cap_is_refused() {
+    use std::io::Write as _;
+    let mut enc = xz2::write::XzEncoder::new(Vec::new(), 6);
+    enc.write_all(&vec![0u8; 3 << 20]).unwrap();
+    let xz = enc.finish().unwrap();
+    assert!(xz.len() < 4096, "{} bytes", xz.len());
+    assert_eq!(super::debugdata_fits(&xz, 4 << 20).unwrap(), 3 << 20);
+    let e = super::debugdata_fits(&xz, 2 << 20).unwrap_err();
+    assert!(
+        format!("{e:#}").contains("over dynprof's cap of 2 MiB"),
+        "{e:#}"
+    );
+    assert!(super::debugdata_fits(b"not xz", 4 << 20).is_err());
+}
