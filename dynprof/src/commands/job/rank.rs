@@ -108,12 +108,14 @@ impl CtlRank {
     }
 }
 
-/// A rank whose markers are resolved (the slow, read-only part of attach:
-/// ELF symbols of libtorch), done for all ranks at once on threads.
+/// A rank whose markers are resolved and whose eBPF object is loaded: the
+/// slow parts of attach (ELF symbols of libtorch; the kernel's BTF, map
+/// allocation and the verifier), done for all ranks at once on threads.
 pub(super) struct Resolved {
     pub(super) target: Target,
     pub(super) lock: lock::TargetLock,
     pub(super) resolved: Vec<probes::ResolvedProbe>,
+    pub(super) kernel: crate::bpf::Kernel,
 }
 
 pub(super) fn resolve_rank(args: &AttachArgs, m: &Member) -> Result<Resolved> {
@@ -125,10 +127,12 @@ pub(super) fn resolve_rank(args: &AttachArgs, m: &Member) -> Result<Resolved> {
         _ => MarkerWait::No,
     };
     let (resolved, _) = resolve_waiting(&target, &markers, wait, false)?;
+    let kernel = args.ring.load(target.host_pid)?;
     Ok(Resolved {
         target,
         lock,
         resolved,
+        kernel,
     })
 }
 
@@ -142,8 +146,8 @@ pub(super) fn attach_rank(
         target,
         lock,
         resolved,
+        mut kernel,
     } = r;
-    let mut kernel = args.ring.load(target.host_pid)?;
     kernel.repair_semaphores(&lock::lock_dir());
     // Each job window's plan names its own directory below --output
     // (`PROF_JOB_…/rankN`); the session runs until the job is done with it.
