@@ -152,3 +152,20 @@ fn flags_over_long_names_are_usage_errors() {
         "{err}"
     );
 }
+
+/// `--follow` follows a REF; with `--pids` (or `--pid`) it is refused
+/// before any process is touched, naming what it needs.
+#[test]
+fn flags_follow_needs_a_job_ref() {
+    for who in [["--pids", NO_PID], ["--pid", NO_PID]] {
+        let (st, out, err) = run_dynprof(
+            Command::new(dynprof_bin())
+                .arg("attach")
+                .args(who)
+                .args(["--follow", "--active", "1"]),
+        );
+        assert_eq!(st.code(), Some(1), "{who:?}: {st}\n{err}");
+        assert!(out.is_empty(), "{out}");
+        assert!(err.contains("--follow needs --job REF"), "{who:?}: {err}");
+    }
+}

@@ -497,3 +497,166 @@ fn aux_marker_only_around_job_windows() {
     }
     drop(ranks);
 }
+
+/// The children of `pid`, from /proc.
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// An elastic restart under `--job LAUNCHER --follow`: a launcher shell
+/// runs four ranks (loading the CANN runtime stand-in, as NPU ranks do),
+/// and when they die, four new ones with the same RANKs and a new
+/// barrier. A console `capture` before the restart records the first
+/// workers; after the test kills them, dynprof attaches the new workers
+/// as they appear, aligns them again, and a second `capture` records the
+/// same iterations on every new worker (by their own logs). job_meta.json
+/// names the replaced processes.
+#[test]
+fn follow_attaches_the_workers_of_an_elastic_restart() {
+    use std::os::unix::process::CommandExt as _;
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode_triggers-follow");
+    let bin = fixtures().dir.join("hccl/hccl_rank");
+    let acl = fixtures().dir.join("libascendcl.so");
+    let shm = |g: u32| format!("/dynprof-jmt-follow-{}-{g}", std::process::id());
+    let _shm = [
+        Ranks {
+            procs: Vec::new(),
+            shm: shm(1),
+            dir: dir.join("gen1"),
+        },
+        Ranks {
+            procs: Vec::new(),
+            shm: shm(2),
+            dir: dir.join("gen2"),
+        },
+    ];
+    for g in ["gen1", "gen2"] {
+        std::fs::create_dir_all(dir.join(g)).unwrap();
+    }
+    // One generation: WORLD ranks in the background, then wait for all.
+    let script = format!(
+        r#"gen() {{
+             for r in 0 1 2 3; do
+               RANK=$r WORLD_SIZE={WORLD} LD_PRELOAD='{acl}' '{bin}' --rank $r --world {WORLD} \
+                 --shm "$2" --cpu-us $( [ $r = {SLOW} ] && echo 150000 || echo 20000 ) \
+                 --log "$1/rank$r.log" >/dev/null &
+             done
+             wait
+           }}
+           gen '{d}/gen1' '{s1}'
+           gen '{d}/gen2' '{s2}'"#,
+        acl = acl.display(),
+        bin = bin.display(),
+        d = dir.display(),
+        s1 = shm(1),
+        s2 = shm(2),
+    );
+    let mut launcher = Command::new("sh")
+        .args(["-c", &script])
+        .process_group(0)
+        .spawn()
+        .expect("starting the launcher");
+    struct KillGroup(i32);
+    impl Drop for KillGroup {
+        fn drop(&mut self) {
+            // SAFETY: kill(2) on the process group this test made.
+            unsafe { libc::kill(-self.0, libc::SIGKILL) };
+        }
+    }
+    let _group = KillGroup(launcher.id() as i32);
+    let sh = launcher.id();
+    for r in 0..WORLD {
+        wait_for_log_lines(dir.join(format!("gen1/rank{r}.log")), "step", 1, T);
+    }
+    let gen1 = children(sh);
+    assert_eq!(gen1.len(), WORLD as usize, "{gen1:?}");
+
+    let out = dir.join("out");
+    let mut d = spawn(
+        &[
+            "attach",
+            "--job",
+            &sh.to_string(),
+            "--follow",
+            "--marker",
+            "exe:optimizer_step",
+            "--interactive",
+            "--collect",
+            "offcpu",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        true,
+    );
+    d.wait_for("dynprof console ready", T);
+    d.send("capture 2 warmup 1");
+    d.wait_for("job window written", T);
+
+    // The restart: the first workers die; the launcher starts new ones.
+    for p in &gen1 {
+        // SAFETY: kill(2) on the ranks this test's launcher started.
+        unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+    }
+    let mut from = 0;
+    for _ in 0..WORLD {
+        from = d.wait_for_from(from, "(late)", T) + 1;
+    }
+    let gen2 = children(sh);
+    assert_eq!(gen2.len(), WORLD as usize, "{gen2:?}");
+    assert!(gen2.iter().all(|p| !gen1.contains(p)), "{gen1:?} {gen2:?}");
+    for p in &gen2 {
+        assert!(
+            d.transcript()
+                .contains(&format!("attached to PID {p} (late)")),
+            "{p} not attached late:\n{}",
+            d.transcript()
+        );
+    }
+    d.send("capture 2 warmup 1");
+    d.wait_for_from(from, "job window written", T);
+    d.send("quit");
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{st}\n{}", d.transcript());
+
+    let jobs = job_dirs(&out);
+    assert_eq!(jobs.len(), 2, "{jobs:?}\n{}", d.transcript());
+    let on: Vec<u32> = (0..WORLD).collect();
+    for (job, g, pids) in [(&jobs[0], "gen1", &gen1), (&jobs[1], "gen2", &gen2)] {
+        let ranks = Ranks {
+            procs: Vec::new(),
+            shm: String::new(),
+            dir: dir.join(g),
+        };
+        check_window(job, &ranks, &on, 2);
+        let meta = job_meta(job);
+        let mut got: Vec<u64> = meta["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["host_pid"].as_u64().unwrap())
+            .collect();
+        got.sort();
+        let mut want: Vec<u64> = pids.iter().map(|p| *p as u64).collect();
+        want.sort();
+        assert_eq!(got, want, "{g}: {meta:#}");
+    }
+    let replaced: Vec<u64> = job_meta(&jobs[1])["replaced"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["host_pid"].as_u64().unwrap())
+        .collect();
+    let mut want: Vec<u64> = gen1.iter().map(|p| *p as u64).collect();
+    want.sort();
+    let mut replaced_sorted = replaced.clone();
+    replaced_sorted.sort();
+    assert_eq!(replaced_sorted, want);
+    let _ = launcher.kill();
+    let _ = launcher.wait();
+}

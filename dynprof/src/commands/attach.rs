@@ -36,6 +36,14 @@ pub struct AttachArgs {
     #[arg(long, value_name = "REF", conflicts_with = "pids")]
     pub job: Option<String>,
 
+    /// Job mode: keep attaching the ranks that appear under --job REF
+    /// after the start (an elastic restart's new workers, a rank started
+    /// late). The ranks are aligned again once no window is in flight.
+    /// Keeps CAP_BPF and the uprobe capabilities for the whole run
+    /// (docs/job-mode.md, docs/capabilities.md).
+    #[arg(long)]
+    pub follow: bool,
+
     /// Job mode on exactly these PIDs (comma-separated).
     #[arg(long, value_name = "A,B,C", value_delimiter = ',',
           value_parser = crate::cli::int(1, crate::cli::PID_MAX))]
@@ -91,6 +99,12 @@ fn unix_time(s: &str) -> Result<Duration, String> {
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
+    if args.follow && args.job.is_none() {
+        bail!(
+            "--follow needs --job REF (a launcher PID, pid:[INODE] or a container id): \
+             it attaches the ranks that appear under REF later; --pids names a fixed set"
+        );
+    }
     match (&args.job, &args.pids) {
         (Some(r), _) => {
             return super::job::run(args.clone(), crate::job::discover::JobRef::parse(r)?).await;

@@ -24,6 +24,9 @@ pub enum Need {
     Api,
     /// Aux markers, attached around each window (uprobes, like `api`).
     AuxMarkers,
+    /// Job mode `--follow`: ranks that appear later are attached in
+    /// session, so attach's own capabilities are kept.
+    LateRanks,
     /// The `cpu` collector: per-CPU sampling perf events, per window; stack
     /// symbolization through /proc/PID/map_files.
     Cpu,
@@ -137,6 +140,7 @@ impl Need {
     pub fn in_session(self) -> Vec<Req> {
         match self {
             Need::Attach => vec![PTRACE],
+            Need::LateRanks => vec![BPF, PERFMON, UPROBE_PMU, PTRACE],
             Need::Api | Need::AuxMarkers => vec![PERFMON, UPROBE_PMU, PTRACE],
             Need::Cpu => vec![LAZY_PROG, PERFMON, MAP_FILES, PTRACE],
             Need::Offcpu => vec![LAZY_PROG, PERFMON, TRACEFS, MAP_FILES],
@@ -233,6 +237,7 @@ fn name(n: Need) -> &'static str {
         Need::Attach => "attach",
         Need::Api => "collector api",
         Need::AuxMarkers => "aux markers around windows",
+        Need::LateRanks => "job --follow: ranks attached later",
         Need::Cpu => "collector cpu",
         Need::Offcpu => "collector offcpu",
         Need::Msprof => "collector msprof",

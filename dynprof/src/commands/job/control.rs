@@ -56,6 +56,9 @@ pub(super) struct JobSetup {
     pub(super) ranks: Vec<CtlRank>,
     pub(super) members: Vec<Member>,
     pub(super) not_attached: Vec<(Member, String)>,
+    /// `--follow`: the processes whose rank a later one took (an elastic
+    /// restart's old workers).
+    pub(super) replaced: Vec<Member>,
     pub(super) source: job::discover::RankSource,
     pub(super) root: OutputRoot,
     pub(super) collect: Vec<Builtin>,

@@ -63,6 +63,10 @@ pub(super) struct Controller {
     pub(super) failures: Vec<String>,
     pub(super) quitting: bool,
     pub(super) last_activity: Instant,
+    /// `--follow`: ranks attached later, and whether the REF is gone.
+    pub(super) late: Option<(mpsc::UnboundedReceiver<CtlRank>, super::follow::FollowState)>,
+    /// Ranks attached later, waiting for no job window to be in flight.
+    pub(super) arrivals: Vec<CtlRank>,
 }
 
 impl Controller {
@@ -93,7 +97,69 @@ impl Controller {
             failures: Vec::new(),
             quitting: false,
             last_activity: Instant::now(),
+            late: None,
+            arrivals: Vec::new(),
         }
+    }
+
+    /// `--follow`: take the ranks the follower attaches.
+    pub(super) fn follow(
+        &mut self,
+        rx: mpsc::UnboundedReceiver<CtlRank>,
+        state: super::follow::FollowState,
+    ) {
+        self.late = Some((rx, state));
+    }
+
+    /// Ranks may still come (`--follow`, and the REF is not gone).
+    fn following(&self) -> bool {
+        self.late.as_ref().is_some_and(|(_, s)| !s.gone.get())
+    }
+
+    /// Takes in the ranks attached late, once no job window is in flight
+    /// (a window's ranks and their plans stay as they were sent). Each
+    /// replaces the ended rank of its number; the ranks are then aligned
+    /// again, since new workers count their steps from their own start.
+    fn take_arrivals(&mut self) {
+        if let Some((rx, _)) = &mut self.late {
+            while let Ok(r) = rx.try_recv() {
+                self.arrivals.push(r);
+            }
+        }
+        if self.arrivals.is_empty() || self.running.is_some() || !self.closing.is_empty() {
+            return;
+        }
+        for r in std::mem::take(&mut self.arrivals) {
+            let rank = r.rank();
+            if self.s.ranks.iter().any(|o| o.rank() == rank && o.alive()) {
+                self.notice(format!(
+                    "rank {rank} appeared again as PID {} while PID {} still runs; left out",
+                    r.member.host_pid,
+                    self.s
+                        .ranks
+                        .iter()
+                        .find(|o| o.rank() == rank && o.alive())
+                        .map_or(0, |o| o.member.host_pid.0)
+                ));
+                quit(&r.tx);
+                continue;
+            }
+            if let Some(i) = self.s.ranks.iter().position(|o| o.rank() == rank) {
+                let old = self.s.ranks.remove(i);
+                self.s.replaced.push(old.member);
+            }
+            self.s.members.retain(|m| m.rank != rank);
+            self.s.members.push(r.member.clone());
+            self.s.members.sort_by_key(|m| m.rank);
+            self.s.not_attached.retain(|(m, _)| m.rank != rank);
+            self.notice(format!(
+                "rank {rank} is now PID {}; aligning the ranks again",
+                r.member.host_pid
+            ));
+            self.s.ranks.push(r);
+            self.alignment = None;
+        }
+        self.s.ranks.sort_by_key(|r| r.rank());
     }
 
     pub(super) fn notice(&mut self, msg: String) {
@@ -116,8 +182,18 @@ impl Controller {
             .max()
     }
 
-    /// Runs until the trigger is done (flags), `quit`, or every rank ended.
-    pub(super) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) -> Result<()> {
+    /// Runs until the trigger is done (flags), `quit`, or every rank ended
+    /// (with `--follow`: and the REF is gone). Returns, with the result,
+    /// the command senders of every rank it held.
+    pub(super) async fn run(
+        mut self,
+        rx: mpsc::UnboundedReceiver<Command>,
+    ) -> (Result<()>, Vec<mpsc::UnboundedSender<Command>>) {
+        let r = self.run_loop(rx).await;
+        (r, self.s.ranks.iter().map(|r| r.tx.clone()).collect())
+    }
+
+    async fn run_loop(&mut self, mut rx: mpsc::UnboundedReceiver<Command>) -> Result<()> {
         let mut said = String::new();
         let started = Instant::now();
         let mut told = false;
@@ -132,6 +208,7 @@ impl Controller {
                     Err(mpsc::error::TryRecvError::Disconnected) => commands_open = false,
                 }
             }
+            self.take_arrivals();
             if self.alignment.is_none() {
                 // A rank whose session ended (its process exited) is left
                 // out; the others are aligned without it.
@@ -145,11 +222,13 @@ impl Controller {
                     }
                 }
                 let live = self.live();
-                if live.is_empty() {
+                if live.is_empty() && !self.following() {
                     let why = "every rank's session ended before the ranks were aligned";
                     self.write_error(why);
                     bail!("job window not recorded: {why}");
                 }
+                // No live rank while following: between an elastic
+                // restart's old and new workers.
                 let snap: Vec<RankHits> = live
                     .iter()
                     .map(|r| RankHits {
@@ -157,7 +236,11 @@ impl Controller {
                         hits: r.tap.borrow().hits.iter().map(|h| h.0).collect(),
                     })
                     .collect();
-                match align::align(&snap) {
+                match if snap.is_empty() {
+                    Err(Pending::Wait("no live rank".into()))
+                } else {
+                    align::align(&snap)
+                } {
                     Ok(a) => {
                         log::info!("job aligned: {a:?}");
                         self.alignment = Some(a);
@@ -215,7 +298,7 @@ impl Controller {
                 // Not yet (--start-at's instant not reached): keep it.
                 self.pending = Some(*req);
             }
-            let all_ended = self.s.ranks.iter().all(|r| !r.alive());
+            let all_ended = self.s.ranks.iter().all(|r| !r.alive()) && !self.following();
             let flags_done = matches!(self.s.trigger, Trigger::Flags(_))
                 && self.pending.is_none()
                 && self.planned > 0;

@@ -217,6 +217,11 @@ impl Controller {
             "alignment": alignment,
             "verification": verification,
             "ranks": rank_meta,
+            // --follow: earlier processes of these ranks (an elastic
+            // restart's old workers), replaced before this window.
+            "replaced": self.s.replaced.iter().map(|m| json!({
+                "rank": m.rank, "host_pid": m.host_pid,
+            })).collect::<Vec<_>>(),
             "verdict": v.text,
             "stragglers": v.stragglers,
         });

@@ -50,6 +50,7 @@ use crate::{
 mod control;
 mod controller;
 mod finish;
+mod follow;
 mod rank;
 mod triggers;
 
@@ -102,7 +103,7 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
             .iter()
             .map(|m| {
                 let a = &args;
-                s.spawn(move || resolve_rank(a, m))
+                s.spawn(move || resolve_rank(a, m, marker_wait(a)))
             })
             .collect();
         hs.into_iter()
@@ -147,19 +148,13 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     if attached.iter().any(|a| a.aux_in_windows) {
         session_needs.push(crate::sys::caps::Need::AuxMarkers);
     }
+    if args.follow {
+        session_needs.push(crate::sys::caps::Need::LateRanks);
+    }
     let kept = crate::sys::caps::drop_after_attach(&session_needs)?;
     log::info!("capabilities kept after attach: {kept:?}");
 
-    let ctl_ranks: Vec<CtlRank> = attached
-        .iter()
-        .map(|a| CtlRank {
-            member: a.member.clone(),
-            target: a.session.target.clone(),
-            tap: Rc::clone(&a.tap),
-            tx: a.tx.clone(),
-            ended: Rc::clone(&a.ended),
-        })
-        .collect();
+    let ctl_ranks: Vec<CtlRank> = attached.iter().map(Attached::ctl).collect();
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel::<Command>();
     match &trigger {
         Trigger::Console { plain } => {
@@ -178,10 +173,27 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         Trigger::Flags(_) => {}
     }
     drop(cmd_tx);
-    let ctl = Controller::new(JobSetup {
+    let limits = (args.steps, args.duration);
+    let (late_tx, late_rx) = mpsc::unbounded_channel::<CtlRank>();
+    let follower = args.follow.then(|| {
+        follow::Follower::new(
+            args.clone(),
+            job_ref.clone(),
+            members
+                .iter()
+                .map(|m| m.host_pid)
+                .chain(not_attached.iter().map(|(m, _)| m.host_pid)),
+            collect.clone(),
+            late_tx,
+            limits,
+        )
+    });
+    let following = follower.as_ref().map(follow::Follower::state);
+    let mut ctl = Controller::new(JobSetup {
         ranks: ctl_ranks,
         members: members.clone(),
         not_attached,
+        replaced: Vec::new(),
         source,
         root,
         collect,
@@ -192,74 +204,33 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         json: args.json,
         idle_timeout: args.window.idle_timeout(),
     });
+    if let Some(state) = following {
+        ctl.follow(late_rx, state);
+    }
     let all_tx: Vec<_> = attached.iter().map(|a| a.tx.clone()).collect();
-    let limits = (args.steps, args.duration);
     let local = tokio::task::LocalSet::new();
     local
         .run_until(async move {
-            let mut handles = Vec::new();
-            for a in attached {
-                let Attached {
-                    member,
-                    mut session,
-                    mut observers,
-                    tx,
-                    rx,
-                    tap: _,
-                    lock,
-                    ended,
-                    aux_in_windows: _,
-                } = a;
-                handles.push(tokio::task::spawn_local(async move {
-                    let r = session
-                        .run(
-                            &mut observers,
-                            Limits {
-                                steps: limits.0,
-                                duration: limits.1,
-                            },
-                            Some(rx),
-                        )
-                        .await;
-                    drop(observers);
-                    drop(tx);
-                    let end = match &r {
-                        Ok(s) => {
-                            eprintln!(
-                                "dynprof: rank {}: detached ({})",
-                                member.rank,
-                                s.end.describe()
-                            );
-                            Ended {
-                                problem: match &s.end {
-                                    crate::session::EndReason::TargetExited => {
-                                        Some("the rank exited during the session".into())
-                                    }
-                                    crate::session::EndReason::Done => None,
-                                    other => {
-                                        Some(format!("its session ended ({})", other.describe()))
-                                    }
-                                },
-                                summary: serde_json::to_value(s).ok(),
-                            }
-                        }
-                        Err(e) => {
-                            eprintln!("dynprof: rank {}: session failed: {e:#}", member.rank);
-                            Ended {
-                                problem: Some(format!("session failed: {e:#}")),
-                                summary: None,
-                            }
-                        }
-                    };
-                    drop(lock);
-                    *ended.borrow_mut() = Some(end);
-                }));
+            let mut handles: Vec<_> = attached
+                .into_iter()
+                .map(|a| spawn_rank(a, limits))
+                .collect();
+            let late_handles = follower.as_ref().map(follow::Follower::handles);
+            let follow_task = follower.map(|f| tokio::task::spawn_local(f.run()));
+            let (r, late_tx) = ctl.run(cmd_rx).await;
+            // Nothing more is attached once the controller is done.
+            if let Some(t) = follow_task {
+                t.abort();
+                let _ = t.await;
             }
-            let r = ctl.run(cmd_rx).await;
-            for tx in &all_tx {
+            if let Some(h) = late_handles {
+                handles.extend(h.borrow_mut().drain(..));
+            }
+            for tx in all_tx.iter().chain(&late_tx) {
                 quit(tx);
             }
             drop(all_tx);
+            drop(late_tx);
             for h in handles {
                 if let Err(e) = h.await {
                     log::error!("rank task: {e}");

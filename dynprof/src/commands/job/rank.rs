@@ -118,14 +118,18 @@ pub(super) struct Resolved {
     pub(super) kernel: crate::bpf::Kernel,
 }
 
-pub(super) fn resolve_rank(args: &AttachArgs, m: &Member) -> Result<Resolved> {
+/// `--wait-for-marker`, as the ranks found at start wait for their markers.
+pub(super) fn marker_wait(args: &AttachArgs) -> MarkerWait {
+    match args.window.wait_for_marker {
+        Some(d) if !d.is_zero() => MarkerWait::For(d),
+        _ => MarkerWait::No,
+    }
+}
+
+pub(super) fn resolve_rank(args: &AttachArgs, m: &Member, wait: MarkerWait) -> Result<Resolved> {
     let target = Target::open(m.host_pid)?;
     let lock = lock::acquire(target.host_pid, "attach")?;
     let markers = markers_or_auto(&args.markers);
-    let wait = match args.window.wait_for_marker {
-        Some(d) if !d.is_zero() => MarkerWait::For(d),
-        _ => MarkerWait::No,
-    };
     let (resolved, _) = resolve_waiting(&target, &markers, wait, false)?;
     let kernel = args.ring.load(target.host_pid)?;
     Ok(Resolved {
@@ -211,4 +215,78 @@ pub(super) fn quit(tx: &mpsc::UnboundedSender<Command>) {
         req: ConsoleRequest::Quit,
         reply,
     }));
+}
+
+/// Runs one attached rank's session as a task on the job's `LocalSet`;
+/// when it ends, the rank's `ended` says how.
+pub(super) fn spawn_rank(
+    a: Attached,
+    limits: (Option<u64>, Option<Duration>),
+) -> tokio::task::JoinHandle<()> {
+    let Attached {
+        member,
+        mut session,
+        mut observers,
+        tx,
+        rx,
+        tap: _,
+        lock,
+        ended,
+        aux_in_windows: _,
+    } = a;
+    tokio::task::spawn_local(async move {
+        let r = session
+            .run(
+                &mut observers,
+                Limits {
+                    steps: limits.0,
+                    duration: limits.1,
+                },
+                Some(rx),
+            )
+            .await;
+        drop(observers);
+        drop(tx);
+        let end = match &r {
+            Ok(s) => {
+                eprintln!(
+                    "dynprof: rank {}: detached ({})",
+                    member.rank,
+                    s.end.describe()
+                );
+                Ended {
+                    problem: match &s.end {
+                        crate::session::EndReason::TargetExited => {
+                            Some("the rank exited during the session".into())
+                        }
+                        crate::session::EndReason::Done => None,
+                        other => Some(format!("its session ended ({})", other.describe())),
+                    },
+                    summary: serde_json::to_value(s).ok(),
+                }
+            }
+            Err(e) => {
+                eprintln!("dynprof: rank {}: session failed: {e:#}", member.rank);
+                Ended {
+                    problem: Some(format!("session failed: {e:#}")),
+                    summary: None,
+                }
+            }
+        };
+        drop(lock);
+        *ended.borrow_mut() = Some(end);
+    })
+}
+
+impl Attached {
+    /// What the controller holds of it.
+    pub(super) fn ctl(&self) -> CtlRank {
+        CtlRank {
+            member: self.member.clone(),
+            target: self.session.target.clone(),
+            tap: Rc::clone(&self.tap),
+            tx: self.tx.clone(),
+            ended: Rc::clone(&self.ended),
+        }
+    }
 }
