@@ -211,7 +211,7 @@ fn kernel_compat_without_cookies_api_window_counts_every_call() {
     assert_eq!(
         summary["api_calls"].as_u64(),
         Some(3 * (calls_per_step + 2)),
-        "{summary}\n{stderr}\n{}",
+        "{summary}\n{meta}\n{stderr}\n{}",
         std::fs::read_to_string(prof[0].join("api_summary.csv")).unwrap_or_default()
     );
     assert_eq!(summary["drops"]["api"].as_u64(), Some(0), "{summary}");
