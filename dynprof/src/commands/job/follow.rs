@@ -113,6 +113,7 @@ impl Follower {
                     "dynprof: rank {}: attached to PID {} (late)",
                     m.rank, m.host_pid
                 );
+                crate::sys::memory::trim_heap();
                 let ctl = a.ctl();
                 self.handles.borrow_mut().push(spawn_rank(a, self.limits));
                 let _ = self.late_tx.send(ctl);

@@ -131,6 +131,9 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     if attached.is_empty() {
         bail!("no rank of the job could be attached");
     }
+    // Each rank thread parsed the kernel's BTF and symbol tables in its own
+    // malloc arena; give what was freed back before the long idle run.
+    crate::sys::memory::trim_heap();
     // The config file is the job's input, set up before capabilities drop
     // (as for a single PID).
     let config = match &trigger {
