@@ -50,13 +50,16 @@ fn usdt_python_function_return_counts_every_call_and_restores_the_semaphore() {
     assert_eq!(m["usdt_semaphore"], addr, "{att}");
     assert_eq!(m["symbol"], "python:function__return", "{att}");
     assert!(m["object"].as_str().unwrap().contains("python3"), "{att}");
-    // While attached the semaphore is raised by one (the probe sites are live).
+    // While attached the semaphore is raised by one (the probe sites are
+    // live). The trainer is stopped while it is read: on a slow machine (a
+    // TCG VM) dynprof could otherwise reach its 15 steps and detach first.
     d.wait_event("step", T);
-    assert_eq!(
-        read_u16(p.pid, addr),
-        original + 1,
-        "semaphore while attached"
-    );
+    // SAFETY: kill(2) on the trainer this test started.
+    unsafe { libc::kill(p.pid as i32, libc::SIGSTOP) };
+    let raised = read_u16(p.pid, addr);
+    // SAFETY: as above.
+    unsafe { libc::kill(p.pid as i32, libc::SIGCONT) };
+    assert_eq!(raised, original + 1, "semaphore while attached");
     let run = d.finish(T);
     run.assert_success();
     assert_eq!(
