@@ -24,6 +24,8 @@ use object::{
 };
 
 use super::demangle;
+
+mod debugdata;
 use crate::sys::rootfs::{self, RegularFile};
 
 /// Caps on what one ELF file may make dynprof read or do.
@@ -110,18 +112,6 @@ impl Sparse {
         }
         false
     }
-}
-
-/// Does the xz stream `data` decompress, to at most `cap` bytes
-/// ([`limits::DEBUGDATA_OUT`])? The output is counted, not kept.
-fn debugdata_fits(data: &[u8], cap: u64) -> Result<u64> {
-    use std::io::Read as _;
-    let mut dec = xz2::read::XzDecoder::new(data).take(cap + 1);
-    let n = std::io::copy(&mut dec, &mut std::io::sink()).context("not a valid xz stream")?;
-    if n > cap {
-        bail!("it decompresses to over dynprof's cap of {} MiB", cap >> 20);
-    }
-    Ok(n)
 }
 
 impl<'a> ReadRef<'a> for &'a Sparse {
@@ -377,7 +367,7 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
             .load(".gnu_debugdata section", off, size, limits::DEBUGDATA)
             .and_then(|()| {
                 let data = loader.sparse.chunk(off, size).unwrap_or_default();
-                debugdata_fits(data, limits::DEBUGDATA_OUT)
+                debugdata::fits(data, limits::DEBUGDATA_OUT)
             });
         if let Err(e) = checked {
             log::warn!(

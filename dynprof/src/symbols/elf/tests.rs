@@ -211,11 +211,11 @@ fn minidebuginfo_over_the_cap_is_refused() {
     enc.write_all(&vec![0u8; 3 << 20]).unwrap();
     let xz = enc.finish().unwrap();
     assert!(xz.len() < 4096, "{} bytes", xz.len());
-    assert_eq!(super::debugdata_fits(&xz, 4 << 20).unwrap(), 3 << 20);
-    let e = super::debugdata_fits(&xz, 2 << 20).unwrap_err();
+    assert_eq!(super::debugdata::fits(&xz, 4 << 20).unwrap(), 3 << 20);
+    let e = super::debugdata::fits(&xz, 2 << 20).unwrap_err();
     assert!(
         format!("{e:#}").contains("over dynprof's cap of 2 MiB"),
         "{e:#}"
     );
-    assert!(super::debugdata_fits(b"not xz", 4 << 20).is_err());
+    assert!(super::debugdata::fits(b"not xz", 4 << 20).is_err());
 }
