@@ -244,10 +244,23 @@ impl WindowState {
             self.cancel_plan(reg, out);
             return Ok("start_step 0: no collection planned".into());
         }
-        if self.plan.is_some() {
-            self.cancel_plan(reg, out);
+        // Replacing a pending plan keeps the collectors armed when the new
+        // one starts within the lead too: the scheduler arms a near plan's
+        // collectors before submitting it, so that they cover its first step.
+        let replacing = self.plan.take().is_some();
+        if replacing && let Err(e) = disarm(reg) {
+            log::warn!("disarming the kernel plan: {e:#}");
         }
-        let cfg = program(reg, &req.plan)?;
+        let drop_collectors = replacing && self.window.is_none();
+        let cfg = match program(reg, &req.plan) {
+            Ok(cfg) => cfg,
+            Err(e) => {
+                if drop_collectors {
+                    out.push(Action::DisarmAll);
+                }
+                return Err(e);
+            }
+        };
         let c = reg.step_hits()?;
         let p = &req.plan;
         let msg = if p.open_ended() {
@@ -278,6 +291,8 @@ impl WindowState {
         });
         if cfg.start <= c + lead {
             out.push(Action::Arm { collect });
+        } else if drop_collectors {
+            out.push(Action::DisarmAll);
         }
         Ok(msg)
     }

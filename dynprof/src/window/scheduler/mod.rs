@@ -62,6 +62,10 @@ const ARM_AHEAD: u64 = super::WAKE_LEAD;
 /// (attaching the API uprobes and perf events takes a few milliseconds).
 const ARM_AHEAD_S: f64 = 0.5;
 
+/// At attach, before the step rate is known, a flags plan that starts
+/// within this many steps is armed before it is programmed.
+const BEGIN_ARM_STEPS: u64 = 10;
+
 /// Steps ahead of a window at which its collectors are armed.
 fn arm_ahead(rate: f64) -> u64 {
     let by_time = if rate.is_finite() && rate > 0.0 {
@@ -73,6 +77,21 @@ fn arm_ahead(rate: f64) -> u64 {
 }
 
 mod close;
+
+/// Why a window is not complete when `what` went live only at step `from`
+/// (attached while step `from - 1` ran) and the window records from an
+/// earlier step: those steps lack its data. `None` when it was in time.
+fn late_start(what: &str, from: u64, steps: &OpenSteps) -> Option<String> {
+    (from > steps.first_recorded).then(|| {
+        format!(
+            "{what} went live only during step {}: steps {}..{} lack its data \
+             (attaching took longer than the lead; plan the window further ahead)",
+            from - 1,
+            steps.first_recorded,
+            from - 1
+        )
+    })
+}
 
 pub struct SchedulerOptions {
     /// Default output directory for `PROF_*` windows.
@@ -137,7 +156,11 @@ impl PlanRegister for Kernel {
 pub struct Scheduler {
     opts: SchedulerOptions,
     collectors: Vec<Box<dyn Collector>>,
-    armed: Vec<bool>,
+    /// Per collector: `None` while disarmed, else the first step whose
+    /// start came after it was armed (step hits then + 1). A window whose
+    /// first recorded step is earlier lacks that collector's data for the
+    /// steps between, and says so.
+    armed: Vec<Option<u64>>,
     /// Why each collector's last arming failed (cleared when it arms): a
     /// window that asked for it records the reason and is not complete.
     arm_error: Vec<Option<String>>,
@@ -249,7 +272,7 @@ impl Scheduler {
     /// (or always, when the list is `None`).
     pub fn add_collector(&mut self, c: Box<dyn Collector>) {
         self.collectors.push(c);
-        self.armed.push(false);
+        self.armed.push(None);
         self.arm_error.push(None);
     }
 
@@ -287,12 +310,12 @@ impl Scheduler {
         // Before anything is attached: a bad --output is a startup error.
         self.root()?;
         self.prepare_hooks(target);
-        if initial.is_some() {
-            // Before the plan, as for every submitted plan (a launched
-            // target is still stopped here).
-            self.attach_window_markers(kernel);
-        }
         if let Some(req) = initial {
+            // Before the plan, as for every submitted plan (a launched
+            // target is still stopped here). The step rate is not known
+            // yet: a window this close is armed for now.
+            self.attach_window_markers(kernel);
+            self.arm_before(kernel, &req.plan, req.collect.as_ref(), BEGIN_ARM_STEPS);
             let mut out = Vec::new();
             let r = self.state.submit(req, kernel, self.lead(), &mut out);
             self.carry_out(out, kernel, target, None)?;
@@ -396,18 +419,46 @@ impl Scheduler {
             .collect()
     }
 
+    /// Arms the collectors of a plan about to be submitted when it starts
+    /// within the lead (or `min_lead` steps), before its kernel plan is
+    /// programmed: the gate then opens only after they are attached, at
+    /// a boundary after the one the counter reached meanwhile. Armed after
+    /// the programming instead, a slow attach (many API probes, a loaded
+    /// machine) would miss the window's first steps.
+    fn arm_before(
+        &mut self,
+        kernel: &mut Kernel,
+        plan: &super::Plan,
+        collect: Option<&Vec<Builtin>>,
+        min_lead: u64,
+    ) {
+        if self.state.window().is_some() || plan.start_step == 0 {
+            return;
+        }
+        let Ok(c) = kernel.state().map(|s| s.step_hits) else {
+            return;
+        };
+        if super::first_start(plan, c) <= c + self.lead().max(min_lead) {
+            self.arm(kernel, collect);
+        }
+    }
+
     fn arm(&mut self, kernel: &mut Kernel, collect: Option<&Vec<Builtin>>) {
         self.attach_window_markers(kernel);
         let Some(target) = self.target.clone() else {
             return;
         };
         for i in self.collector_indices(collect) {
-            if self.armed[i] {
+            if self.armed[i].is_some() {
                 continue;
             }
             match self.collectors[i].arm(kernel, &target) {
                 Ok(()) => {
-                    self.armed[i] = true;
+                    // Read after attaching: a step that began while the
+                    // probes were being attached is not covered. (Unknown
+                    // step count: assume covered, as before arming.)
+                    let live_from = kernel.state().map(|s| s.step_hits + 1).unwrap_or(0);
+                    self.armed[i] = Some(live_from);
                     self.arm_error[i] = None;
                 }
                 Err(e) => {
@@ -531,9 +582,9 @@ impl Scheduler {
         }
         self.markers_live_from = None;
         for (i, c) in self.collectors.iter_mut().enumerate() {
-            if self.armed[i] {
+            if self.armed[i].is_some() {
                 c.disarm(kernel);
-                self.armed[i] = false;
+                self.armed[i] = None;
             }
         }
     }
@@ -599,32 +650,28 @@ impl Scheduler {
             dir: prof.tmp.clone(),
         };
         let collectors: Vec<usize> = (0..self.collectors.len())
-            .filter(|i| self.armed[*i])
+            .filter(|i| self.armed[*i].is_some())
             .collect();
         // A collector the window asked for that is not armed: its data is
         // missing, and the window must not pass for complete.
         let mut errors: Vec<String> = self
             .collector_indices(req.collect.as_ref())
             .into_iter()
-            .filter(|i| !self.armed[*i])
-            .map(|i| {
-                self.arm_error[i].clone().unwrap_or_else(|| {
+            .filter_map(|i| match self.armed[i] {
+                None => Some(self.arm_error[i].clone().unwrap_or_else(|| {
                     format!("collector {} was not armed", self.collectors[i].name())
-                })
+                })),
+                Some(from) => late_start(
+                    &format!("collector {}", self.collectors[i].name()),
+                    from,
+                    steps,
+                ),
             })
             .collect();
         // Its steps' aux columns would be short.
         errors.extend(self.markers_error.clone());
-        if let Some(from) = self.markers_live_from
-            && from > steps.first_recorded
-        {
-            errors.push(format!(
-                "the aux markers were attached only during step {}: the aux counts of steps {}..{} are short \
-                 (the window came sooner than they could be attached; plan it further ahead)",
-                from - 1,
-                steps.first_recorded,
-                from - 1
-            ));
+        if let Some(from) = self.markers_live_from {
+            errors.extend(late_start("the aux markers", from, steps));
         }
         let w = OpenWindow {
             open_ts_ns: ts,
@@ -648,5 +695,40 @@ impl Scheduler {
         }
         self.window = Some(w);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn steps(first_recorded: u64) -> OpenSteps {
+        OpenSteps {
+            id: WindowId(1),
+            cycle: 0,
+            first_step: first_recorded - 1,
+            first_recorded,
+            last_recorded: first_recorded + 4,
+            hooks_started: false,
+        }
+    }
+
+    #[test]
+    fn a_collector_live_before_the_first_recorded_step_is_in_time() {
+        // Armed while step 8 ran: live from step 9, the window records 10..14.
+        assert_eq!(late_start("collector api", 9, &steps(10)), None);
+        assert_eq!(late_start("collector api", 10, &steps(10)), None);
+    }
+
+    #[test]
+    fn a_collector_armed_during_the_window_names_the_steps_it_missed() {
+        // Armed while step 11 ran: steps 10 and 11 lack its calls.
+        let why = late_start("collector api", 12, &steps(10)).expect("late");
+        assert!(
+            why.starts_with(
+                "collector api went live only during step 11: steps 10..11 lack its data"
+            ),
+            "{why}"
+        );
     }
 }

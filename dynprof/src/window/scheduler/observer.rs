@@ -48,8 +48,20 @@ impl Scheduler {
         if req == ConsoleRequest::Status {
             return Ok(self.status(ctx));
         }
-        if matches!(req, ConsoleRequest::Start | ConsoleRequest::Capture(_)) {
-            self.attach_window_markers(ctx.kernel);
+        if self.state.plan().is_none() {
+            // A console window starts at the next boundary (refused while
+            // one is pending or open).
+            match &req {
+                ConsoleRequest::Start => {
+                    self.attach_window_markers(ctx.kernel);
+                    self.arm(ctx.kernel, None);
+                }
+                ConsoleRequest::Capture(plan) => {
+                    self.attach_window_markers(ctx.kernel);
+                    self.arm_before(ctx.kernel, plan, None, 0);
+                }
+                _ => {}
+            }
         }
         let mut out = Vec::new();
         let r = self.state.console(req, ctx.kernel, self.lead(), &mut out);
@@ -62,6 +74,7 @@ impl Scheduler {
     fn on_plan(&mut self, req: PlanRequest, ctx: &mut Ctx) -> Result<()> {
         self.last_activity = Instant::now();
         self.attach_window_markers(ctx.kernel);
+        self.arm_before(ctx.kernel, &req.plan, req.collect.as_ref(), 0);
         let mut out = Vec::new();
         let r = self.state.submit(req, ctx.kernel, self.lead(), &mut out);
         self.carry_out(out, ctx.kernel, ctx.target, None)?;
@@ -78,6 +91,7 @@ impl Scheduler {
         let change = req.change;
         let deferred = self.state.window().is_some();
         self.attach_window_markers(ctx.kernel);
+        self.arm_before(ctx.kernel, &req.plan, req.collect.as_ref(), 0);
         let mut out = Vec::new();
         let r = self.state.submit(req, ctx.kernel, self.lead(), &mut out);
         if let Err(e) = self.carry_out(out, ctx.kernel, ctx.target, None) {
@@ -111,7 +125,7 @@ impl Observer<SessionCommand> for Scheduler {
         self.remember_target(ctx.target);
         self.prepare_hooks(ctx.target);
         for (i, c) in self.collectors.iter_mut().enumerate() {
-            if self.armed[i] {
+            if self.armed[i].is_some() {
                 c.on_event(ev);
             }
         }
