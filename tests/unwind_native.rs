@@ -75,13 +75,29 @@ fn window_with(
     stack_copy_kb: Option<&str>,
     args: &[&str],
 ) -> Vec<(Vec<String>, u64)> {
+    let env: Vec<(&str, &str)> = stack_copy_kb
+        .map(|kb| ("DYNPROF_STACK_COPY_KB", kb))
+        .into_iter()
+        .collect();
+    window_of(pid, out, "cpu", &env, args).1
+}
+
+/// One window of collector `collect` through `dynprof attach`, from step
+/// 3; returns its PROF directory and `<collect>.folded`.
+fn window_of(
+    pid: u32,
+    out: &Path,
+    collect: &str,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> (PathBuf, Vec<(Vec<String>, u64)>) {
     let mut cmd = Command::new(dynprof_bin());
     cmd.args([
         "attach",
         "--pid",
         &pid.to_string(),
         "--collect",
-        "cpu",
+        collect,
         "--start-step",
         "3",
         "--warmup",
@@ -90,14 +106,117 @@ fn window_with(
     ])
     .args(args)
     .arg("-o")
-    .arg(out);
-    if let Some(kb) = stack_copy_kb {
-        cmd.env("DYNPROF_STACK_COPY_KB", kb);
-    }
+    .arg(out)
+    .envs(env.iter().copied());
     let o = cmd.output().unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
-    window_folded(out, "cpu", &stderr).1
+    window_folded(out, collect, &stderr)
+}
+
+/// meta.json's `kernel.kernel_mode_stacks` of a window.
+fn kernel_mode_stacks(prof: &Path) -> String {
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(prof.join("meta.json")).unwrap()).unwrap();
+    meta["kernel"]["kernel_mode_stacks"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no kernel.kernel_mode_stacks in {meta}"))
+        .to_string()
+}
+
+/// (weight of stacks showing `chain`, total weight) among `stacks` that
+/// `keep` selects.
+fn chain_share(
+    stacks: &[(Vec<String>, u64)],
+    chain: &[String],
+    keep: impl Fn(&[String]) -> bool,
+) -> (u64, u64) {
+    let kept = stacks.iter().filter(|(s, _)| keep(s));
+    let total = kept.clone().map(|s| s.1).sum();
+    let full = kept.filter(|(s, _)| has_chain(s, chain)).map(|s| s.1).sum();
+    (full, total)
+}
+
+/// CPU samples taken in the kernel (here: `read` of /dev/zero, 12 frames
+/// deep in code without frame pointers) get the user stack unwound from
+/// the registers saved at the syscall (`bpf_task_pt_regs`, 5.15+), like
+/// user-mode samples; before, and with the fallback a 5.10 kernel takes
+/// (forced here with `DYNPROF_KERNEL_FEATURES=no_task_pt_regs`), only a
+/// frame-pointer walk, which loses the chain. meta.json says which.
+#[test]
+fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
+    require_privileges!();
+    let dir = scratch_dir("unwind_native_kernel_mode_samples");
+    let exe = build_deepstack(&dir);
+    let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--syscalls"]));
+    let chain = expected_chain();
+    let args = ["--marker", "exe:step_marker", "--cpu-hz", "499", "--active", "50"];
+    let in_kernel = |s: &[String]| s.iter().any(|f| f.ends_with("_[k]"));
+
+    let (prof, stacks) = window_of(p.pid, &dir.join("unwound"), "cpu", &[], &args);
+    let (full, total) = chain_share(&stacks, &chain, in_kernel);
+    eprintln!("unwound: {full} of {total} kernel-mode samples show the whole chain");
+    for (s, n) in &stacks {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    assert_eq!(kernel_mode_stacks(&prof), "unwound", "this kernel has bpf_task_pt_regs");
+    // 50 steps of 20 ms at 499 Hz, most of it in the kernel.
+    assert!(total >= 100, "too few kernel-mode samples: {stacks:?}");
+    assert!(
+        full as f64 >= 0.8 * total as f64,
+        "{full} of {total} kernel-mode samples show {}",
+        chain.join(";")
+    );
+
+    let env = [("DYNPROF_KERNEL_FEATURES", "no_task_pt_regs")];
+    let (prof, stacks) = window_of(p.pid, &dir.join("fallback"), "cpu", &env, &args);
+    let (full, total) = chain_share(&stacks, &chain, in_kernel);
+    eprintln!("fallback: {full} of {total} kernel-mode samples show the whole chain");
+    assert_eq!(kernel_mode_stacks(&prof), "frame_pointers");
+    assert!(total >= 100, "too few kernel-mode samples: {stacks:?}");
+    assert_eq!(full, 0, "frame pointers alone walked the chain");
+    p.terminate();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Off-CPU intervals (here: nanosleep, 12 frames deep without frame
+/// pointers) get their user stack unwound from the stack copied at the
+/// switch-out; with the 5.10 fallback, a frame-pointer walk.
+#[test]
+fn unwind_native_offcpu_stacks_are_unwound_at_the_switch() {
+    require_privileges!();
+    let dir = scratch_dir("unwind_native_offcpu_stacks");
+    let exe = build_deepstack(&dir);
+    let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--sleep"]));
+    let chain = expected_chain();
+    let args = ["--marker", "exe:step_marker", "--active", "20"];
+    let all = |_: &[String]| true;
+
+    let (prof, stacks) = window_of(p.pid, &dir.join("unwound"), "offcpu", &[], &args);
+    let (full, total) = chain_share(&stacks, &chain, all);
+    eprintln!("unwound: {full} of {total} off-CPU weight shows the whole chain");
+    for (s, n) in &stacks {
+        eprintln!("  {n:9} {}", s.join(";"));
+    }
+    assert_eq!(kernel_mode_stacks(&prof), "unwound", "this kernel has bpf_task_pt_regs");
+    assert!(total > 0, "no off-CPU time: {stacks:?}");
+    // The sleeps are all under the chain; the rest is the step marker's
+    // and the process's own (signals, exit) switches.
+    assert!(
+        full as f64 >= 0.9 * total as f64,
+        "{full} of {total} off-CPU weight under {}",
+        chain.join(";")
+    );
+
+    let env = [("DYNPROF_KERNEL_FEATURES", "no_task_pt_regs")];
+    let (prof, stacks) = window_of(p.pid, &dir.join("fallback"), "offcpu", &env, &args);
+    let (full, total) = chain_share(&stacks, &chain, all);
+    eprintln!("fallback: {full} of {total} off-CPU weight shows the whole chain");
+    assert_eq!(kernel_mode_stacks(&prof), "frame_pointers");
+    assert!(total > 0, "no off-CPU time: {stacks:?}");
+    assert_eq!(full, 0, "frame pointers alone walked the chain");
+    p.terminate();
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Does `stack` hold `chain` as consecutive frames?

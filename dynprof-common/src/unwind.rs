@@ -6,10 +6,11 @@ use crate::SampleEvent;
 
 /// Event kind of a [`StackSampleHeader`] record (after [`crate::kind`]'s).
 pub const SAMPLE_STACK: u32 = 5;
-/// Event kind of the Python frames of a thread switched out: the same
-/// layout, without a stack copy; `sample.hdr.ts_ns` is the switch-out time
-/// of the `OffCpuEvent` it belongs to.
-pub const OFFCPU_PYTHON: u32 = 6;
+/// Event kind of the stacks of a thread switched out: the same layout
+/// (user registers and stack copy where the kernel gives the registers,
+/// Python frames); `sample.hdr.ts_ns` is the switch-out time of the
+/// `OffCpuEvent` it belongs to, `sample.user_stack` its frame-pointer id.
+pub const OFFCPU_STACK: u32 = 6;
 
 /// The largest copy of the user stack taken per sample, in bytes. The
 /// program tries this size first, then halves down to
@@ -17,6 +18,10 @@ pub const OFFCPU_PYTHON: u32 = 6;
 /// page of the range is unmapped, which happens when the sampled `sp` lies
 /// closer than the copy size to the top of its stack mapping.
 pub const STACK_COPY_MAX: usize = 16384;
+/// The largest copy taken at a switch-out: threads block far more often
+/// than a sampling clock ticks, and blocking calls are near the stack's top
+/// of user frames less often than hot loops are deep in them.
+pub const OFFCPU_COPY_MAX: usize = 8192;
 /// The smallest copy tried before the sample is sent without one.
 pub const STACK_COPY_MIN: usize = 1024;
 

@@ -1,12 +1,17 @@
-//! The user-stack copy of a CPU sample: registers and the top of the user
-//! stack, for user space to unwind code built without frame pointers from
-//! `.eh_frame` (as `perf --call-graph dwarf` and samply do).
+//! The user-stack copy of a CPU sample or an off-CPU switch: registers and
+//! the top of the user stack, for user space to unwind code built without
+//! frame pointers from `.eh_frame` (as `perf --call-graph dwarf` and
+//! samply do).
 //!
-//! Only samples taken in user mode are copied: in kernel mode the sampled
-//! registers are the kernel's, and finding the user ones (`task_pt_regs`)
-//! needs `bpf_task_pt_regs` (5.15) or BTF offsets; those samples keep their
-//! frame-pointer stack. Helpers used: `bpf_probe_read_user` (5.5) and
-//! `bpf_ringbuf_output` (5.8), so this loads on 5.10.
+//! A sample taken in user mode carries the user registers itself. In
+//! kernel mode (a syscall, a page fault) and at a switch-out, the user
+//! registers are the ones saved at kernel entry, `task_pt_regs(current)`,
+//! which `bpf_task_pt_regs` (5.15) returns; user space enables that path
+//! (`USER_REGS_FROM_TASK`) only where the kernel has the helper, and the
+//! verifier drops the branch as dead code elsewhere, so this object still
+//! loads on 5.10 (those stacks then keep their frame-pointer walk).
+//! Other helpers used: `bpf_probe_read_user` (5.5) and
+//! `bpf_ringbuf_output` (5.8).
 //!
 //! CPython frames are read here too, at the sample, so that they are
 //! exactly those of the sampled instant (read later from user space, the
@@ -14,13 +19,15 @@
 //! then its `_PyInterpreterFrame` chain, `MAX_PY_FRAMES` at most. They are
 //! read in kernel-mode samples as well (the memory is the current task's).
 use aya_ebpf::{
-    EbpfContext, helpers::generated, macros::map, maps::PerCpuArray, programs::PerfEventContext,
+    EbpfContext,
+    helpers::{bpf_probe_read_kernel, generated}, macros::map, maps::PerCpuArray, programs::PerfEventContext,
 };
 use dynprof_common::{
     SampleEvent, drop_slot,
     unwind::{
-        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_PYTHON, PY_FRAME_VIA_CFRAME, PyFrameRaw, PyOffsets,
-        SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample, StackSampleHeader,
+        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_STACK, PY_FRAME_VIA_CFRAME, PyFrameRaw, PyOffsets,
+        OFFCPU_COPY_MAX, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample,
+        StackSampleHeader,
     },
 };
 
@@ -28,6 +35,13 @@ use dynprof_common::{
 /// (architectures other than x86-64, or `DYNPROF_STACK_COPY_KB=0`).
 #[unsafe(no_mangle)]
 static STACK_COPY_BYTES: u32 = 0;
+
+/// 1 when the kernel has `bpf_get_current_task_btf` and `bpf_task_pt_regs`
+/// (5.15), set by user space at load: user registers are then found for
+/// kernel-mode samples and switch-outs too. 0 makes that code dead, which
+/// the verifier of older kernels prunes before it would reject the helpers.
+#[unsafe(no_mangle)]
+static USER_REGS_FROM_TASK: u32 = 0;
 
 /// The target's CPython layout, set by user space at load (all zero: not
 /// a recognised CPython). One program serves every supported version: the
@@ -60,8 +74,30 @@ const RIP: usize = 16;
 const CS: usize = 17;
 const RSP: usize = 19;
 
+/// The user registers (ip, sp, bp) saved at the current task's entry into
+/// the kernel, when the kernel can say (`USER_REGS_FROM_TASK`).
+#[inline(always)]
+fn task_user_regs() -> Option<(u64, u64, u64)> {
+    if unsafe { core::ptr::read_volatile(&USER_REGS_FROM_TASK) } == 0 {
+        return None;
+    }
+    let regs = unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) }
+        as *const u64;
+    if regs.is_null() {
+        return None;
+    }
+    let word = |i: usize| unsafe { bpf_probe_read_kernel(regs.wrapping_add(i)) }.ok();
+    // A kernel thread's saved registers are not a user context.
+    if word(CS)? & 3 != 3 {
+        return None;
+    }
+    let sp = word(RSP)?;
+    (sp != 0).then_some(())?;
+    Some((word(RIP)?, sp, word(RBP)?))
+}
+
 /// Emits `sample` with a copy of the user stack and returns true, or
-/// returns false (copy disabled, kernel-mode sample, unreadable stack) so
+/// returns false (copy disabled, no user registers, unreadable stack) so
 /// that the caller emits the plain sample. A full ring counts a CPU drop.
 #[inline(always)]
 pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u64) -> bool {
@@ -86,8 +122,28 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
             *regs.add(CS),
         )
     };
-    let user_mode = cs & 3 == 3 && sp != 0;
+    let user = if cs & 3 == 3 && sp != 0 {
+        Some((ip, sp, bp))
+    } else {
+        task_user_regs()
+    };
     sample.hdr.kind = SAMPLE_STACK;
+    emit_copy(buf, sample, user, py_count, max, flags, drop_slot::CPU)
+}
+
+/// Fills `buf`'s header and emits it with a copy of the stack at `user`'s
+/// sp, or with the Python frames alone; false when there was neither.
+#[inline(always)]
+fn emit_copy(
+    buf: *mut StackSample,
+    sample: SampleEvent,
+    user: Option<(u64, u64, u64)>,
+    py_count: u32,
+    max: usize,
+    flags: u64,
+    drop: u32,
+) -> bool {
+    let (ip, sp, bp) = user.unwrap_or((0, 0, 0));
     unsafe {
         (*buf).hdr = StackSampleHeader {
             sample,
@@ -98,64 +154,63 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
             py_count,
         };
     }
-    if (!user_mode || !copy_stack(buf, sp, max, flags)) && py_count == 0 {
+    let copied = user.is_some() && copy_stack(buf, sp, max, flags, drop);
+    if copied {
+        return true;
+    }
+    if py_count == 0 {
         return false;
     }
-    if !user_mode || unsafe { (*buf).hdr.len } == 0 {
-        // Python frames without a stack copy.
-        unsafe {
-            (*buf).hdr.ip = 0;
-            (*buf).hdr.sp = 0;
-            (*buf).hdr.bp = 0;
-        }
-        let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET) };
-        if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
-            crate::count_drop(drop_slot::CPU);
-        }
+    // Python frames without a stack copy.
+    unsafe {
+        (*buf).hdr.ip = 0;
+        (*buf).hdr.sp = 0;
+        (*buf).hdr.bp = 0;
+    }
+    let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET) };
+    if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
+        crate::count_drop(drop);
     }
     true
 }
 
 /// At the switch-out of target thread `tid` at `ts_ns` (while it is still
-/// `current`): emits its Python frames, if it has any, for user space to
-/// join to the `OffCpuEvent` of the same thread and time.
+/// `current`): emits its user registers and stack copy (where the kernel
+/// gives the registers) and its Python frames, for user space to unwind
+/// and join to the `OffCpuEvent` of the same thread and time, whose
+/// frame-pointer stack id `fp_stack` is.
 #[inline(always)]
-pub fn emit_offcpu_python(tid: u32, ts_ns: u64, flags: u64) {
+pub fn emit_offcpu_stack(tid: u32, ts_ns: u64, fp_stack: i32, flags: u64) {
+    let max = unsafe { core::ptr::read_volatile(&STACK_COPY_BYTES) } as usize;
+    let max = if max > OFFCPU_COPY_MAX {
+        OFFCPU_COPY_MAX
+    } else {
+        max
+    };
     let py = unsafe { core::ptr::read_volatile(&PY) };
-    if py.interp_head == 0 {
+    if max == 0 && py.interp_head == 0 {
         return;
     }
     let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
         return;
     };
     let py_count = read_python(&py, buf, tid);
-    if py_count == 0 {
+    let user = if max == 0 { None } else { task_user_regs() };
+    if user.is_none() && py_count == 0 {
         return;
     }
-    unsafe {
-        (*buf).hdr = StackSampleHeader {
-            sample: SampleEvent {
-                hdr: dynprof_common::EventHeader {
-                    kind: OFFCPU_PYTHON,
-                    tid,
-                    ts_ns,
-                },
-                user_stack: 0,
-                kernel_stack: 0,
-                cpu: 0,
-                _pad: 0,
-            },
-            ip: 0,
-            sp: 0,
-            bp: 0,
-            len: 0,
-            py_count,
-        };
-    }
-    let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET) };
-    if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
-        crate::count_drop(drop_slot::OFFCPU);
-    }
+    let sample = SampleEvent {
+        hdr: dynprof_common::EventHeader {
+            kind: OFFCPU_STACK,
+            tid,
+            ts_ns,
+        },
+        user_stack: fp_stack,
+        kernel_stack: 0,
+        cpu: 0,
+        _pad: 0,
+    };
+    emit_copy(buf, sample, user, py_count, max, flags, drop_slot::OFFCPU);
 }
 
 #[inline(always)]
@@ -261,26 +316,26 @@ fn read_python(py: &PyOffsets, buf: *mut StackSample, tid: u32) -> u32 {
 /// Tries the stack copy from `STACK_COPY_MAX` down; true once one was
 /// read and emitted.
 #[inline(always)]
-fn copy_stack(buf: *mut StackSample, sp: u64, max: usize, flags: u64) -> bool {
-    if max >= STACK_COPY_MAX && copy::<STACK_COPY_MAX>(buf, sp, flags) {
+fn copy_stack(buf: *mut StackSample, sp: u64, max: usize, flags: u64, drop: u32) -> bool {
+    if max >= STACK_COPY_MAX && copy::<STACK_COPY_MAX>(buf, sp, flags, drop) {
         return true;
     }
-    if max >= 8192 && copy::<8192>(buf, sp, flags) {
+    if max >= 8192 && copy::<8192>(buf, sp, flags, drop) {
         return true;
     }
-    if max >= 4096 && copy::<4096>(buf, sp, flags) {
+    if max >= 4096 && copy::<4096>(buf, sp, flags, drop) {
         return true;
     }
-    if max >= 2048 && copy::<2048>(buf, sp, flags) {
+    if max >= 2048 && copy::<2048>(buf, sp, flags, drop) {
         return true;
     }
-    max >= 1024 && copy::<1024>(buf, sp, flags)
+    max >= 1024 && copy::<1024>(buf, sp, flags, drop)
 }
 
 /// Copies `N` bytes from `sp` and emits header + copy; false when the read
 /// fails (some page of the range is unmapped).
 #[inline(always)]
-fn copy<const N: usize>(buf: *mut StackSample, sp: u64, flags: u64) -> bool {
+fn copy<const N: usize>(buf: *mut StackSample, sp: u64, flags: u64, drop: u32) -> bool {
     let r = unsafe {
         generated::bpf_probe_read_user(
             (&raw mut (*buf).stack).cast(),
@@ -294,7 +349,7 @@ fn copy<const N: usize>(buf: *mut StackSample, sp: u64, flags: u64) -> bool {
     unsafe { (*buf).hdr.len = N as u32 };
     let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET + N) };
     if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
-        crate::count_drop(drop_slot::CPU);
+        crate::count_drop(drop);
     }
     true
 }

@@ -122,6 +122,8 @@ impl Kernel {
         }
         let tgid = pid.0;
         let stack_copy = crate::symbols::unwind::stack_copy_bytes(ring_bytes);
+        let user_regs_from_task =
+            u32::from(paths.kernel_mode_stacks == compat::KernelModeStacks::Unwound);
         let python = crate::symbols::python::detect(tgid)
             .map(|i| i.offsets)
             .unwrap_or_default();
@@ -129,6 +131,7 @@ impl Kernel {
             .override_global("TARGET_TGID", &tgid, true)
             .override_global("WAKE_BYTES", &wake_bytes, true)
             .override_global("STACK_COPY_BYTES", &stack_copy, true)
+            .override_global("USER_REGS_FROM_TASK", &user_regs_from_task, true)
             .override_global("PY", &python, true)
             .map_max_entries("EVENTS", ring_bytes)
             .load(OBJECT)

@@ -34,6 +34,9 @@ pub struct KernelFeatures {
     pub attach_cookie: bool,
     /// `BPF_LINK_CREATE` on perf events (carries the cookie), 5.15.
     pub perf_link: bool,
+    /// `bpf_get_current_task_btf` (5.11) and `bpf_task_pt_regs` (5.15):
+    /// the user registers saved at kernel entry.
+    pub task_pt_regs: bool,
 }
 
 /// One kernel feature dynprof uses: the row of docs/portability.md's table.
@@ -86,6 +89,25 @@ pub const ATTACH_COOKIE: Requirement = Requirement {
               in a map; APIs' returns are paired with entries on a per-thread stack",
 };
 
+pub const TASK_PT_REGS: Requirement = Requirement {
+    what: "bpf_task_pt_regs (the user registers saved at kernel entry)",
+    since: "5.15",
+    without: "user stacks of CPU samples taken in the kernel and of off-CPU intervals are \
+              frame-pointer walks only (no .eh_frame unwinding); Python frames are kept",
+};
+
+/// How the user stack of a CPU sample taken in kernel mode (a syscall, a
+/// page fault) and of an off-CPU interval is found.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelModeStacks {
+    /// Unwound from the user registers saved at kernel entry, like user-mode
+    /// samples.
+    Unwound,
+    /// The frame-pointer walk of `bpf_get_stackid` alone.
+    FramePointers,
+}
+
 /// How a program knows which marker or API fired.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -115,6 +137,7 @@ pub struct KernelPaths {
     pub version: Option<String>,
     pub probe_identity: ProbeIdentity,
     pub semaphores: SemaphorePath,
+    pub kernel_mode_stacks: KernelModeStacks,
     /// One line per feature this kernel lacks and what dynprof does instead.
     pub fallbacks: Vec<String>,
 }
@@ -123,16 +146,17 @@ pub struct KernelPaths {
 /// feature, so that the fallback paths run (and are tested) on any kernel.
 pub const FEATURES_ENV: &str = "DYNPROF_KERNEL_FEATURES";
 
-/// Applies [`FEATURES_ENV`]: a comma-separated list of `no_attach_cookie`
-/// and `no_ref_ctr_offset`. Returns the note for `KernelPaths::fallbacks`.
+/// Applies [`FEATURES_ENV`]: a comma-separated list of `no_attach_cookie`,
+/// `no_ref_ctr_offset` and `no_task_pt_regs`. Returns the note for `KernelPaths::fallbacks`.
 pub fn apply_override(f: &mut KernelFeatures, value: &str) -> Result<Option<String>> {
     let mut forced = Vec::new();
     for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         match item {
             "no_attach_cookie" => f.attach_cookie = false,
             "no_ref_ctr_offset" => f.ref_ctr_offset = false,
+            "no_task_pt_regs" => f.task_pt_regs = false,
             other => bail!(
-                "{FEATURES_ENV}: unknown item {other:?} (hint: use no_attach_cookie, no_ref_ctr_offset)"
+                "{FEATURES_ENV}: unknown item {other:?} (hint: use no_attach_cookie, no_ref_ctr_offset, no_task_pt_regs)"
             ),
         }
         forced.push(item);
@@ -210,11 +234,18 @@ pub fn choose(f: &KernelFeatures) -> Result<KernelPaths> {
             "cannot run"
         ));
     }
+    let kernel_mode_stacks = if f.task_pt_regs {
+        KernelModeStacks::Unwound
+    } else {
+        fallbacks.push(format!("no {}: {}", line(&TASK_PT_REGS), TASK_PT_REGS.without));
+        KernelModeStacks::FramePointers
+    };
     Ok(KernelPaths {
         release: f.release.clone(),
         version: parse_version(&f.release).map(|(a, b, c)| format!("{a}.{b}.{c}")),
         probe_identity,
         semaphores,
+        kernel_mode_stacks,
         fallbacks,
     })
 }
@@ -235,6 +266,7 @@ mod tests {
             ringbuf: true,
             attach_cookie: true,
             perf_link: true,
+            task_pt_regs: true,
         }
     }
 
@@ -244,6 +276,7 @@ mod tests {
             release: "5.10.0-30-amd64".into(),
             attach_cookie: false,
             perf_link: false,
+            task_pt_regs: false,
             ..linux_6_1()
         }
     }
@@ -275,10 +308,16 @@ mod tests {
         let p = choose(&linux_5_10()).unwrap();
         assert_eq!(p.probe_identity, ProbeIdentity::Address);
         assert_eq!(p.semaphores, SemaphorePath::Kernel);
-        assert_eq!(p.fallbacks.len(), 1, "{:?}", p.fallbacks);
+        assert_eq!(p.kernel_mode_stacks, KernelModeStacks::FramePointers);
+        assert_eq!(p.fallbacks.len(), 2, "{:?}", p.fallbacks);
         let f = &p.fallbacks[0];
         assert!(
             f.contains("bpf_get_attach_cookie") && f.contains("5.15") && f.contains("address"),
+            "{f}"
+        );
+        let f = &p.fallbacks[1];
+        assert!(
+            f.contains("bpf_task_pt_regs") && f.contains("5.15") && f.contains("frame-pointer"),
             "{f}"
         );
     }

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 
 use anyhow::Result;
-use dynprof_common::{OffCpuEvent, unwind::PyFrameRaw};
+use dynprof_common::OffCpuEvent;
 
 use super::{
     Collector, WindowInfo,
@@ -42,14 +42,15 @@ pub struct OffCpuCollector {
     armed: bool,
     names: ThreadNames,
     drops: DropBase,
-    /// Python frames read at a switch-out, by (tid, switch-out time), until
-    /// the interval's event arrives (or the window is sealed).
-    python: HashMap<(u32, u64), Vec<PyFrameRaw>>,
+    /// The user stack id unwound (and joined to Python frames) from a
+    /// switch-out's stack copy, by (tid, switch-out time), until the
+    /// interval's event arrives (or the window is sealed).
+    unwound: HashMap<(u32, u64), i32>,
 }
 
-/// Switch-outs whose Python frames wait for their interval at most; past
-/// it (intervals lost, or never ended) the oldest are forgotten.
-const MAX_PENDING_PYTHON: usize = 65536;
+/// Switch-outs whose stacks wait for their interval at most; past it
+/// (intervals lost, or never ended) the oldest are forgotten.
+const MAX_PENDING: usize = 65536;
 
 impl OffCpuCollector {
     pub fn new(store: SharedStacks, pool: EventPool) -> Self {
@@ -61,14 +62,14 @@ impl OffCpuCollector {
             armed: false,
             names: ThreadNames::default(),
             drops: DropBase::default(),
-            python: HashMap::new(),
+            unwound: HashMap::new(),
         }
     }
 
-    /// The event's user stack with the Python frames of its switch-out.
-    fn join_python(&mut self, mut e: OffCpuEvent) -> OffCpuEvent {
-        if let Some(py) = self.python.remove(&(e.hdr.tid, e.hdr.ts_ns)) {
-            e.user_stack = self.store.borrow_mut().with_python(e.user_stack, &py);
+    /// The event with the user stack unwound at its switch-out, if one was.
+    fn join_unwound(&mut self, mut e: OffCpuEvent) -> OffCpuEvent {
+        if let Some(id) = self.unwound.remove(&(e.hdr.tid, e.hdr.ts_ns)) {
+            e.user_stack = id;
         }
         e
     }
@@ -114,15 +115,18 @@ impl Collector for OffCpuCollector {
         match ev {
             Decoded::OffCpu(o) => {
                 self.names.saw(o.hdr.tid);
-                let o = self.join_python(*o);
+                let o = self.join_unwound(*o);
                 self.events.push(o);
             }
-            Decoded::OffCpuPython { tid, ts_ns, py } => {
-                if self.python.len() >= MAX_PENDING_PYTHON {
-                    let oldest = self.python.keys().map(|k| k.1).min().unwrap_or(0);
-                    self.python.retain(|k, _| k.1 > oldest);
+            Decoded::OffCpuStack(copy) => {
+                if self.unwound.len() >= MAX_PENDING {
+                    let oldest = self.unwound.keys().map(|k| k.1).min().unwrap_or(0);
+                    self.unwound.retain(|k, _| k.1 > oldest);
                 }
-                self.python.insert((*tid, *ts_ns), py.clone());
+                // Unwound now, while the copy is at hand: only the id waits.
+                let id = self.store.borrow_mut().unwind(copy);
+                let h = copy.sample.hdr;
+                self.unwound.insert((h.tid, h.ts_ns), id);
             }
             _ => {}
         }
@@ -150,9 +154,9 @@ impl Collector for OffCpuCollector {
                             kernel_stack: rec.kernel_stack,
                         };
                         // Kept: the interval's own event comes later.
-                        let e = match self.python.get(&(tid, rec.ts_ns)) {
-                            Some(py) => OffCpuEvent {
-                                user_stack: self.store.borrow_mut().with_python(e.user_stack, py),
+                        let e = match self.unwound.get(&(tid, rec.ts_ns)) {
+                            Some(&id) => OffCpuEvent {
+                                user_stack: id,
                                 ..e
                             },
                             None => e,

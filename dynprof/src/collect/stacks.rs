@@ -159,18 +159,6 @@ impl StackStore {
         })
     }
 
-    /// The user stack id of an off-CPU interval whose Python frames were
-    /// read at its switch-out: its frame-pointer stack with them spliced in.
-    pub fn with_python(&mut self, fp_id: i32, py: &[PyFrameRaw]) -> i32 {
-        let (py, _) = self.name_python(py);
-        self.intern(Unwound {
-            fp_id,
-            ips: None,
-            py,
-            anchors: Vec::new(),
-        })
-    }
-
     /// The named frames, and the addresses of the shims that end their
     /// runs (3.12+).
     fn name_python(&mut self, py: &[PyFrameRaw]) -> (Vec<(String, bool)>, Vec<u64>) {

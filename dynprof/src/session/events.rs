@@ -2,7 +2,7 @@
 use dynprof_common::{
     ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind,
     unwind::{
-        MAX_PY_FRAMES, OFFCPU_PYTHON, PyFrameRaw, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
+        MAX_PY_FRAMES, OFFCPU_STACK, PyFrameRaw, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
         StackSampleHeader,
     },
 };
@@ -17,16 +17,14 @@ pub enum Decoded {
     /// A CPU sample with a copy of its user stack (boxed: up to 16 KiB).
     SampleStack(Box<StackCopy>),
     OffCpu(OffCpuEvent),
-    /// The Python frames of a thread at its switch-out; joined to the
-    /// `OffCpu` event of the same tid and `ts_ns`.
-    OffCpuPython {
-        tid: u32,
-        ts_ns: u64,
-        py: Vec<PyFrameRaw>,
-    },
+    /// The stacks of a thread at its switch-out (`sample.hdr`: tid and
+    /// switch-out time; `sample.user_stack`: the frame-pointer id), joined
+    /// to the `OffCpu` event of the same tid and `ts_ns`.
+    OffCpuStack(Box<StackCopy>),
 }
 
-/// A CPU sample with the user registers and the top of the user stack.
+/// A CPU sample or a switch-out with the user registers and the top of
+/// the user stack.
 #[derive(Clone)]
 pub struct StackCopy {
     /// `hdr.kind` is `kind::SAMPLE` again; `user_stack` is the frame-pointer
@@ -34,7 +32,7 @@ pub struct StackCopy {
     pub sample: SampleEvent,
     pub regs: UserRegs,
     /// The stack from `regs.sp` up; empty when only Python frames came
-    /// (a kernel-mode sample, or an unreadable stack).
+    /// (no user registers on this kernel, or an unreadable stack).
     pub stack: Vec<u8>,
     /// CPython frames read at the sample, innermost first.
     pub py: Vec<PyFrameRaw>,
@@ -63,37 +61,33 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
         kind::API => Decoded::Api(read(b)?),
         kind::SAMPLE => Decoded::Sample(read(b)?),
         kind::OFFCPU => Decoded::OffCpu(read(b)?),
-        OFFCPU_PYTHON => {
-            let h: StackSampleHeader = read(b)?;
-            Decoded::OffCpuPython {
-                tid: h.sample.hdr.tid,
-                ts_ns: h.sample.hdr.ts_ns,
-                py: py_frames(b, &h)?,
-            }
-        }
+        OFFCPU_STACK => Decoded::OffCpuStack(Box::new(stack_copy(b)?)),
         SAMPLE_STACK => {
-            let h: StackSampleHeader = read(b)?;
-            let len = (h.len as usize).min(STACK_COPY_MAX);
-            let stack = b.get(STACK_COPY_OFFSET..)?.get(..len)?.to_vec();
-            let py = py_frames(b, &h)?;
-            let mut sample = h.sample;
-            sample.hdr.kind = kind::SAMPLE;
-            Decoded::SampleStack(Box::new(StackCopy {
-                sample,
-                regs: UserRegs {
-                    ip: h.ip,
-                    sp: h.sp,
-                    bp: h.bp,
-                },
-                stack,
-                py,
-            }))
+            let mut c = stack_copy(b)?;
+            c.sample.hdr.kind = kind::SAMPLE;
+            Decoded::SampleStack(Box::new(c))
         }
         _ => return None,
     })
 }
 
-/// The Python frames of a `SAMPLE_STACK` or `OFFCPU_PYTHON` record.
+/// A `SAMPLE_STACK` or `OFFCPU_STACK` record.
+fn stack_copy(b: &[u8]) -> Option<StackCopy> {
+    let h: StackSampleHeader = read(b)?;
+    let len = (h.len as usize).min(STACK_COPY_MAX);
+    Some(StackCopy {
+        sample: h.sample,
+        regs: UserRegs {
+            ip: h.ip,
+            sp: h.sp,
+            bp: h.bp,
+        },
+        stack: b.get(STACK_COPY_OFFSET..)?.get(..len)?.to_vec(),
+        py: py_frames(b, &h)?,
+    })
+}
+
+/// The Python frames of a `SAMPLE_STACK` or `OFFCPU_STACK` record.
 fn py_frames(b: &[u8], h: &StackSampleHeader) -> Option<Vec<PyFrameRaw>> {
     let py_bytes = b.get(size_of::<StackSampleHeader>()..STACK_COPY_OFFSET)?;
     Some(

@@ -35,6 +35,8 @@ pub fn probe() -> KernelFeatures {
         ringbuf: matches!(is_map_supported(MapType::RingBuf), Ok(true)),
         attach_cookie: helper(BpfHelper::BPF_FUNC_get_attach_cookie),
         perf_link: f.bpf_perf_link(),
+        task_pt_regs: helper(BpfHelper::BPF_FUNC_get_current_task_btf)
+            && helper(BpfHelper::BPF_FUNC_task_pt_regs),
     };
     log::debug!("kernel features: {features:?}");
     features
