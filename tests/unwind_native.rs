@@ -124,6 +124,39 @@ fn kernel_mode_stacks(prof: &Path) -> String {
         .to_string()
 }
 
+/// Does the running kernel have `bpf_task_pt_regs` (Linux 5.15)? From its
+/// release, not from dynprof's probe: Debian's 5.10 in the VM matrix has no
+/// backport of it.
+fn kernel_has_task_pt_regs() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut it = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    (it.next().unwrap_or(0), it.next().unwrap_or(0)) >= (5, 15)
+}
+
+/// The first window's half of the kernel-mode tests: with
+/// `bpf_task_pt_regs`, the whole chain in at least 80 % of `total`; on an
+/// older kernel, the fallback, named in meta.json, and no chain.
+fn check_kernel_mode_window(prof: &Path, full: u64, total: u64, what: &str) {
+    let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap();
+    if kernel_has_task_pt_regs() {
+        assert_eq!(kernel_mode_stacks(prof), "unwound", "{meta}");
+        assert!(
+            full as f64 >= 0.8 * total as f64,
+            "{full} of {total} {what} show the chain"
+        );
+    } else {
+        assert_eq!(kernel_mode_stacks(prof), "frame_pointers", "{meta}");
+        assert!(
+            meta.contains("no bpf_task_pt_regs"),
+            "fallback not named: {meta}"
+        );
+        assert_eq!(full, 0, "frame pointers alone walked the chain");
+    }
+}
+
 /// (weight of stacks showing `chain`, total weight) among `stacks` that
 /// `keep` selects.
 fn chain_share(
@@ -150,7 +183,14 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
     let exe = build_deepstack(&dir);
     let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--syscalls"]));
     let chain = expected_chain();
-    let args = ["--marker", "exe:step_marker", "--cpu-hz", "499", "--active", "50"];
+    let args = [
+        "--marker",
+        "exe:step_marker",
+        "--cpu-hz",
+        "499",
+        "--active",
+        "50",
+    ];
     let in_kernel = |s: &[String]| s.iter().any(|f| f.ends_with("_[k]"));
 
     let (prof, stacks) = window_of(p.pid, &dir.join("unwound"), "cpu", &[], &args);
@@ -159,13 +199,19 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
     for (s, n) in &stacks {
         eprintln!("  {n:5} {}", s.join(";"));
     }
-    assert_eq!(kernel_mode_stacks(&prof), "unwound", "this kernel has bpf_task_pt_regs");
     // 50 steps of 20 ms at 499 Hz, most of it in the kernel.
     assert!(total >= 100, "too few kernel-mode samples: {stacks:?}");
+    check_kernel_mode_window(&prof, full, total, "kernel-mode samples");
+    // Their kernel frames are named (from the kallsyms copy dynprof takes
+    // before it gives CAP_SYSLOG up): the read of /dev/zero.
+    let named: u64 = stacks
+        .iter()
+        .filter(|(s, _)| s.iter().any(|f| f == "vfs_read_[k]"))
+        .map(|s| s.1)
+        .sum();
     assert!(
-        full as f64 >= 0.8 * total as f64,
-        "{full} of {total} kernel-mode samples show {}",
-        chain.join(";")
+        named as f64 >= 0.8 * total as f64,
+        "{named} of {total} kernel-mode samples name vfs_read"
     );
 
     let env = [("DYNPROF_KERNEL_FEATURES", "no_task_pt_regs")];
@@ -198,15 +244,10 @@ fn unwind_native_offcpu_stacks_are_unwound_at_the_switch() {
     for (s, n) in &stacks {
         eprintln!("  {n:9} {}", s.join(";"));
     }
-    assert_eq!(kernel_mode_stacks(&prof), "unwound", "this kernel has bpf_task_pt_regs");
     assert!(total > 0, "no off-CPU time: {stacks:?}");
     // The sleeps are all under the chain; the rest is the step marker's
     // and the process's own (signals, exit) switches.
-    assert!(
-        full as f64 >= 0.9 * total as f64,
-        "{full} of {total} off-CPU weight under {}",
-        chain.join(";")
-    );
+    check_kernel_mode_window(&prof, full, total, "of the off-CPU weight");
 
     let env = [("DYNPROF_KERNEL_FEATURES", "no_task_pt_regs")];
     let (prof, stacks) = window_of(p.pid, &dir.join("fallback"), "offcpu", &env, &args);

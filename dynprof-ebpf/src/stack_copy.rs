@@ -20,13 +20,16 @@
 //! read in kernel-mode samples as well (the memory is the current task's).
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_probe_read_kernel, generated}, macros::map, maps::PerCpuArray, programs::PerfEventContext,
+    helpers::{bpf_probe_read_kernel, generated},
+    macros::map,
+    maps::PerCpuArray,
+    programs::PerfEventContext,
 };
 use dynprof_common::{
     SampleEvent, drop_slot,
     unwind::{
-        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_STACK, PY_FRAME_VIA_CFRAME, PyFrameRaw, PyOffsets,
-        OFFCPU_COPY_MAX, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample,
+        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_COPY_MAX, OFFCPU_STACK, PY_FRAME_VIA_CFRAME,
+        PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample,
         StackSampleHeader,
     },
 };
@@ -81,8 +84,8 @@ fn task_user_regs() -> Option<(u64, u64, u64)> {
     if unsafe { core::ptr::read_volatile(&USER_REGS_FROM_TASK) } == 0 {
         return None;
     }
-    let regs = unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) }
-        as *const u64;
+    let regs =
+        unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) } as *const u64;
     if regs.is_null() {
         return None;
     }

@@ -237,7 +237,11 @@ pub fn choose(f: &KernelFeatures) -> Result<KernelPaths> {
     let kernel_mode_stacks = if f.task_pt_regs {
         KernelModeStacks::Unwound
     } else {
-        fallbacks.push(format!("no {}: {}", line(&TASK_PT_REGS), TASK_PT_REGS.without));
+        fallbacks.push(format!(
+            "no {}: {}",
+            line(&TASK_PT_REGS),
+            TASK_PT_REGS.without
+        ));
         KernelModeStacks::FramePointers
     };
     Ok(KernelPaths {

@@ -144,9 +144,15 @@ const VM_TESTS: &[(&str, &[&str])] = &[
     // The stack copy's constant-size reads are what the 5.10 verifier is
     // strictest about. (The Python frame test takes 11 min under TCG: the
     // CPython walk shares the cpu program, so this test loads it too.)
+    // And the user stacks of kernel-mode samples and off-CPU intervals:
+    // unwound from bpf_task_pt_regs on 6.1, the named fallback on 5.10.
     (
         "unwind_native",
-        &["unwind_native_chain_without_frame_pointers"],
+        &[
+            "unwind_native_chain_without_frame_pointers",
+            "unwind_native_kernel_mode_samples_keep_their_user_stack",
+            "unwind_native_offcpu_stacks_are_unwound_at_the_switch",
+        ],
     ),
 ];
 

@@ -98,6 +98,12 @@ impl Symbolizer {
         let kernel = Kernel {
             // A vmlinux with DWARF is rarely present and slow to load;
             // kallsyms names every kernel function a stack can contain.
+            // dynprof's own read of it after attach would show no addresses
+            // (no CAP_SYSLOG left): the copy taken before is read instead.
+            kallsyms: match crate::sys::kallsyms::snapshot() {
+                Some(p) => MaybeDefault::Some(p),
+                None => MaybeDefault::Default,
+            },
             vmlinux: MaybeDefault::None,
             debug_syms: false,
             ..Kernel::default()
@@ -175,14 +181,23 @@ impl Symbolizer {
 
     fn resolve_kernel(&mut self, missing: &[u64]) {
         {
-            let results = self
+            let results = match self
                 .blaze
                 .symbolize(&self.kernel_src, Input::AbsAddr(missing))
-                .ok();
+            {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    log::debug!("symbolizing {} kernel addresses: {e:#}", missing.len());
+                    None
+                }
+            };
             for (i, a) in missing.iter().enumerate() {
                 let frames = match results.as_ref().and_then(|r| r.get(i)) {
                     Some(Symbolized::Sym(sym)) => sym_frames(sym),
-                    _ => vec!["[unknown]".to_string()],
+                    other => {
+                        log::debug!("kernel address {a:#x}: {other:?}");
+                        vec!["[unknown]".to_string()]
+                    }
                 };
                 let frames = frames.into_iter().map(|f| format!("{f}_[k]")).collect();
                 self.kernel_cache.insert(*a, frames);

@@ -292,6 +292,10 @@ fn set_to_string(s: &CapsHashSet) -> String {
 /// has a bounding set no larger than that already). Fails closed: any
 /// error, or a set that reads back larger than asked, is an error.
 pub fn drop_after_attach(needs: &[Need]) -> Result<Vec<Capability>> {
+    if needs.iter().any(|n| matches!(n, Need::Cpu | Need::Offcpu)) {
+        // Kernel stacks are named later, without CAP_SYSLOG.
+        let _ = super::kallsyms::snapshot();
+    }
     let needs = &with_host_needs(needs, perf_event_paranoid());
     let wanted = set_of(needs, true);
     let permitted = caps::read(None, CapSet::Permitted).context("reading CapPrm")?;

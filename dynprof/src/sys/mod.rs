@@ -13,6 +13,7 @@
 //! | `targetdir` | make, check and list directories in a target's world, through `rootfs` |
 //! | `uprobe` | uprobe perf events with kernel-owned USDT semaphores; the /proc/PID/mem fallback |
 //! | `lock` | one controller per target: the flock under /run/dynprof |
+//! | `kallsyms` | a copy of `/proc/kallsyms` taken before the capabilities are dropped |
 //! | `kernel` | probe the running kernel's BPF features (helpers, map types, PMU formats) |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 //! | `procmem` | read a target's memory (`/proc/PID/mem`): CPython code objects |
@@ -25,6 +26,7 @@ pub mod configmap;
 pub mod creds;
 pub mod exec;
 pub mod hostfs;
+pub mod kallsyms;
 pub mod kernel;
 pub mod lock;
 pub mod memory;
