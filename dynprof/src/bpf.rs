@@ -122,6 +122,11 @@ impl Kernel {
         }
         let tgid = pid.0;
         let stack_copy = crate::symbols::unwind::stack_copy_bytes(ring_bytes);
+        if stack_copy == 0 {
+            // No copy to unwind (turned off, or not x86-64): frame pointers
+            // in kernel mode too, whatever the kernel offers.
+            paths.kernel_mode_stacks = compat::KernelModeStacks::FramePointers;
+        }
         let user_regs_from_task =
             u32::from(paths.kernel_mode_stacks == compat::KernelModeStacks::Unwound);
         let python = crate::symbols::python::detect(tgid)
