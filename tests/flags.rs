@@ -169,3 +169,23 @@ fn flags_follow_needs_a_job_ref() {
         assert!(err.contains("--follow needs --job REF"), "{who:?}: {err}");
     }
 }
+
+/// A --debug-dir that is not a directory is refused before the target is
+/// looked at (the PID does not exist).
+#[test]
+fn flags_debug_dir_must_be_a_directory() {
+    let (st, out, err) = run_dynprof(Command::new(dynprof_bin()).arg("attach").args([
+        "--pid",
+        NO_PID,
+        "--debug-dir",
+        "/nonexistent/dynprof-debug",
+        "--active",
+        "1",
+    ]));
+    assert_eq!(st.code(), Some(1), "{st}\n{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains("--debug-dir /nonexistent/dynprof-debug: not a directory"),
+        "{err}"
+    );
+}

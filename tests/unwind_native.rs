@@ -536,3 +536,74 @@ fn unwind_native_names_from_minidebuginfo() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A stripped executable whose symbols are in a separate debug file under
+/// `--debug-dir`, found by build id (`DIR/.build-id/ab/cdef….debug`, as
+/// GDB installs them): the samples name the whole chain. Without the flag
+/// (and with no such file under /usr/lib/debug), none can.
+#[test]
+fn unwind_native_names_from_a_debug_file_by_build_id() {
+    require_privileges!();
+    let dir = scratch_dir("unwind_native_names_from_a_debug_file");
+    let src = workspace_root().join("tests/fixtures/deepstack.c");
+    let inc = workspace_root().join("tests/fixtures");
+    sh(
+        &dir,
+        &format!(
+            "gcc -O2 -g -fomit-frame-pointer -Wl,--build-id -I '{}' \
+             -Wl,--export-dynamic-symbol=step_marker -o full '{}'",
+            inc.display(),
+            src.display()
+        ),
+    );
+    sh(
+        &dir,
+        "id=$(readelf -n full | awk '/Build ID/ { print $3 }')
+         test -n \"$id\"
+         mkdir -p debug/.build-id/$(echo $id | cut -c1-2)
+         objcopy --only-keep-debug full debug/.build-id/$(echo $id | cut -c1-2)/$(echo $id | cut -c3-).debug
+         strip --strip-all -R .comment full -o stripped
+         ! nm stripped 2>/dev/null | grep -q chain_07",
+    );
+    let chain = expected_chain();
+    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
+    let debug_dir = dir.join("debug");
+    let mut p = Proc::spawn_ready(Command::new(dir.join("stripped")).args(["--step-ms", "20"]));
+    let mut args = vec![
+        "--marker",
+        "exe:step_marker",
+        "--cpu-hz",
+        "499",
+        "--active",
+        "50",
+    ];
+    let without = window_of(p.pid, &dir.join("without"), "cpu", &[], &args).1;
+    args.extend(["--debug-dir", debug_dir.to_str().unwrap()]);
+    let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).1;
+    p.terminate();
+    let (full, total) = chain_share(&with, &chain, in_user);
+    eprintln!("with --debug-dir: {full} of {total} user-mode samples show the whole chain");
+    for (s, n) in with.iter().take(5) {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    assert!(total >= 40, "too few user-mode samples: {with:?}");
+    assert!(
+        full as f64 >= 0.8 * total as f64,
+        "{full} of {total} user-mode samples show {}",
+        chain.join(";")
+    );
+    let named: u64 = without
+        .iter()
+        .filter(|(s, _)| s.iter().any(|f| f.starts_with("chain_")))
+        .map(|s| s.1)
+        .sum();
+    assert!(
+        without.iter().map(|s| s.1).sum::<u64>() >= 40,
+        "{without:?}"
+    );
+    assert_eq!(
+        named, 0,
+        "without the debug file, no chain frame can be named"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

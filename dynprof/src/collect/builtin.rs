@@ -45,6 +45,14 @@ pub struct CollectArgs {
     /// fit and counts the rest (meta.json `memory.dropped_over_budget`).
     #[arg(long, value_name = "SIZE", default_value = "256MiB", value_parser = parse_budget)]
     pub memory_budget: MemoryBudget,
+
+    /// Also look for separate debug files here (repeatable), by build id:
+    /// DIR/.build-id/ab/cdef….debug, as GDB installs them. Stripped
+    /// libraries and executables get their full symbol tables from them.
+    /// Always searched after these: /usr/lib/debug inside the target's
+    /// root, then on the host.
+    #[arg(long = "debug-dir", value_name = "DIR")]
+    pub debug_dirs: Vec<std::path::PathBuf>,
 }
 
 impl Default for CollectArgs {
@@ -53,6 +61,7 @@ impl Default for CollectArgs {
             cpu_hz: cpu::DEFAULT_HZ,
             apis: Vec::new(),
             memory_budget: MemoryBudget::default(),
+            debug_dirs: Vec::new(),
         }
     }
 }
@@ -61,6 +70,14 @@ impl CollectArgs {
     pub fn options(&self) -> Result<CollectorOptions> {
         if self.cpu_hz == 0 || self.cpu_hz > 10_000 {
             bail!("--cpu-hz must be between 1 and 10000 (got {})", self.cpu_hz);
+        }
+        for d in &self.debug_dirs {
+            if !d.is_dir() {
+                bail!(
+                    "--debug-dir {}: not a directory (hint: name the directory that holds .build-id/)",
+                    d.display()
+                );
+            }
         }
         Ok(CollectorOptions {
             memory_budget: self.memory_budget,
@@ -71,6 +88,7 @@ impl CollectArgs {
                 .map(|s| apis::parse_api_spec(s))
                 .collect::<Result<_>>()?,
             api_sets: apis::BUILTIN_SETS.to_vec(),
+            debug_dirs: self.debug_dirs.clone(),
         })
     }
 }
@@ -85,6 +103,8 @@ pub struct CollectorOptions {
     pub api_sets: Vec<ApiSet>,
     /// Memory for one window's data (`--memory-budget`).
     pub memory_budget: MemoryBudget,
+    /// Separate debug files' directories (`--debug-dir`).
+    pub debug_dirs: Vec<std::path::PathBuf>,
 }
 
 impl Default for CollectorOptions {
@@ -94,6 +114,7 @@ impl Default for CollectorOptions {
             cpu_hz: cpu::DEFAULT_HZ,
             apis: Vec::new(),
             api_sets: apis::BUILTIN_SETS.to_vec(),
+            debug_dirs: Vec::new(),
         }
     }
 }
@@ -120,7 +141,7 @@ pub fn parse_collect(list: &str) -> Result<Collectors> {
 /// is global), so build them together; all share one [`EventPool`], the
 /// window's event cap under `--memory-budget`.
 pub fn build_collectors(which: &Collectors, opts: &CollectorOptions) -> Vec<Box<dyn Collector>> {
-    let store = StackStore::shared();
+    let store = StackStore::shared(opts.debug_dirs.clone());
     let pool = EventPool::new(opts.memory_budget);
     let mut out: Vec<Box<dyn Collector>> = Vec::new();
     if which.has(Builtin::Api) {

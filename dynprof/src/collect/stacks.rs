@@ -61,6 +61,8 @@ pub type SharedStacks = Rc<RefCell<StackStore>>;
 #[derive(Default)]
 pub struct StackStore {
     pid: Option<u32>,
+    /// `--debug-dir`, for each target's symbolizer.
+    debug_dirs: Vec<std::path::PathBuf>,
     sym: Option<Symbolizer>,
     user: HashMap<i32, Vec<String>>,
     kernel: HashMap<i32, Vec<String>>,
@@ -88,8 +90,11 @@ pub struct StackStore {
 }
 
 impl StackStore {
-    pub fn shared() -> SharedStacks {
-        Rc::new(RefCell::new(StackStore::default()))
+    pub fn shared(debug_dirs: Vec<std::path::PathBuf>) -> SharedStacks {
+        Rc::new(RefCell::new(StackStore {
+            debug_dirs,
+            ..StackStore::default()
+        }))
     }
 
     /// A stack collector is being armed for the target `pid`.
@@ -113,7 +118,7 @@ impl StackStore {
             self.pid = Some(pid);
             self.unwinder = NativeUnwinder::new();
             self.py_names = None;
-            self.sym = match Symbolizer::new(pid) {
+            self.sym = match Symbolizer::new(pid, &self.debug_dirs) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     log::warn!("stacks: no symbolizer for PID {pid}: {e:#}");

@@ -32,11 +32,14 @@ use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
 
 use crate::symbols::{
-    ElfImage, demangle,
+    ElfImage, demangle, elf,
     elf::UnwindSections,
     unwind::{self, Lookup},
 };
 use crate::sys::rootfs::{self, TargetRoot};
+
+/// Where distributions install separate debug files (GDB's default).
+const DEFAULT_DEBUG_DIR: &str = "/usr/lib/debug";
 
 /// The frame name of code in anonymous executable memory.
 pub const JIT_FRAME: &str = "[jit]";
@@ -59,10 +62,16 @@ struct Snapshot {
     /// Holds the memfd that `source`'s path names.
     _file: File,
     source: Source<'static>,
+    /// Set when `source` is a separate debug file: the mapped file's
+    /// loadable segments, to turn its file offsets into the virtual
+    /// addresses both files share.
+    segments: Option<Vec<(u64, u64, u64)>>,
 }
 
 pub struct Symbolizer {
     pid: u32,
+    /// `--debug-dir`: searched first for separate debug files by build id.
+    debug_dirs: Vec<PathBuf>,
     blaze: Blaze,
     kernel_src: Source<'static>,
     /// Per mapped file (`file_key`); `None` when it could not be read.
@@ -88,7 +97,7 @@ impl Symbolizer {
     /// Fails only if the process has no readable maps at construction (it
     /// does not exist, or we lack permission); later failures degrade to
     /// `[unknown]` frames instead.
-    pub fn new(host_pid: u32) -> Result<Self> {
+    pub fn new(host_pid: u32, debug_dirs: &[PathBuf]) -> Result<Self> {
         let maps = read_maps(host_pid).with_context(|| format!("reading /proc/{host_pid}/maps"))?;
         let blaze = Blaze::builder()
             .enable_code_info(false)
@@ -110,6 +119,7 @@ impl Symbolizer {
         };
         Ok(Self {
             pid: host_pid,
+            debug_dirs: debug_dirs.to_vec(),
             blaze,
             kernel_src: Source::Kernel(kernel),
             snapshots: HashMap::new(),
@@ -234,10 +244,22 @@ impl Symbolizer {
                 continue;
             };
             let offsets: Vec<u64> = group.iter().map(|(_, o)| *o).collect();
-            match self
-                .blaze
-                .symbolize(&snap.source, Input::FileOffset(&offsets))
-            {
+            let result = match &snap.segments {
+                None => self
+                    .blaze
+                    .symbolize(&snap.source, Input::FileOffset(&offsets)),
+                Some(segs) => {
+                    // A debug file's segments hold no code: address it by
+                    // the mapped file's virtual addresses (0 when outside).
+                    let vaddrs: Vec<u64> = offsets
+                        .iter()
+                        .map(|o| elf::offset_to_vaddr(segs, *o).unwrap_or(0))
+                        .collect();
+                    self.blaze
+                        .symbolize(&snap.source, Input::VirtOffset(&vaddrs))
+                }
+            };
+            match result {
                 Ok(results) => {
                     for ((a, _), r) in group.iter().zip(results.iter()) {
                         if let Symbolized::Sym(sym) = r {
@@ -335,7 +357,15 @@ impl Symbolizer {
             }
         };
         let tables = img.unwind_sections();
-        let sparse = img.sparse();
+        // A stripped file (no .symtab): its separate debug file, by build
+        // id, names what .dynsym does not (static functions).
+        let debug = match img.build_id() {
+            Some(id) if !img.has_symtab() => self.debug_file(&id),
+            _ => None,
+        };
+        let segments = debug.as_ref().map(|_| img.load_segments());
+        let named = debug.as_ref().unwrap_or(&img);
+        let sparse = named.sparse();
         let copy = rootfs::sealed_sparse_copy("dynprof-sym", sparse.file_len(), sparse.chunks());
         let (file, path) = match copy {
             Ok(c) => c,
@@ -353,9 +383,50 @@ impl Symbolizer {
             Snapshot {
                 _file: file,
                 source: Source::Elf(elf),
+                segments,
             },
             tables,
         ))
+    }
+
+    /// The separate debug file of build id `id` with its `.symtab`: in each
+    /// `--debug-dir`, then under `/usr/lib/debug` inside the target's root
+    /// (opened there, never following a link out), then on the host. A
+    /// file whose own build id differs is not used.
+    fn debug_file(&self, id: &str) -> Option<ElfImage> {
+        let rel = crate::symbols::build_id_path(id)?;
+        let usable = |img: ElfImage| {
+            (img.build_id().as_deref() == Some(id) && img.has_symtab()).then_some(img)
+        };
+        for dir in &self.debug_dirs {
+            let path = dir.join(&rel);
+            if path.exists()
+                && let Some(img) = ElfImage::open(&path).ok().and_then(usable)
+            {
+                log::debug!("symbolize: build id {id}: {}", path.display());
+                return Some(img);
+            }
+        }
+        let in_root = Path::new(DEFAULT_DEBUG_DIR).join(&rel);
+        if !self.exited {
+            let pid = self.pid;
+            let name = in_root.clone();
+            let img = ElfImage::read_bounded(&in_root, move || {
+                let root = TargetRoot::open(&PathBuf::from(format!("/proc/{pid}/root")))?;
+                Ok(root.open_regular(&name.to_string_lossy())?)
+            });
+            if let Some(img) = img.ok().and_then(usable) {
+                log::debug!(
+                    "symbolize: build id {id}: {} in the target",
+                    in_root.display()
+                );
+                return Some(img);
+            }
+        }
+        if in_root.exists() {
+            return ElfImage::open(&in_root).ok().and_then(usable);
+        }
+        None
     }
 
     /// The mapping holding `addr`; `maps` is sorted by start (as
@@ -470,7 +541,7 @@ mod tests {
 
     #[test]
     fn names_functions_of_this_process() {
-        let mut s = Symbolizer::new(std::process::id()).unwrap();
+        let mut s = Symbolizer::new(std::process::id(), &[]).unwrap();
         let leaf = dynprof_symbolize_test_target as *const () as u64;
         let caller = rust_mangled_target as *const () as u64;
         // Leaf first, as the kernel gives it; caller "return address" +1 so
@@ -497,7 +568,7 @@ mod tests {
 
     #[test]
     fn unknown_addresses_and_exited_process() {
-        let mut s = Symbolizer::new(std::process::id()).unwrap();
+        let mut s = Symbolizer::new(std::process::id(), &[]).unwrap();
         assert_eq!(s.user_stack(&[0x10]), vec!["[unknown]".to_string()]);
         assert!(s.user_stack(&[]).is_empty());
 
@@ -505,7 +576,7 @@ mod tests {
             .arg("30")
             .spawn()
             .unwrap();
-        let mut s = Symbolizer::new(child.id()).unwrap();
+        let mut s = Symbolizer::new(child.id(), &[]).unwrap();
         let (start, module) = {
             let m = &s.maps[0];
             (m.start, m.module.clone())
@@ -550,8 +621,8 @@ mod tests {
         }
         let (start, end) = text.expect("the copy is mapped");
         let (a1, a2) = (start + 0x10, end - 0x10);
-        let reference = Symbolizer::new(child.id()).unwrap().user_stack(&[a2]);
-        let mut s = Symbolizer::new(child.id()).unwrap();
+        let reference = Symbolizer::new(child.id(), &[]).unwrap().user_stack(&[a2]);
+        let mut s = Symbolizer::new(child.id(), &[]).unwrap();
         s.user_stack(&[a1]);
         std::fs::OpenOptions::new()
             .write(true)
@@ -567,7 +638,7 @@ mod tests {
 
     #[test]
     fn kernel_frames_are_suffixed() {
-        let mut s = Symbolizer::new(std::process::id()).unwrap();
+        let mut s = Symbolizer::new(std::process::id(), &[]).unwrap();
         let frames = s.kernel_stack(&[0xffff_ffff_ffff_0000]);
         assert_eq!(frames.len(), 1);
         assert!(frames[0].ends_with("_[k]"), "{frames:?}");

@@ -99,6 +99,9 @@ fn unix_time(s: &str) -> Result<Duration, String> {
 }
 
 pub async fn run(args: AttachArgs) -> Result<()> {
+    // Bad collector flags (--cpu-hz, --api, --debug-dir) before any target
+    // is looked at.
+    args.window.collector_opts.options()?;
     if args.follow && args.job.is_none() {
         bail!(
             "--follow needs --job REF (a launcher PID, pid:[INODE] or a container id): \

@@ -119,6 +119,8 @@ fn spawn_gated(
 }
 
 pub async fn run(args: LaunchArgs) -> Result<()> {
+    // Bad collector flags before the program is started.
+    args.window.collector_opts.options()?;
     let markers = markers_or_auto(&args.markers);
     let stdin_tty = std::io::stdin().is_terminal();
     let mode = args.window.mode(

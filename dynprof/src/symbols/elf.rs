@@ -401,11 +401,17 @@ impl UnwindSections {
     /// The section address of file offset `off`, through the loadable
     /// segment that holds it.
     pub fn offset_to_vaddr(&self, off: u64) -> Option<u64> {
-        self.load_segments
-            .iter()
-            .find(|(o, size, _)| off >= *o && off - o < (*size).max(1))
-            .map(|(o, _, vaddr)| vaddr + (off - o))
+        offset_to_vaddr(&self.load_segments, off)
     }
+}
+
+/// The virtual address of file offset `off` through `segments`, (file
+/// offset, file size, virtual address) each.
+pub fn offset_to_vaddr(segments: &[(u64, u64, u64)], off: u64) -> Option<u64> {
+    segments
+        .iter()
+        .find(|(o, size, _)| off >= *o && off - o < (*size).max(1))
+        .and_then(|(o, _, vaddr)| vaddr.checked_add(off - o))
 }
 
 /// An ELF file's headers, symbol tables and notes, read into memory.
@@ -535,18 +541,28 @@ impl ElfImage {
             eh_frame,
             eh_frame_hdr: section(".eh_frame_hdr"),
             text,
-            load_segments: file
-                .segments()
-                .map(|seg| {
-                    let (off, size) = seg.file_range();
-                    (off, size, seg.address())
-                })
-                .collect(),
+            load_segments: self.load_segments(),
         })
     }
 
     pub fn build_id(&self) -> Option<String> {
         self.build_id.clone()
+    }
+
+    /// Does the file have a `.symtab` with symbols (not stripped)?
+    pub fn has_symtab(&self) -> bool {
+        self.file().symbols().next().is_some()
+    }
+
+    /// (file offset, file size, virtual address) of each loadable segment.
+    pub fn load_segments(&self) -> Vec<(u64, u64, u64)> {
+        self.file()
+            .segments()
+            .map(|seg| {
+                let (off, size) = seg.file_range();
+                (off, size, seg.address())
+            })
+            .collect()
     }
 
     /// `.note.stapsdt`'s bytes and `.stapsdt.base`'s address; `None` when
