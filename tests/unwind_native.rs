@@ -607,3 +607,40 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// JIT code that the runtime names in `/tmp/perf-PID.map` (oneDNN with
+/// `ONEDNN_JIT_PROFILE=1`, CPython 3.12+ with `-X perf`): the leaf is that
+/// name, `jit_conv_kernel [jit]`, under the whole chain. (Without the map
+/// it is a bare `[jit]`: `unwind_native_through_jit_code`.)
+#[test]
+fn unwind_native_names_jit_code_from_the_perf_map() {
+    require_privileges!();
+    let dir = scratch_dir("unwind_native_names_jit_code_from_the_perf_map");
+    let exe = build_deepstack(&dir);
+    let mut p =
+        Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--jit", "--perf-map"]));
+    let map = std::path::PathBuf::from(format!("/tmp/perf-{}.map", p.pid));
+    let mut chain = expected_chain();
+    chain.push("jit_conv_kernel [jit]".to_string());
+    let stacks = cpu_window(p.pid, &dir.join("out"), None);
+    p.terminate();
+    let _ = std::fs::remove_file(&map);
+    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
+    let total: u64 = stacks.iter().filter(|(s, _)| in_user(s)).map(|s| s.1).sum();
+    let full: u64 = stacks
+        .iter()
+        .filter(|(s, _)| in_user(s) && s.ends_with(&chain))
+        .map(|s| s.1)
+        .sum();
+    eprintln!("{full} of {total} user-mode samples end in the named JIT frame under the chain");
+    for (s, n) in stacks.iter().take(5) {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    assert!(total >= 40, "too few user-mode samples: {stacks:?}");
+    assert!(
+        full as f64 >= 0.8 * total as f64,
+        "{full} of {total} samples end in {}",
+        chain.join(";")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

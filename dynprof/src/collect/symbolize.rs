@@ -31,12 +31,16 @@ use blazesym::MaybeDefault;
 use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
 
+use crate::symbols::perfmap::{self, PerfMap};
 use crate::symbols::{
     ElfImage, demangle, elf,
     elf::UnwindSections,
     unwind::{self, Lookup},
 };
-use crate::sys::rootfs::{self, TargetRoot};
+use crate::sys::{
+    rootfs::{self, TargetRoot},
+    targetdir,
+};
 
 /// Where distributions install separate debug files (GDB's default).
 const DEFAULT_DEBUG_DIR: &str = "/usr/lib/debug";
@@ -91,6 +95,10 @@ pub struct Symbolizer {
     /// them: a garbage return address in every sample must not cost a
     /// maps read each (thousands of lines in a PyTorch job).
     unwind_maps_read: Option<std::time::Instant>,
+    /// The target's `/tmp/perf-NSPID.map` (names of JIT code), and when it
+    /// was last read: again at most once a second, on a miss.
+    perf_map: Option<PerfMap>,
+    perf_map_read: Option<std::time::Instant>,
 }
 
 impl Symbolizer {
@@ -129,6 +137,8 @@ impl Symbolizer {
             maps,
             exited: false,
             unwind_maps_read: None,
+            perf_map: None,
+            perf_map_read: None,
         })
     }
 
@@ -272,7 +282,10 @@ impl Symbolizer {
         }
         for a in addrs {
             if !self.user_cache.contains_key(a) {
-                let u = self.unknown(*a);
+                let u = match self.jit_name(*a) {
+                    Some(name) => name,
+                    None => self.unknown(*a),
+                };
                 self.user_cache.insert(*a, vec![u]);
             }
         }
@@ -436,6 +449,47 @@ impl Symbolizer {
         let i = self.maps.partition_point(|m| m.start <= addr);
         let m = self.maps.get(i.checked_sub(1)?)?;
         (addr < m.end).then_some(m)
+    }
+
+    /// `NAME [jit]` for code in anonymous executable memory that the
+    /// target's perf map names.
+    fn jit_name(&mut self, addr: u64) -> Option<String> {
+        if !self.mapping(addr).is_some_and(|m| m.module.is_empty()) {
+            return None;
+        }
+        let known = |s: &Self| s.perf_map.as_ref().and_then(|m| m.lookup(addr)).is_some();
+        let due = self
+            .perf_map_read
+            .is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1));
+        if !known(self) && !self.exited && due {
+            self.perf_map_read = Some(std::time::Instant::now());
+            if let Some(m) = self.read_perf_map() {
+                self.perf_map = Some(m);
+            }
+        }
+        let name = self.perf_map.as_ref()?.lookup(addr)?;
+        Some(format!("{name} {JIT_FRAME}"))
+    }
+
+    /// Reads `/tmp/perf-NSPID.map` inside the target's root (the PID as
+    /// the target sees it; capped and bounded, a FIFO or a link out of the
+    /// root refused).
+    fn read_perf_map(&self) -> Option<PerfMap> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).ok()?;
+        let ns_pid = crate::target::parse_nspid(&status)?.last()?.0;
+        let root = TargetRoot::open(&PathBuf::from(format!("/proc/{}/root", self.pid))).ok()?;
+        let path = format!("/tmp/perf-{ns_pid}.map");
+        match targetdir::read_capped(&root, &path, 0, perfmap::MAX_BYTES) {
+            Ok((bytes, _)) => {
+                let m = PerfMap::parse(&bytes);
+                log::debug!("symbolize: {path}: {} JIT symbols", m.len());
+                Some(m)
+            }
+            Err(e) => {
+                log::debug!("symbolize: {path}: {e}");
+                None
+            }
+        }
     }
 
     fn unknown(&self, addr: u64) -> String {

@@ -2,6 +2,7 @@
 //! and CPython frames.
 pub mod demangle;
 pub mod elf;
+pub mod perfmap;
 pub mod python;
 pub mod unwind;
 pub mod usdt;
