@@ -577,7 +577,7 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
         "--active",
         "50",
     ];
-    let without = window_of(p.pid, &dir.join("without"), "cpu", &[], &args).1;
+    let (without_dir, without) = window_of(p.pid, &dir.join("without"), "cpu", &[], &args);
     args.extend(["--debug-dir", debug_dir.to_str().unwrap()]);
     let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).1;
     p.terminate();
@@ -605,6 +605,51 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
         named, 0,
         "without the debug file, no chain frame can be named"
     );
+
+    // Offline, later: the window names the file and its build id, and
+    // `report --symbolize` names its frames from the debug file.
+    let id = String::from_utf8(
+        Command::new("sh")
+            .arg("-c")
+            .arg("readelf -n stripped | awk '/Build ID/ { print $3 }'")
+            .current_dir(&dir)
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .to_string();
+    let modules: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(without_dir.join("modules.json")).expect("modules.json"),
+    )
+    .unwrap();
+    let listed = modules["modules"].as_array().unwrap();
+    assert!(
+        listed
+            .iter()
+            .any(|m| m["name"] == "stripped" && m["build_id"] == id.as_str()),
+        "build id {id} not in {modules}"
+    );
+    let o = Command::new(dynprof_bin())
+        .args(["report", "--symbolize", "--debug-dir"])
+        .arg(&debug_dir)
+        .arg(&without_dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "report --symbolize failed: {stderr}");
+    assert!(stderr.contains("named "), "{stderr}");
+    let later = window_folded(&dir.join("without"), "cpu", &stderr).1;
+    let (full, total) = chain_share(&later, &chain, in_user);
+    eprintln!("report --symbolize: {full} of {total} user-mode samples show the whole chain");
+    assert!(
+        full as f64 >= 0.8 * total as f64,
+        "after report --symbolize, {full} of {total} user-mode samples show {}: {stderr}",
+        chain.join(";")
+    );
+    let meta = std::fs::read_to_string(without_dir.join("meta.json")).unwrap();
+    assert!(meta.contains("\"symbolized\""), "{meta}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

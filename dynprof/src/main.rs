@@ -36,7 +36,8 @@ Examples:
     #[command(after_help = "\
 Examples:
   dynprof report out/PROF_20261202120000123_4242_1
-  dynprof report before/PROF_* after/PROF_* --json")]
+  dynprof report before/PROF_* after/PROF_* --json
+  dynprof report --symbolize --debug-dir ./dbgsym out/PROF_20261202120000123_4242_1")]
     Report(dynprof::report::ReportArgs),
     /// Bench helper (`cargo xtask bench`): one program on one marker, drained silently.
     #[command(name = "__probe-cost", hide = true)]

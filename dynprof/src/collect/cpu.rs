@@ -19,7 +19,7 @@ use super::{
 };
 use crate::{
     bpf::Kernel,
-    output::model::{CpuSample, WindowData},
+    output::model::{CpuSample, ModuleRef, WindowData},
     session::Decoded,
     target::Target,
     types::Builtin,
@@ -139,6 +139,7 @@ impl Collector for CpuCollector {
             }
         }
         data.samples.sort_unstable_by_key(|s| (s.ts_ns, s.tid));
+        ModuleRef::merge(&mut data.modules, self.store.borrow().unresolved_modules());
         {
             let mut store = self.store.borrow_mut();
             if store.unwind_count > 0 {

@@ -219,6 +219,10 @@ impl Collector for OffCpuCollector {
             }
         }
         data.offcpu.sort_unstable_by_key(|s| (s.ts_ns, s.tid));
+        crate::output::model::ModuleRef::merge(
+            &mut data.modules,
+            self.store.borrow().unresolved_modules(),
+        );
         self.update_hold();
         Ok(())
     }

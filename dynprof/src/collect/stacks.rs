@@ -129,6 +129,14 @@ impl StackStore {
         self.holders |= who;
     }
 
+    /// Files some frame was named in only by offset (`modules.json`).
+    pub fn unresolved_modules(&self) -> Vec<crate::output::model::ModuleRef> {
+        self.sym
+            .as_ref()
+            .map(|s| s.unresolved_modules())
+            .unwrap_or_default()
+    }
+
     /// The collector `who` holds no unread stack ids any more.
     pub fn release(&mut self, who: u8) {
         self.holders &= !who;

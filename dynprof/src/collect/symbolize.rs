@@ -31,6 +31,7 @@ use blazesym::MaybeDefault;
 use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
 
+use crate::output::model::ModuleRef;
 use crate::symbols::perfmap::{self, PerfMap};
 use crate::symbols::{
     ElfImage, demangle, elf,
@@ -70,6 +71,9 @@ struct Snapshot {
     /// loadable segments, to turn its file offsets into the virtual
     /// addresses both files share.
     segments: Option<Vec<(u64, u64, u64)>>,
+    /// The mapped file's build id and loadable segments, for `modules.json`.
+    build_id: Option<String>,
+    load_segments: Vec<(u64, u64, u64)>,
 }
 
 pub struct Symbolizer {
@@ -99,6 +103,8 @@ pub struct Symbolizer {
     /// was last read: again at most once a second, on a miss.
     perf_map: Option<PerfMap>,
     perf_map_read: Option<std::time::Instant>,
+    /// Files some frame was named in only by offset, by file name.
+    unresolved: std::collections::BTreeMap<String, ModuleRef>,
 }
 
 impl Symbolizer {
@@ -139,6 +145,7 @@ impl Symbolizer {
             unwind_maps_read: None,
             perf_map: None,
             perf_map_read: None,
+            unresolved: Default::default(),
         })
     }
 
@@ -284,7 +291,10 @@ impl Symbolizer {
             if !self.user_cache.contains_key(a) {
                 let u = match self.jit_name(*a) {
                     Some(name) => name,
-                    None => self.unknown(*a),
+                    None => {
+                        self.note_unresolved(*a);
+                        self.unknown(*a)
+                    }
                 };
                 self.user_cache.insert(*a, vec![u]);
             }
@@ -397,6 +407,8 @@ impl Symbolizer {
                 _file: file,
                 source: Source::Elf(elf),
                 segments,
+                build_id: img.build_id(),
+                load_segments: img.load_segments(),
             },
             tables,
         ))
@@ -449,6 +461,30 @@ impl Symbolizer {
         let i = self.maps.partition_point(|m| m.start <= addr);
         let m = self.maps.get(i.checked_sub(1)?)?;
         (addr < m.end).then_some(m)
+    }
+
+    /// Remembers the file of an address named only by offset.
+    fn note_unresolved(&mut self, addr: u64) {
+        let Some(m) = self.mapping(addr).filter(|m| m.module.starts_with('/')) else {
+            return;
+        };
+        let name = m.module.rsplit('/').next().unwrap_or(&m.module).to_string();
+        if self.unresolved.contains_key(&name) {
+            return;
+        }
+        let snap = self.snapshots.get(&m.file_key).and_then(|s| s.as_ref());
+        let module = ModuleRef {
+            name: name.clone(),
+            path: m.module.clone(),
+            build_id: snap.and_then(|s| s.build_id.clone()),
+            segments: snap.map(|s| s.load_segments.clone()).unwrap_or_default(),
+        };
+        self.unresolved.insert(name, module);
+    }
+
+    /// The files named only by offset in some frame so far.
+    pub fn unresolved_modules(&self) -> Vec<ModuleRef> {
+        self.unresolved.values().cloned().collect()
     }
 
     /// `NAME [jit]` for code in anonymous executable memory that the
@@ -532,6 +568,29 @@ fn uncached(stacks: &[&[u64]], cache: &HashMap<u64, Vec<String>>) -> Vec<u64> {
 
 /// The function, then the functions inlined into it at this address,
 /// outermost first: root-first, like the stack they are part of.
+/// Offline (`report --symbolize`): the function at each virtual address
+/// of `debug_file` (a separate debug file, or any ELF with `.symtab`),
+/// `None` where it names none. The file is the operator's, read in place.
+pub fn name_offline(debug_file: &Path, vaddrs: &[u64]) -> Result<Vec<Option<String>>> {
+    let blaze = Blaze::builder()
+        .enable_code_info(false)
+        .enable_inlined_fns(false)
+        .enable_demangling(false)
+        .build();
+    let mut elf = Elf::new(debug_file);
+    elf.debug_syms = false;
+    let results = blaze
+        .symbolize(&Source::Elf(elf), Input::VirtOffset(vaddrs))
+        .with_context(|| format!("symbolizing with {}", debug_file.display()))?;
+    Ok(results
+        .iter()
+        .map(|r| match r {
+            Symbolized::Sym(sym) => Some(demangle::frame(&sym.name)),
+            _ => None,
+        })
+        .collect())
+}
+
 fn sym_frames(sym: &Sym<'_>) -> Vec<String> {
     let mut v = vec![demangle::frame(&sym.name)];
     v.extend(sym.inlined.iter().map(|f| demangle::frame(&f.name)));

@@ -182,9 +182,20 @@ fn write_pair(
 
 /// Writes `cpu.folded` (count = samples) and `flamegraph.svg`.
 pub fn write_cpu(dir: &Path, samples: &[CpuSample]) -> Result<Vec<PathBuf>> {
+    write_cpu_folded(dir, &fold_cpu(samples))
+}
+
+/// Writes `offcpu.folded` (count = µs off-CPU) and `offcpu.svg`.
+pub fn write_offcpu(dir: &Path, spans: &[OffCpuSpan]) -> Result<Vec<PathBuf>> {
+    write_offcpu_folded(dir, &fold_offcpu(spans))
+}
+
+/// `cpu.folded` and `flamegraph.svg` from folded stacks (also what
+/// `report --symbolize` writes back).
+pub fn write_cpu_folded(dir: &Path, folded: &BTreeMap<String, u64>) -> Result<Vec<PathBuf>> {
     write_pair(
         dir,
-        &fold_cpu(samples),
+        folded,
         CPU_FOLDED,
         CPU_SVG,
         "CPU",
@@ -193,11 +204,11 @@ pub fn write_cpu(dir: &Path, samples: &[CpuSample]) -> Result<Vec<PathBuf>> {
     )
 }
 
-/// Writes `offcpu.folded` (count = µs off-CPU) and `offcpu.svg`.
-pub fn write_offcpu(dir: &Path, spans: &[OffCpuSpan]) -> Result<Vec<PathBuf>> {
+/// `offcpu.folded` and `offcpu.svg` from folded stacks.
+pub fn write_offcpu_folded(dir: &Path, folded: &BTreeMap<String, u64>) -> Result<Vec<PathBuf>> {
     write_pair(
         dir,
-        &fold_offcpu(spans),
+        folded,
         OFFCPU_FOLDED,
         OFFCPU_SVG,
         "Off-CPU time (µs)",

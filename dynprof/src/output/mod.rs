@@ -96,8 +96,20 @@ pub fn write_window_files(
     }
     written.extend(chrome_trace::write_trace(dir, data)?);
     written.push(tables::write_summary(dir, data, collectors)?);
+    if !data.modules.is_empty() {
+        let path = dir.join(MODULES_FILE);
+        let json = serde_json::json!({ "modules": data.modules });
+        let mut bytes = serde_json::to_vec_pretty(&json)?;
+        bytes.push(b'\n');
+        write_atomic(&path, &bytes)?;
+        written.push(path);
+    }
     Ok(written)
 }
+
+/// The files whose frames are named only `[unknown] NAME+0xOFFSET`, with
+/// their build ids (written only when there are such frames).
+pub const MODULES_FILE: &str = "modules.json";
 
 /// Writes `path` completely or not at all: a new file under an
 /// unpredictable name next to it (`O_CREAT|O_EXCL|O_NOFOLLOW`), fsynced,

@@ -103,4 +103,35 @@ pub struct WindowData {
     pub drops: Drops,
     #[serde(default)]
     pub budget: WindowBudget,
+    /// Mapped files some of whose frames are `[unknown] NAME+0xOFFSET`
+    /// (written to `modules.json`, for `report --symbolize`).
+    #[serde(default)]
+    pub modules: Vec<ModuleRef>,
+}
+
+/// A mapped file that frames name only by offset: enough to name them
+/// later, offline, from its separate debug file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleRef {
+    /// The file name as frames show it (`[unknown] NAME+0x…`).
+    pub name: String,
+    /// Its path in the target, as /proc/PID/maps showed it.
+    pub path: String,
+    /// Its GNU build id (hex), when the file could be read.
+    pub build_id: Option<String>,
+    /// Its loadable segments, (file offset, file size, virtual address):
+    /// a frame's offset is a file offset, debug files are addressed by
+    /// virtual address.
+    pub segments: Vec<(u64, u64, u64)>,
+}
+
+impl ModuleRef {
+    /// Adds `more` to `into`, one entry per name (the first seen wins).
+    pub fn merge(into: &mut Vec<ModuleRef>, more: Vec<ModuleRef>) {
+        for m in more {
+            if !into.iter().any(|o| o.name == m.name) {
+                into.push(m);
+            }
+        }
+    }
 }

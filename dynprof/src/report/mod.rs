@@ -17,12 +17,13 @@ mod compare;
 mod python_top;
 mod read;
 mod render;
+pub mod symbolize;
 #[cfg(test)]
 mod tests;
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -52,6 +53,17 @@ pub struct ReportArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// First name the frames the window could name only as
+    /// `[unknown] FILE+0xOFFSET`, from separate debug files found by the
+    /// build ids in its modules.json (in each --debug-dir, then
+    /// /usr/lib/debug). Rewrites the window's folded stacks, flame graphs,
+    /// trace.json and summary.json in place.
+    #[arg(long)]
+    pub symbolize: bool,
+    /// With --symbolize: a directory holding `.build-id/ab/cdef….debug`
+    /// files (repeatable).
+    #[arg(long = "debug-dir", value_name = "DIR", requires = "symbolize")]
+    pub debug_dirs: Vec<PathBuf>,
 }
 
 /// One step as `report` sees it.
@@ -134,6 +146,24 @@ fn pct(x: f64) -> u32 {
 }
 
 pub fn run(args: &ReportArgs) -> Result<()> {
+    if args.symbolize {
+        for d in &args.debug_dirs {
+            anyhow::ensure!(d.is_dir(), "--debug-dir {}: not a directory", d.display());
+        }
+        for dir in &args.dirs {
+            let s = symbolize::symbolize_dir(dir, &args.debug_dirs)
+                .with_context(|| format!("symbolizing {}", dir.display()))?;
+            eprintln!(
+                "dynprof: {}: named {} of {} frames known only by offset",
+                dir.display(),
+                s.named,
+                s.unknown_frames
+            );
+            for (file, how) in &s.modules {
+                eprintln!("dynprof:   {file}: {how}");
+            }
+        }
+    }
     let analyses = args
         .dirs
         .iter()

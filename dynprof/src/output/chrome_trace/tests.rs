@@ -65,6 +65,7 @@ pub(crate) fn sample_data() -> WindowData {
         host_pid: 4242,
         drops: Drops::default(),
         budget: WindowBudget::default(),
+        modules: Vec::new(),
     }
 }
 
