@@ -136,25 +136,53 @@ fn kernel_has_task_pt_regs() -> bool {
     (it.next().unwrap_or(0), it.next().unwrap_or(0)) >= (5, 15)
 }
 
-/// The first window's half of the kernel-mode tests: with
-/// `bpf_task_pt_regs`, the whole chain in at least 80 % of `total`; on an
-/// older kernel, the fallback, named in meta.json, and no chain.
-fn check_kernel_mode_window(prof: &Path, full: u64, total: u64, what: &str) {
+/// The two windows of the kernel-mode tests, on the running `pid`: one as
+/// the kernel allows (with `bpf_task_pt_regs`, the whole chain in at least
+/// 80 % of the weight `keep` selects; on an older kernel, the fallback,
+/// named in meta.json, and no chain), and one with the fallback forced
+/// (`DYNPROF_KERNEL_FEATURES=no_task_pt_regs`: no chain). Each needs at
+/// least `min_total` of weight. Returns the first window's stacks.
+fn kernel_mode_windows(
+    pid: u32,
+    dir: &Path,
+    collect: &str,
+    args: &[&str],
+    keep: impl Fn(&[String]) -> bool,
+    min_total: u64,
+) -> Vec<(Vec<String>, u64)> {
+    let chain = expected_chain();
+    let (prof, stacks) = window_of(pid, &dir.join("unwound"), collect, &[], args);
+    let (full, total) = chain_share(&stacks, &chain, &keep);
+    eprintln!("{collect}: {full} of {total} show the whole chain");
+    for (s, n) in &stacks {
+        eprintln!("  {n:9} {}", s.join(";"));
+    }
+    assert!(total >= min_total, "too little weight: {stacks:?}");
     let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap();
     if kernel_has_task_pt_regs() {
-        assert_eq!(kernel_mode_stacks(prof), "unwound", "{meta}");
+        assert_eq!(kernel_mode_stacks(&prof), "unwound", "{meta}");
         assert!(
             full as f64 >= 0.8 * total as f64,
-            "{full} of {total} {what} show the chain"
+            "{full} of {total} show {}",
+            chain.join(";")
         );
     } else {
-        assert_eq!(kernel_mode_stacks(prof), "frame_pointers", "{meta}");
+        assert_eq!(kernel_mode_stacks(&prof), "frame_pointers", "{meta}");
         assert!(
             meta.contains("no bpf_task_pt_regs"),
             "fallback not named: {meta}"
         );
         assert_eq!(full, 0, "frame pointers alone walked the chain");
     }
+
+    let env = [("DYNPROF_KERNEL_FEATURES", "no_task_pt_regs")];
+    let (prof, fallback) = window_of(pid, &dir.join("fallback"), collect, &env, args);
+    let (full, total) = chain_share(&fallback, &chain, &keep);
+    eprintln!("{collect} with the fallback: {full} of {total} show the whole chain");
+    assert_eq!(kernel_mode_stacks(&prof), "frame_pointers");
+    assert!(total >= min_total, "too little weight: {fallback:?}");
+    assert_eq!(full, 0, "frame pointers alone walked the chain");
+    stacks
 }
 
 /// (weight of stacks showing `chain`, total weight) among `stacks` that
@@ -182,7 +210,6 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
     let dir = scratch_dir("unwind_native_kernel_mode_samples");
     let exe = build_deepstack(&dir);
     let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--syscalls"]));
-    let chain = expected_chain();
     let args = [
         "--marker",
         "exe:step_marker",
@@ -192,18 +219,15 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
         "50",
     ];
     let in_kernel = |s: &[String]| s.iter().any(|f| f.ends_with("_[k]"));
-
-    let (prof, stacks) = window_of(p.pid, &dir.join("unwound"), "cpu", &[], &args);
-    let (full, total) = chain_share(&stacks, &chain, in_kernel);
-    eprintln!("unwound: {full} of {total} kernel-mode samples show the whole chain");
-    for (s, n) in &stacks {
-        eprintln!("  {n:5} {}", s.join(";"));
-    }
     // 50 steps of 20 ms at 499 Hz, most of it in the kernel.
-    assert!(total >= 100, "too few kernel-mode samples: {stacks:?}");
-    check_kernel_mode_window(&prof, full, total, "kernel-mode samples");
+    let stacks = kernel_mode_windows(p.pid, &dir, "cpu", &args, in_kernel, 100);
     // Their kernel frames are named (from the kallsyms copy dynprof takes
     // before it gives CAP_SYSLOG up): the read of /dev/zero.
+    let total: u64 = stacks
+        .iter()
+        .filter(|(s, _)| in_kernel(s))
+        .map(|s| s.1)
+        .sum();
     let named: u64 = stacks
         .iter()
         .filter(|(s, _)| s.iter().any(|f| f == "vfs_read_[k]"))
@@ -213,14 +237,6 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
         named as f64 >= 0.8 * total as f64,
         "{named} of {total} kernel-mode samples name vfs_read"
     );
-
-    let env = [("DYNPROF_KERNEL_FEATURES", "no_task_pt_regs")];
-    let (prof, stacks) = window_of(p.pid, &dir.join("fallback"), "cpu", &env, &args);
-    let (full, total) = chain_share(&stacks, &chain, in_kernel);
-    eprintln!("fallback: {full} of {total} kernel-mode samples show the whole chain");
-    assert_eq!(kernel_mode_stacks(&prof), "frame_pointers");
-    assert!(total >= 100, "too few kernel-mode samples: {stacks:?}");
-    assert_eq!(full, 0, "frame pointers alone walked the chain");
     p.terminate();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -234,28 +250,10 @@ fn unwind_native_offcpu_stacks_are_unwound_at_the_switch() {
     let dir = scratch_dir("unwind_native_offcpu_stacks");
     let exe = build_deepstack(&dir);
     let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--sleep"]));
-    let chain = expected_chain();
     let args = ["--marker", "exe:step_marker", "--active", "20"];
-    let all = |_: &[String]| true;
-
-    let (prof, stacks) = window_of(p.pid, &dir.join("unwound"), "offcpu", &[], &args);
-    let (full, total) = chain_share(&stacks, &chain, all);
-    eprintln!("unwound: {full} of {total} off-CPU weight shows the whole chain");
-    for (s, n) in &stacks {
-        eprintln!("  {n:9} {}", s.join(";"));
-    }
-    assert!(total > 0, "no off-CPU time: {stacks:?}");
     // The sleeps are all under the chain; the rest is the step marker's
     // and the process's own (signals, exit) switches.
-    check_kernel_mode_window(&prof, full, total, "of the off-CPU weight");
-
-    let env = [("DYNPROF_KERNEL_FEATURES", "no_task_pt_regs")];
-    let (prof, stacks) = window_of(p.pid, &dir.join("fallback"), "offcpu", &env, &args);
-    let (full, total) = chain_share(&stacks, &chain, all);
-    eprintln!("fallback: {full} of {total} off-CPU weight shows the whole chain");
-    assert_eq!(kernel_mode_stacks(&prof), "frame_pointers");
-    assert!(total > 0, "no off-CPU time: {stacks:?}");
-    assert_eq!(full, 0, "frame pointers alone walked the chain");
+    kernel_mode_windows(p.pid, &dir, "offcpu", &args, |_| true, 1);
     p.terminate();
     let _ = std::fs::remove_dir_all(&dir);
 }
