@@ -144,6 +144,13 @@ const VM_TESTS: &[(&str, &[&str])] = &[
     // The stack copy's constant-size reads are what the 5.10 verifier is
     // strictest about. (The Python frame test takes 11 min under TCG: the
     // CPython walk shares the cpu program, so this test loads it too.)
+    // A target in its own PID namespace (unshare), found by its inner PID.
+    // (Not here: `library_only_in_the_target_mount_namespace`, whose
+    // expected path is the host's, not the guest's 9p overlay path; the
+    // msprof stand-in, a Python program that under TCG starts 1.4 s after
+    // the window's first boundary; real PyTorch, whose import takes more
+    // than the tests' 120 s under TCG.)
+    ("containers", &["attach_by_inner_pid_in_pidns"]),
     // And the user stacks of kernel-mode samples and off-CPU intervals:
     // unwound from bpf_task_pt_regs on 6.1, the named fallback on 5.10.
     (
