@@ -22,6 +22,13 @@ pub const STACK_COPY_MAX: usize = 16384;
 /// than a sampling clock ticks, and blocking calls are near the stack's top
 /// of user frames less often than hot loops are deep in them.
 pub const OFFCPU_COPY_MAX: usize = 8192;
+/// A thread's stack is copied at a switch-out at most once per this many
+/// nanoseconds while it blocks at the same place (same frame-pointer and
+/// kernel stack ids): a thread that blocks thousands of times a second in
+/// one loop (a ping-pong, a queue) would otherwise fill the ring with the
+/// same 8 KiB. User space gives the intervals in between the stack it
+/// unwound last for that thread and place.
+pub const OFFCPU_COPY_EVERY_NS: u64 = 10_000_000;
 /// The smallest copy tried before the sample is sent without one.
 pub const STACK_COPY_MIN: usize = 1024;
 

@@ -23,7 +23,13 @@ pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
             if OFFCPU_START.insert(tid, rec, 0).is_err() {
                 count_drop(drop_slot::OFFCPU);
             } else {
-                stack_copy::emit_offcpu_stack(tid, now, rec.user_stack, batched());
+                stack_copy::emit_offcpu_stack(
+                    tid,
+                    now,
+                    rec.user_stack,
+                    rec.kernel_stack,
+                    batched(),
+                );
             }
         }
     }

@@ -22,15 +22,15 @@ use aya_ebpf::{
     EbpfContext,
     helpers::{bpf_probe_read_kernel, generated},
     macros::map,
-    maps::PerCpuArray,
+    maps::{LruHashMap, PerCpuArray},
     programs::PerfEventContext,
 };
 use dynprof_common::{
     SampleEvent, drop_slot,
     unwind::{
-        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_COPY_MAX, OFFCPU_STACK, PY_FRAME_VIA_CFRAME,
-        PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET, StackSample,
-        StackSampleHeader,
+        MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_COPY_EVERY_NS, OFFCPU_COPY_MAX, OFFCPU_STACK,
+        PY_FRAME_VIA_CFRAME, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX,
+        STACK_COPY_OFFSET, StackSample, StackSampleHeader,
     },
 };
 
@@ -112,7 +112,7 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
     let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
         return false;
     };
-    let py_count = read_python(&py, buf, sample.hdr.tid);
+    let py_count = forget(buf, read_python(&py, buf, sample.hdr.tid));
     // Direct context loads at constant offsets: the verifier rewrites them
     // to the sampled registers (a helper read of the context would read
     // `bpf_perf_event_data_kern`, not the registers).
@@ -132,6 +132,19 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
     };
     sample.hdr.kind = SAMPLE_STACK;
     emit_copy(buf, sample, user, py_count, max, flags, drop_slot::CPU)
+}
+
+/// Returns `py_count` through the map value's memory, which the verifier
+/// does not track: the count is then one unknown scalar, not one known
+/// value per exit of the frame walk (0 to `MAX_PY_FRAMES`), so the copy
+/// paths after it are verified once instead of 33 times (the off-CPU
+/// program took 160-215 ms to verify for a Python target without this).
+#[inline(always)]
+fn forget(buf: *mut StackSample, py_count: u32) -> u32 {
+    unsafe {
+        core::ptr::write_volatile(&raw mut (*buf).hdr.py_count, py_count);
+        core::ptr::read_volatile(&raw const (*buf).hdr.py_count)
+    }
 }
 
 /// Fills `buf`'s header and emits it with a copy of the stack at `user`'s
@@ -177,13 +190,53 @@ fn emit_copy(
     true
 }
 
+/// The last stack copy taken at a switch-out of a thread: when, and at
+/// which place (frame-pointer and kernel stack ids).
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct LastCopy {
+    ts_ns: u64,
+    user_stack: i32,
+    kernel_stack: i32,
+}
+
+/// tid -> its last switch-out copy (LRU: threads come and go).
+#[map]
+static OFFCPU_LAST_COPY: LruHashMap<u32, LastCopy> = LruHashMap::with_max_entries(16384, 0);
+
+/// Should the switch-out of `tid` at `ts_ns`, at the place `fp_stack` /
+/// `kernel_stack`, carry a stack copy? Not while the ring is a quarter
+/// full (the step events must get through), and not when the thread was
+/// copied at the same place less than `OFFCPU_COPY_EVERY_NS` ago.
+#[inline(always)]
+fn offcpu_copy_due(tid: u32, ts_ns: u64, fp_stack: i32, kernel_stack: i32) -> bool {
+    let wake_bytes = unsafe { core::ptr::read_volatile(&crate::WAKE_BYTES) };
+    if crate::EVENTS.query(dynprof_common::ringbuf::AVAIL_DATA) >= wake_bytes {
+        return false;
+    }
+    if let Some(last) = unsafe { OFFCPU_LAST_COPY.get(&tid) }
+        && last.user_stack == fp_stack
+        && last.kernel_stack == kernel_stack
+        && ts_ns.wrapping_sub(last.ts_ns) < OFFCPU_COPY_EVERY_NS
+    {
+        return false;
+    }
+    let last = LastCopy {
+        ts_ns,
+        user_stack: fp_stack,
+        kernel_stack,
+    };
+    let _ = OFFCPU_LAST_COPY.insert(&tid, &last, 0);
+    true
+}
+
 /// At the switch-out of target thread `tid` at `ts_ns` (while it is still
 /// `current`): emits its user registers and stack copy (where the kernel
-/// gives the registers) and its Python frames, for user space to unwind
-/// and join to the `OffCpuEvent` of the same thread and time, whose
-/// frame-pointer stack id `fp_stack` is.
+/// gives the registers, and [`offcpu_copy_due`]) and its Python frames, for
+/// user space to unwind and join to the `OffCpuEvent` of the same thread
+/// and time, whose frame-pointer and kernel stack ids these are.
 #[inline(always)]
-pub fn emit_offcpu_stack(tid: u32, ts_ns: u64, fp_stack: i32, flags: u64) {
+pub fn emit_offcpu_stack(tid: u32, ts_ns: u64, fp_stack: i32, kernel_stack: i32, flags: u64) {
     let max = unsafe { core::ptr::read_volatile(&STACK_COPY_BYTES) } as usize;
     let max = if max > OFFCPU_COPY_MAX {
         OFFCPU_COPY_MAX
@@ -197,8 +250,12 @@ pub fn emit_offcpu_stack(tid: u32, ts_ns: u64, fp_stack: i32, flags: u64) {
     let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
         return;
     };
-    let py_count = read_python(&py, buf, tid);
-    let user = if max == 0 { None } else { task_user_regs() };
+    let py_count = forget(buf, read_python(&py, buf, tid));
+    let user = if max == 0 || !offcpu_copy_due(tid, ts_ns, fp_stack, kernel_stack) {
+        None
+    } else {
+        task_user_regs()
+    };
     if user.is_none() && py_count == 0 {
         return;
     }
@@ -209,7 +266,7 @@ pub fn emit_offcpu_stack(tid: u32, ts_ns: u64, fp_stack: i32, flags: u64) {
             ts_ns,
         },
         user_stack: fp_stack,
-        kernel_stack: 0,
+        kernel_stack,
         cpu: 0,
         _pad: 0,
     };

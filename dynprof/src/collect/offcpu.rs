@@ -46,6 +46,12 @@ pub struct OffCpuCollector {
     /// switch-out's stack copy, by (tid, switch-out time), until the
     /// interval's event arrives (or the window is sealed).
     unwound: HashMap<(u32, u64), i32>,
+    /// Per thread: the place (frame-pointer and kernel stack ids) of its
+    /// last switch-out with a stack copy, and the stack unwound from it.
+    /// The kernel copies a thread blocking again and again at one place
+    /// only every `OFFCPU_COPY_EVERY_NS`; the switch-outs in between at
+    /// that place get this stack.
+    last_copy: HashMap<u32, ((i32, i32), i32)>,
 }
 
 /// Switch-outs whose stacks wait for their interval at most; past it
@@ -63,12 +69,18 @@ impl OffCpuCollector {
             names: ThreadNames::default(),
             drops: DropBase::default(),
             unwound: HashMap::new(),
+            last_copy: HashMap::new(),
         }
     }
 
-    /// The event with the user stack unwound at its switch-out, if one was.
+    /// The event with the user stack unwound at its switch-out, if one was;
+    /// else the one last unwound for its thread at the same place.
     fn join_unwound(&mut self, mut e: OffCpuEvent) -> OffCpuEvent {
         if let Some(id) = self.unwound.remove(&(e.hdr.tid, e.hdr.ts_ns)) {
+            e.user_stack = id;
+        } else if let Some(&(place, id)) = self.last_copy.get(&e.hdr.tid)
+            && place == (e.user_stack, e.kernel_stack)
+        {
             e.user_stack = id;
         }
         e
@@ -89,6 +101,8 @@ impl Collector for OffCpuCollector {
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
         self.names.set_pid(target.host_pid.0);
         self.drops.arm(kernel);
+        // Stack ids may not outlive the store's next clearing.
+        self.last_copy.clear();
         self.store
             .borrow_mut()
             .acquire(stacks::OFFCPU, kernel, target.host_pid.0);
@@ -125,8 +139,15 @@ impl Collector for OffCpuCollector {
                 }
                 // Unwound now, while the copy is at hand: only the id waits.
                 let id = self.store.borrow_mut().unwind(copy);
-                let h = copy.sample.hdr;
+                let (h, s) = (copy.sample.hdr, &copy.sample);
                 self.unwound.insert((h.tid, h.ts_ns), id);
+                if !copy.stack.is_empty() {
+                    if self.last_copy.len() >= MAX_PENDING {
+                        self.last_copy.clear();
+                    }
+                    self.last_copy
+                        .insert(h.tid, ((s.user_stack, s.kernel_stack), id));
+                }
             }
             _ => {}
         }
@@ -154,8 +175,15 @@ impl Collector for OffCpuCollector {
                             kernel_stack: rec.kernel_stack,
                         };
                         // Kept: the interval's own event comes later.
-                        let e = match self.unwound.get(&(tid, rec.ts_ns)) {
-                            Some(&id) => OffCpuEvent {
+                        let place = (e.user_stack, e.kernel_stack);
+                        let id = self.unwound.get(&(tid, rec.ts_ns)).copied().or_else(|| {
+                            self.last_copy
+                                .get(&tid)
+                                .filter(|(p, _)| *p == place)
+                                .map(|(_, id)| *id)
+                        });
+                        let e = match id {
+                            Some(id) => OffCpuEvent {
                                 user_stack: id,
                                 ..e
                             },

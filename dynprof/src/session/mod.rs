@@ -4,7 +4,7 @@ pub mod clock;
 pub mod events;
 
 use std::{
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    os::fd::AsRawFd,
     time::{Duration, Instant},
 };
 
@@ -112,15 +112,6 @@ pub struct SessionSummary {
     pub marker_hits: std::collections::BTreeMap<String, u64>,
 }
 
-/// Opens a pidfd, which becomes readable when the process exits: no polling.
-fn pidfd(pid: u32) -> Result<OwnedFd> {
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("pidfd_open({pid})"));
-    }
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
 /// HITS per marker label (markers sharing a label are summed).
 pub fn marker_hits(
     kernel: &Kernel,
@@ -164,13 +155,25 @@ impl Session {
         let mut ring =
             unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
                 .map_err(|e| anyhow::anyhow!("registering the ring buffer with tokio: {e}"))?;
-        let exit_fd = unsafe {
-            AsyncFd::register_with_interest(
-                pidfd(self.target.host_pid.0)?,
-                tokio::io::Interest::READABLE,
-            )
-        }
-        .map_err(|e| anyhow::anyhow!("watching the target's pidfd: {e}"))?;
+        // Readable when the target exits: no polling. `None`: it exited
+        // between attach and now, which ends the session at once (after
+        // reading what it emitted), as an exit seen later would.
+        let pid = self.target.host_pid.0;
+        let exit_fd =
+            match crate::sys::signal::pidfd(pid).with_context(|| format!("pidfd_open({pid})"))? {
+                // SAFETY: the pidfd is owned here and outlives its registration.
+                Some(fd) => Some(
+                    unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+                        .map_err(|e| anyhow::anyhow!("watching the target's pidfd: {e}"))?,
+                ),
+                None => None,
+            };
+        let exited = async {
+            if let Some(fd) = &exit_fd {
+                let _ = fd.readable().await;
+            }
+        };
+        tokio::pin!(exited);
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
         let mut tick = tokio::time::interval(TICK);
@@ -197,7 +200,7 @@ impl Session {
                     if let Some(r) = stop { break 'outer r; }
                 }
                 // What it emitted before it died is read below.
-                _ = exit_fd.readable() => break EndReason::TargetExited,
+                _ = &mut exited => break EndReason::TargetExited,
                 Some(mut cmd) = async { match commands.as_mut() { Some(c) => c.recv().await, None => None } } => {
                     let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
                     for o in observers.iter_mut() {

@@ -539,29 +539,33 @@ impl WindowState {
         if plan_done {
             self.plan = None;
         }
+        // A change that arrived during the window applies now (last one
+        // wins). When it starts within the lead, the collectors stay armed
+        // across the close: disarmed and armed again after its plan is
+        // programmed, they would miss its first steps.
+        let mut next = Vec::new();
+        let mut keep_armed = false;
+        if plan_done && let Some(req) = self.deferred.take() {
+            let change = req.change;
+            let r = self.program_now(req, reg, b.lead, &mut next);
+            keep_armed = next.iter().any(|a| matches!(a, Action::Arm { .. }));
+            let (ok, msg) = match &r {
+                Ok(m) => (true, format!("deferred plan applied: {m}")),
+                Err(e) => (false, format!("deferred plan refused: {e:#}")),
+            };
+            next.push(Action::Answered { change, ok, msg });
+        } else if plan_done && (self.exit_when_done || self.quit) {
+            self.done = true;
+        }
         out.push(Action::Close {
             steps: w,
             complete,
             reason,
             end_ts_ns,
-            disarm,
+            disarm: disarm && !keep_armed,
             kernel,
         });
-        if !plan_done {
-            return;
-        }
-        // A change that arrived during the window applies now (last one wins).
-        if let Some(req) = self.deferred.take() {
-            let change = req.change;
-            let r = self.program_now(req, reg, b.lead, out);
-            let (ok, msg) = match &r {
-                Ok(m) => (true, format!("deferred plan applied: {m}")),
-                Err(e) => (false, format!("deferred plan refused: {e:#}")),
-            };
-            out.push(Action::Answered { change, ok, msg });
-        } else if self.exit_when_done || self.quit {
-            self.done = true;
-        }
+        out.extend(next);
     }
 }
 

@@ -126,9 +126,12 @@ fn attach(ctx: &Ctx, job: &Job, single: bool, window: bool, out: &Path) -> Resul
             "api,cpu,offcpu",
         ]);
     } else if !single {
-        // Job mode takes a plan; a warm-up longer than the measurement keeps
-        // every rank attached and idle.
-        cmd.args(["--warmup", "1000000", "--active", "1"]);
+        // Idle: every rank attached, step markers only, no window asked for
+        // (the console, left waiting on its stdin pipe). A plan whose
+        // warm-up outlasts the measurement, used before, is not idle: the
+        // window is open in warm-up, with its collectors armed and the
+        // kernel gate open, so samples and switches flow.
+        cmd.arg("--interactive");
     }
     let t0 = Instant::now();
     let mut dp = Proc::spawn("dynprof attach (job)", &mut cmd)?;

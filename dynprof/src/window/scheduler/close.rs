@@ -107,6 +107,23 @@ impl Scheduler {
             complete = false;
             reason = Some(errors.join("; "));
         }
+        // The kernel gate held exactly the planned steps; fewer recorded
+        // means their step events were lost (a full ring), and the window
+        // must not pass for complete with steps missing from its tables.
+        let planned = (s.last_recorded != u64::MAX && s.last_recorded >= s.first_recorded)
+            .then(|| s.last_recorded - s.first_recorded + 1);
+        if let Some(planned) = planned
+            && complete
+            && (w.steps.len() as u64) < planned
+        {
+            complete = false;
+            reason = Some(format!(
+                "{} of the {planned} planned steps were recorded: {} step events were lost \
+                 (the ring buffer was full; see meta.json `drops`)",
+                w.steps.len(),
+                data.drops.step
+            ));
+        }
         let mut meta = Self::meta(
             s,
             &w,

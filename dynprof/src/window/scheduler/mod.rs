@@ -452,7 +452,17 @@ impl Scheduler {
             if self.armed[i].is_some() {
                 continue;
             }
-            match self.collectors[i].arm(kernel, &target) {
+            let t0 = std::time::Instant::now();
+            let r = self.collectors[i].arm(kernel, &target);
+            // Arming is on the event loop's path: its time says whether
+            // the lead was long enough.
+            log::debug!(
+                "collector {} armed in {:?} (step hits {:?})",
+                self.collectors[i].name(),
+                t0.elapsed(),
+                kernel.state().map(|s| s.step_hits).ok()
+            );
+            match r {
                 Ok(()) => {
                     // Read after attaching: a step that began while the
                     // probes were being attached is not covered. (Unknown

@@ -345,6 +345,17 @@ fn a_request_during_a_window_is_deferred_and_the_last_one_wins() {
             "deferred plan applied: window records steps 7..8 (warmup from step 6)".into()
         )]
     );
+    // It starts at the next boundary: the collectors stay armed across the
+    // close instead of being attached again after its plan is written.
+    let closes: Vec<bool> = r
+        .log
+        .iter()
+        .filter_map(|a| match a {
+            Action::Close { disarm, .. } => Some(*disarm),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(closes, vec![false]);
     for _ in 0..5 {
         r.step();
     }
