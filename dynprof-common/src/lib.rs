@@ -43,6 +43,11 @@ pub mod kind {
     pub const API: u32 = 2;
     pub const SAMPLE: u32 = 3;
     pub const OFFCPU: u32 = 4;
+    /// An `OffCpuEvent` whose switch-out was at the same place as its
+    /// thread's last one with a stack copy (same user ip, sp, frame-pointer
+    /// and kernel stacks, within `unwind::OFFCPU_COPY_EVERY_NS`), which was
+    /// therefore not copied again: user space gives it that copy's stack.
+    pub const OFFCPU_REPEAT: u32 = 7;
 }
 
 /// Marker roles.
@@ -371,6 +376,10 @@ pub struct OffCpuStart {
     pub ts_ns: u64,
     pub user_stack: i32,
     pub kernel_stack: i32,
+    /// 1: at the same place as the thread's last copied switch-out (see
+    /// [`kind::OFFCPU_REPEAT`]).
+    pub repeat: u32,
+    pub _pad: u32,
 }
 
 #[cfg(feature = "user")]

@@ -23,11 +23,12 @@ pub const STACK_COPY_MAX: usize = 16384;
 /// of user frames less often than hot loops are deep in them.
 pub const OFFCPU_COPY_MAX: usize = 8192;
 /// A thread's stack is copied at a switch-out at most once per this many
-/// nanoseconds while it blocks at the same place (same frame-pointer and
-/// kernel stack ids): a thread that blocks thousands of times a second in
-/// one loop (a ping-pong, a queue) would otherwise fill the ring with the
-/// same 8 KiB. User space gives the intervals in between the stack it
-/// unwound last for that thread and place.
+/// nanoseconds while it blocks at the same place (the same user ip and sp
+/// at kernel entry, and the same frame-pointer and kernel stack ids): a
+/// thread that blocks thousands of times a second in one loop (a
+/// ping-pong, a queue) would otherwise fill the ring with the same 8 KiB.
+/// Those switch-outs are marked `kind::OFFCPU_REPEAT`, and user space
+/// gives them the stack it unwound from the thread's last copy.
 pub const OFFCPU_COPY_EVERY_NS: u64 = 10_000_000;
 /// The smallest copy tried before the sample is sent without one.
 pub const STACK_COPY_MIN: usize = 1024;

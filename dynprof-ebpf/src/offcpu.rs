@@ -15,21 +15,20 @@ pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
     if let Some(tid) = target_tid() {
         let prev: i32 = unsafe { ctx.read_at(PREV_PID) }.unwrap_or(-1);
         if prev as u32 == tid && tid != 0 && gate_open() {
+            let user_stack = stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::OFFCPU_STACK);
+            let kernel_stack = stack_id(&ctx, 0, drop_slot::OFFCPU_STACK);
+            // The stacks first: whether this switch-out repeats the last
+            // copied place goes into its record.
+            let copy = stack_copy::emit_offcpu_stack(tid, now, user_stack, kernel_stack, batched());
             let rec = OffCpuStart {
                 ts_ns: now,
-                user_stack: stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::OFFCPU_STACK),
-                kernel_stack: stack_id(&ctx, 0, drop_slot::OFFCPU_STACK),
+                user_stack,
+                kernel_stack,
+                repeat: u32::from(matches!(copy, stack_copy::OffCpuCopy::Repeat)),
+                _pad: 0,
             };
             if OFFCPU_START.insert(tid, rec, 0).is_err() {
                 count_drop(drop_slot::OFFCPU);
-            } else {
-                stack_copy::emit_offcpu_stack(
-                    tid,
-                    now,
-                    rec.user_stack,
-                    rec.kernel_stack,
-                    batched(),
-                );
             }
         }
     }
@@ -43,7 +42,11 @@ pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
         emit(
             OffCpuEvent {
                 hdr: EventHeader {
-                    kind: kind::OFFCPU,
+                    kind: if start.repeat != 0 {
+                        kind::OFFCPU_REPEAT
+                    } else {
+                        kind::OFFCPU
+                    },
                     tid: next,
                     ts_ns: start.ts_ns,
                 },

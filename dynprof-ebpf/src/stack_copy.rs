@@ -191,11 +191,13 @@ fn emit_copy(
 }
 
 /// The last stack copy taken at a switch-out of a thread: when, and at
-/// which place (frame-pointer and kernel stack ids).
+/// which place.
 #[derive(Clone, Copy)]
 #[repr(C)]
 pub struct LastCopy {
     ts_ns: u64,
+    ip: u64,
+    sp: u64,
     user_stack: i32,
     kernel_stack: i32,
 }
@@ -204,39 +206,32 @@ pub struct LastCopy {
 #[map]
 static OFFCPU_LAST_COPY: LruHashMap<u32, LastCopy> = LruHashMap::with_max_entries(16384, 0);
 
-/// Should the switch-out of `tid` at `ts_ns`, at the place `fp_stack` /
-/// `kernel_stack`, carry a stack copy? Not while the ring is a quarter
-/// full (the step events must get through), and not when the thread was
-/// copied at the same place less than `OFFCPU_COPY_EVERY_NS` ago.
-#[inline(always)]
-fn offcpu_copy_due(tid: u32, ts_ns: u64, fp_stack: i32, kernel_stack: i32) -> bool {
-    let wake_bytes = unsafe { core::ptr::read_volatile(&crate::WAKE_BYTES) };
-    if crate::EVENTS.query(dynprof_common::ringbuf::AVAIL_DATA) >= wake_bytes {
-        return false;
-    }
-    if let Some(last) = unsafe { OFFCPU_LAST_COPY.get(&tid) }
-        && last.user_stack == fp_stack
-        && last.kernel_stack == kernel_stack
-        && ts_ns.wrapping_sub(last.ts_ns) < OFFCPU_COPY_EVERY_NS
-    {
-        return false;
-    }
-    let last = LastCopy {
-        ts_ns,
-        user_stack: fp_stack,
-        kernel_stack,
-    };
-    let _ = OFFCPU_LAST_COPY.insert(&tid, &last, 0);
-    true
+/// What a switch-out carries.
+pub enum OffCpuCopy {
+    /// No copy (no user registers on this kernel, copy off, or the ring a
+    /// quarter full): the frame-pointer stack stands.
+    None,
+    /// A copy was emitted.
+    Copied,
+    /// The same place as the thread's last copy, less than
+    /// `OFFCPU_COPY_EVERY_NS` ago: not copied, user space reuses that one.
+    Repeat,
 }
 
 /// At the switch-out of target thread `tid` at `ts_ns` (while it is still
 /// `current`): emits its user registers and stack copy (where the kernel
-/// gives the registers, and [`offcpu_copy_due`]) and its Python frames, for
-/// user space to unwind and join to the `OffCpuEvent` of the same thread
-/// and time, whose frame-pointer and kernel stack ids these are.
+/// gives the registers, and not for a repeat of the last copied place) and
+/// its Python frames, for user space to unwind and join to the
+/// `OffCpuEvent` of the same thread and time, whose frame-pointer and
+/// kernel stack ids these are.
 #[inline(always)]
-pub fn emit_offcpu_stack(tid: u32, ts_ns: u64, fp_stack: i32, kernel_stack: i32, flags: u64) {
+pub fn emit_offcpu_stack(
+    tid: u32,
+    ts_ns: u64,
+    fp_stack: i32,
+    kernel_stack: i32,
+    flags: u64,
+) -> OffCpuCopy {
     let max = unsafe { core::ptr::read_volatile(&STACK_COPY_BYTES) } as usize;
     let max = if max > OFFCPU_COPY_MAX {
         OFFCPU_COPY_MAX
@@ -245,19 +240,41 @@ pub fn emit_offcpu_stack(tid: u32, ts_ns: u64, fp_stack: i32, kernel_stack: i32,
     };
     let py = unsafe { core::ptr::read_volatile(&PY) };
     if max == 0 && py.interp_head == 0 {
-        return;
+        return OffCpuCopy::None;
     }
     let Some(buf) = STACK_BUF.get_ptr_mut(0) else {
-        return;
+        return OffCpuCopy::None;
     };
     let py_count = forget(buf, read_python(&py, buf, tid));
-    let user = if max == 0 || !offcpu_copy_due(tid, ts_ns, fp_stack, kernel_stack) {
-        None
-    } else {
-        task_user_regs()
-    };
+    let mut user = if max == 0 { None } else { task_user_regs() };
+    let mut outcome = OffCpuCopy::None;
+    if let Some((ip, sp, _)) = user {
+        let place = LastCopy {
+            ts_ns,
+            ip,
+            sp,
+            user_stack: fp_stack,
+            kernel_stack,
+        };
+        let wake_bytes = unsafe { core::ptr::read_volatile(&crate::WAKE_BYTES) };
+        if let Some(last) = unsafe { OFFCPU_LAST_COPY.get(&tid) }
+            && last.ip == ip
+            && last.sp == sp
+            && last.user_stack == fp_stack
+            && last.kernel_stack == kernel_stack
+            && ts_ns.wrapping_sub(last.ts_ns) < OFFCPU_COPY_EVERY_NS
+        {
+            user = None;
+            outcome = OffCpuCopy::Repeat;
+        } else if crate::EVENTS.query(dynprof_common::ringbuf::AVAIL_DATA) >= wake_bytes {
+            // The step events must get through.
+            user = None;
+        } else {
+            let _ = OFFCPU_LAST_COPY.insert(&tid, &place, 0);
+        }
+    }
     if user.is_none() && py_count == 0 {
-        return;
+        return outcome;
     }
     let sample = SampleEvent {
         hdr: dynprof_common::EventHeader {
@@ -270,7 +287,9 @@ pub fn emit_offcpu_stack(tid: u32, ts_ns: u64, fp_stack: i32, kernel_stack: i32,
         cpu: 0,
         _pad: 0,
     };
+    let copied = user.is_some();
     emit_copy(buf, sample, user, py_count, max, flags, drop_slot::OFFCPU);
+    if copied { OffCpuCopy::Copied } else { outcome }
 }
 
 #[inline(always)]

@@ -46,12 +46,11 @@ pub struct OffCpuCollector {
     /// switch-out's stack copy, by (tid, switch-out time), until the
     /// interval's event arrives (or the window is sealed).
     unwound: HashMap<(u32, u64), i32>,
-    /// Per thread: the place (frame-pointer and kernel stack ids) of its
-    /// last switch-out with a stack copy, and the stack unwound from it.
-    /// The kernel copies a thread blocking again and again at one place
-    /// only every `OFFCPU_COPY_EVERY_NS`; the switch-outs in between at
-    /// that place get this stack.
-    last_copy: HashMap<u32, ((i32, i32), i32)>,
+    /// Per thread: the stack unwound from its last switch-out with a stack
+    /// copy. The kernel copies a thread blocking again and again at one
+    /// place only every `OFFCPU_COPY_EVERY_NS`, and marks the switch-outs
+    /// in between (`kind::OFFCPU_REPEAT`): they get this stack.
+    last_copy: HashMap<u32, i32>,
 }
 
 /// Switch-outs whose stacks wait for their interval at most; past it
@@ -74,13 +73,13 @@ impl OffCpuCollector {
     }
 
     /// The event with the user stack unwound at its switch-out, if one was;
-    /// else the one last unwound for its thread at the same place.
+    /// for a repeat of its thread's last copied place, that copy's stack.
     fn join_unwound(&mut self, mut e: OffCpuEvent) -> OffCpuEvent {
+        let repeat = e.hdr.kind == dynprof_common::kind::OFFCPU_REPEAT;
+        e.hdr.kind = dynprof_common::kind::OFFCPU;
         if let Some(id) = self.unwound.remove(&(e.hdr.tid, e.hdr.ts_ns)) {
             e.user_stack = id;
-        } else if let Some(&(place, id)) = self.last_copy.get(&e.hdr.tid)
-            && place == (e.user_stack, e.kernel_stack)
-        {
+        } else if repeat && let Some(&id) = self.last_copy.get(&e.hdr.tid) {
             e.user_stack = id;
         }
         e
@@ -139,15 +138,16 @@ impl Collector for OffCpuCollector {
                 }
                 // Unwound now, while the copy is at hand: only the id waits.
                 let id = self.store.borrow_mut().unwind(copy);
-                let (h, s) = (copy.sample.hdr, &copy.sample);
-                self.unwound.insert((h.tid, h.ts_ns), id);
+                let h = copy.sample.hdr;
                 if !copy.stack.is_empty() {
                     if self.last_copy.len() >= MAX_PENDING {
                         self.last_copy.clear();
                     }
-                    self.last_copy
-                        .insert(h.tid, ((s.user_stack, s.kernel_stack), id));
+                    self.last_copy.insert(h.tid, id);
                 }
+                // A repeat's record holds Python frames only: its native
+                // stack is the last copy's.
+                self.unwound.insert((h.tid, h.ts_ns), id);
             }
             _ => {}
         }
@@ -175,12 +175,10 @@ impl Collector for OffCpuCollector {
                             kernel_stack: rec.kernel_stack,
                         };
                         // Kept: the interval's own event comes later.
-                        let place = (e.user_stack, e.kernel_stack);
                         let id = self.unwound.get(&(tid, rec.ts_ns)).copied().or_else(|| {
-                            self.last_copy
-                                .get(&tid)
-                                .filter(|(p, _)| *p == place)
-                                .map(|(_, id)| *id)
+                            (rec.repeat != 0)
+                                .then(|| self.last_copy.get(&tid).copied())
+                                .flatten()
                         });
                         let e = match id {
                             Some(id) => OffCpuEvent {

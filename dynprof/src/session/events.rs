@@ -60,7 +60,7 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
         kind::STEP => Decoded::Step(read(b)?),
         kind::API => Decoded::Api(read(b)?),
         kind::SAMPLE => Decoded::Sample(read(b)?),
-        kind::OFFCPU => Decoded::OffCpu(read(b)?),
+        kind::OFFCPU | kind::OFFCPU_REPEAT => Decoded::OffCpu(read(b)?),
         OFFCPU_STACK => Decoded::OffCpuStack(Box::new(stack_copy(b)?)),
         SAMPLE_STACK => {
             let mut c = stack_copy(b)?;
