@@ -345,6 +345,36 @@ impl Kernel {
         }
     }
 
+    /// Verifies the cpu and off-CPU programs now instead of when their
+    /// collector is first armed. Arming runs on the event loop ahead of a
+    /// window; job mode arms its ranks one after another there, and for a
+    /// Python target each verification takes tens of milliseconds (the
+    /// frame walk and the stack copy), enough for the last rank to miss
+    /// the lead. Its rank threads call this in parallel at attach.
+    pub fn verify_collector_programs(&mut self, cpu: bool, offcpu: bool) -> Result<()> {
+        if cpu {
+            let prog: &mut PerfEvent = self
+                .ebpf
+                .program_mut(CPU_PROG)
+                .expect("cpu prog")
+                .try_into()?;
+            if prog.fd().is_err() {
+                prog.load().context("verifying the CPU sampling program")?;
+            }
+        }
+        if offcpu {
+            let prog: &mut TracePoint = self
+                .ebpf
+                .program_mut(SCHED_PROG)
+                .expect("sched prog")
+                .try_into()?;
+            if prog.fd().is_err() {
+                prog.load().context("verifying the off-CPU program")?;
+            }
+        }
+        Ok(())
+    }
+
     /// System-wide per-CPU sampling at `hz`; the program keeps the target's samples.
     pub fn attach_cpu_sampler(&mut self, hz: u64) -> Result<()> {
         let prog: &mut PerfEvent = self

@@ -95,11 +95,16 @@ impl Follower {
             m.rank, m.host_pid
         );
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let (args, member) = (self.args.clone(), m.clone());
+        let (args, member, collect) = (self.args.clone(), m.clone(), self.collect.clone());
         let spawned = std::thread::Builder::new()
             .name("dynprof-rank".into())
             .spawn(move || {
-                let _ = tx.send(resolve_rank(&args, &member, MarkerWait::For(MARKER_WAIT)));
+                let _ = tx.send(resolve_rank(
+                    &args,
+                    &member,
+                    MarkerWait::For(MARKER_WAIT),
+                    &collect,
+                ));
             });
         let resolved = match spawned {
             Ok(_) => rx

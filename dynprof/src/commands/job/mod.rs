@@ -102,8 +102,8 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
         let hs: Vec<_> = members
             .iter()
             .map(|m| {
-                let a = &args;
-                s.spawn(move || resolve_rank(a, m, marker_wait(a)))
+                let (a, c) = (&args, &collect);
+                s.spawn(move || resolve_rank(a, m, marker_wait(a), c))
             })
             .collect();
         hs.into_iter()

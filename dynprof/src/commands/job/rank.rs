@@ -126,12 +126,24 @@ pub(super) fn marker_wait(args: &AttachArgs) -> MarkerWait {
     }
 }
 
-pub(super) fn resolve_rank(args: &AttachArgs, m: &Member, wait: MarkerWait) -> Result<Resolved> {
+pub(super) fn resolve_rank(
+    args: &AttachArgs,
+    m: &Member,
+    wait: MarkerWait,
+    collect: &[Builtin],
+) -> Result<Resolved> {
     let target = Target::open(m.host_pid)?;
     let lock = lock::acquire(target.host_pid, "attach")?;
     let markers = markers_or_auto(&args.markers);
     let (resolved, _) = resolve_waiting(&target, &markers, wait, false)?;
-    let kernel = args.ring.load(target.host_pid)?;
+    let mut kernel = args.ring.load(target.host_pid)?;
+    // Here, in parallel, rather than on the event loop at the first window.
+    if let Err(e) = kernel.verify_collector_programs(
+        collect.contains(&Builtin::Cpu),
+        collect.contains(&Builtin::Offcpu),
+    ) {
+        log::warn!("rank {}: {e:#} (the window will say so)", m.rank);
+    }
     Ok(Resolved {
         target,
         lock,
