@@ -345,8 +345,9 @@ impl Kernel {
         }
     }
 
-    /// Verifies the cpu and off-CPU programs now instead of when their
-    /// collector is first armed. Arming runs on the event loop ahead of a
+    /// Verifies the cpu and off-CPU programs (once; the attach functions
+    /// call it too), for callers that want it before their collector is
+    /// first armed. Arming runs on the event loop ahead of a
     /// window; job mode arms its ranks one after another there, and for a
     /// Python target each verification takes tens of milliseconds (the
     /// frame walk and the stack copy), enough for the last rank to miss
@@ -377,14 +378,12 @@ impl Kernel {
 
     /// System-wide per-CPU sampling at `hz`; the program keeps the target's samples.
     pub fn attach_cpu_sampler(&mut self, hz: u64) -> Result<()> {
+        self.verify_collector_programs(true, false)?;
         let prog: &mut PerfEvent = self
             .ebpf
             .program_mut(CPU_PROG)
             .expect("cpu prog")
             .try_into()?;
-        if prog.fd().is_err() {
-            prog.load().context("verifying the CPU sampling program")?;
-        }
         let cpus = aya::util::online_cpus()
             .map_err(|(_, e)| e)
             .context("reading online CPUs")?;
@@ -415,14 +414,12 @@ impl Kernel {
     }
 
     pub fn attach_offcpu(&mut self) -> Result<()> {
+        self.verify_collector_programs(false, true)?;
         let prog: &mut TracePoint = self
             .ebpf
             .program_mut(SCHED_PROG)
             .expect("sched prog")
             .try_into()?;
-        if prog.fd().is_err() {
-            prog.load().context("verifying the off-CPU program")?;
-        }
         self.sched_link = Some(
             prog.attach("sched", "sched_switch")
                 .context("attaching to sched:sched_switch")?,
