@@ -51,9 +51,10 @@ fn usdt_python_function_return_counts_every_call_and_restores_the_semaphore() {
     assert_eq!(m["symbol"], "python:function__return", "{att}");
     assert!(m["object"].as_str().unwrap().contains("python3"), "{att}");
     // While attached the semaphore is raised by one (the probe sites are
-    // live). The trainer is stopped while it is read: on a slow machine (a
-    // TCG VM) dynprof could otherwise reach its 15 steps and detach first.
-    d.wait_event("step", T);
+    // live from `attached` on). The trainer is stopped while it is read,
+    // right at `attached`: on a slow machine (a TCG VM) dynprof could
+    // otherwise reach its 15 steps and detach before the read (seen even
+    // when the read followed the first `step` event, which is batched).
     // SAFETY: kill(2) on the trainer this test started.
     unsafe { libc::kill(p.pid as i32, libc::SIGSTOP) };
     let raised = read_u16(p.pid, addr);
