@@ -51,6 +51,15 @@ fn build_deepstack(dir: &Path) -> PathBuf {
     out
 }
 
+/// `deepstack` built in a fresh scratch dir `tag` and started with 20 ms
+/// steps and `extra` flags; returns the dir and the running process.
+fn start_deepstack(tag: &str, extra: &[&str]) -> (PathBuf, Proc) {
+    let dir = scratch_dir(tag);
+    let exe = build_deepstack(&dir);
+    let p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20"]).args(extra));
+    (dir, p)
+}
+
 /// One cpu window of 20 steps (20 ms each) through `dynprof attach`;
 /// returns the folded stacks.
 fn cpu_window(pid: u32, out: &Path, stack_copy_kb: Option<&str>) -> Vec<(Vec<String>, u64)> {
@@ -207,9 +216,7 @@ fn chain_share(
 #[test]
 fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
     require_privileges!();
-    let dir = scratch_dir("unwind_native_kernel_mode_samples");
-    let exe = build_deepstack(&dir);
-    let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--syscalls"]));
+    let (dir, mut p) = start_deepstack("unwind_native_kernel_mode_samples", &["--syscalls"]);
     let args = [
         "--marker",
         "exe:step_marker",
@@ -247,9 +254,7 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
 #[test]
 fn unwind_native_offcpu_stacks_are_unwound_at_the_switch() {
     require_privileges!();
-    let dir = scratch_dir("unwind_native_offcpu_stacks");
-    let exe = build_deepstack(&dir);
-    let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--sleep"]));
+    let (dir, mut p) = start_deepstack("unwind_native_offcpu_stacks", &["--sleep"]);
     let args = ["--marker", "exe:step_marker", "--active", "20"];
     // The sleeps are all under the chain; the rest is the step marker's
     // and the process's own (signals, exit) switches.
@@ -266,9 +271,7 @@ fn has_chain(stack: &[String], chain: &[String]) -> bool {
 #[test]
 fn unwind_native_chain_without_frame_pointers() {
     require_privileges!();
-    let dir = scratch_dir("unwind_native_chain_without_frame_pointers");
-    let exe = build_deepstack(&dir);
-    let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20"]));
+    let (dir, mut p) = start_deepstack("unwind_native_chain_without_frame_pointers", &[]);
     let chain = expected_chain();
 
     let unwound = cpu_window(p.pid, &dir.join("unwound"), None);
@@ -388,9 +391,7 @@ fn unwind_native_pytorch_stacks_are_deep() {
 #[test]
 fn unwind_native_through_jit_code() {
     require_privileges!();
-    let dir = scratch_dir("unwind_native_through_jit_code");
-    let exe = build_deepstack(&dir);
-    let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--jit"]));
+    let (dir, mut p) = start_deepstack("unwind_native_through_jit_code", &["--jit"]);
     let mut chain = expected_chain();
     chain.push("[jit]".to_string());
 
@@ -658,10 +659,10 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
 #[test]
 fn unwind_native_names_jit_code_from_the_perf_map() {
     require_privileges!();
-    let dir = scratch_dir("unwind_native_names_jit_code_from_the_perf_map");
-    let exe = build_deepstack(&dir);
-    let mut p =
-        Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20", "--jit", "--perf-map"]));
+    let (dir, mut p) = start_deepstack(
+        "unwind_native_names_jit_code_from_the_perf_map",
+        &["--jit", "--perf-map"],
+    );
     let map = std::path::PathBuf::from(format!("/tmp/perf-{}.map", p.pid));
     let mut chain = expected_chain();
     chain.push("jit_conv_kernel [jit]".to_string());
