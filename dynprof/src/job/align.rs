@@ -13,15 +13,19 @@
 //! 3. The reference boundaries are the reference rank's first [`VOTES`]
 //!    consecutive boundaries after `T0 + P/2`: every rank was attached well
 //!    before them, so every rank counted them.
-//! 4. For each rank, the boundary nearest in time to each reference boundary
-//!    is its same iteration, provided it is within `2P/5` (ranks in lockstep
-//!    cross a boundary a few milliseconds apart; on a loaded host the spread
-//!    grows, and only near `P/2` could the match be wrong). Each such match
-//!    votes for an index offset; the rank's offset is the one at least
-//!    [`QUORUM`] of the [`VOTES`] agree on, so that one boundary a loaded
-//!    host delayed does not refuse a job in lockstep, while ranks that drift
-//!    apart (different periods) never gather a quorum. Otherwise the ranks
-//!    are not in lockstep and job mode refuses to guess.
+//! 4. For each rank, every index offset that makes one of its boundaries
+//!    the nearest to a reference boundary (and the offsets next to those)
+//!    is scored by the mean distance, over all [`VOTES`] reference
+//!    boundaries, between each reference boundary and the rank's own
+//!    boundary at that offset. The best offset is taken when its median
+//!    distance is within `2P/5` and its mean is at most half the
+//!    runner-up's. Ranks in lockstep cross a boundary a few milliseconds
+//!    apart; on a loaded host (8 ranks on 2 cores) single boundaries are
+//!    more than half a step apart, which defeats a per-boundary nearest
+//!    match, but over six boundaries the right offset is still clearly the
+//!    nearest while its neighbours are a whole step away on average. Ranks
+//!    that run half a step apart, or drift apart (different periods), give
+//!    no clear best, and job mode refuses to guess.
 //!
 //! The offsets and the evidence (each rank's matched indices, timestamps and
 //! distance to the reference) are recorded; after the window, [`verify`]
@@ -67,8 +71,11 @@ pub struct RankAlign {
     pub ts_ns: [u64; 2],
     /// Signed distance to the reference boundary, ns.
     pub delta_ns: [i64; 2],
-    /// How many of the [`VOTES`] reference boundaries gave `offset`.
+    /// How many of the reference boundaries are within `2P/5` of the
+    /// rank's own at `offset`.
     pub votes: u32,
+    /// Reference boundaries the offset was scored on.
+    pub boundaries: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -112,11 +119,14 @@ impl Alignment {
     }
 }
 
-/// Reference boundaries each rank's offset is voted on.
+/// Reference boundaries each rank's offset is scored on, at least; up to
+/// [`MAX_VOTES`] while the best offset is not clear.
 pub const VOTES: usize = 6;
-/// Votes one offset needs. Four of six always include two consecutive
-/// boundaries, which are recorded as the evidence.
-pub const QUORUM: usize = 4;
+pub const MAX_VOTES: usize = 20;
+
+/// Alignments a flags plan tries, each on fresh boundaries, before job
+/// mode gives up on ranks that are not in lockstep.
+pub const ATTEMPTS: u32 = 3;
 
 /// How far apart two ranks may cross the same boundary: two fifths of a
 /// step (the nearest boundary is unambiguous below half a step).
@@ -131,6 +141,28 @@ fn median(mut v: Vec<u64>) -> Option<u64> {
 
 fn nearest(hits: &[Hit], ts: u64) -> Option<Hit> {
     hits.iter().copied().min_by_key(|h| h.ts_ns.abs_diff(ts))
+}
+
+/// Mean |distance| between each reference boundary `(step, ts)` and the
+/// rank's own boundary at `step + offset` (None when one is missing).
+fn mean_distance(
+    own: impl Fn(u64) -> Option<u64>,
+    refs: &[(u64, u64)],
+    offset: i64,
+) -> Option<u64> {
+    let mut sum = 0u64;
+    for &(step, ts) in refs {
+        let t = own(u64::try_from(step as i64 + offset).ok()?)?;
+        sum = sum.saturating_add(t.abs_diff(ts));
+    }
+    Some(sum / refs.len().max(1) as u64)
+}
+
+/// Whether the best offset's mean distance makes it the same iteration:
+/// within half a step, and at most half the runner-up's (a neighbouring
+/// offset of ranks in lockstep is a whole step away on average).
+fn clear(best: u64, runner_up: Option<u64>, period: u64) -> bool {
+    best <= period / 2 && runner_up.is_none_or(|r| best.saturating_mul(2) <= r)
 }
 
 /// Aligns the ranks (see the module doc). `ranks[i].rank` must be set; the
@@ -173,85 +205,114 @@ pub fn align(ranks: &[RankHits]) -> Result<Alignment, Pending> {
             "rank {reference} has not crossed a boundary after every rank was attached"
         )));
     };
-    let Some(refs) = refh.get(i..i + VOTES) else {
-        return Err(Pending::Wait(format!(
-            "rank {reference} needs {VOTES} boundaries after every rank was attached"
-        )));
+    // The reference boundaries every rank has reported the boundary after
+    // (the candidate offsets one above are scored on it), up to MAX_VOTES.
+    let tolerance = tolerance(period);
+    let reported = |b: &Hit| {
+        ranks.iter().all(|r| {
+            r.hits.last().map_or(0, |h| h.ts_ns) >= b.ts_ns.saturating_add(period + tolerance)
+        })
     };
+    let n = refh[i..]
+        .iter()
+        .take(MAX_VOTES)
+        .take_while(|b| reported(b))
+        .count();
+    if n < VOTES {
+        let laggard = ranks
+            .iter()
+            .min_by_key(|r| r.hits.last().map_or(0, |h| h.ts_ns))
+            .and_then(|r| r.rank)
+            .unwrap_or(reference);
+        return Err(Pending::Wait(format!(
+            "{n} of the {VOTES} boundaries after every rank was attached are reported by every \
+             rank (rank {laggard} is the latest)"
+        )));
+    }
+    let refs = &refh[i..i + n];
     if refs.windows(2).any(|w| w[1].step != w[0].step + 1) {
         return Err(Pending::Fail(format!(
             "rank {reference}'s boundaries {}..{} are not consecutive (lost events)",
             refs[0].step,
-            refs[VOTES - 1].step
+            refs[n - 1].step
         )));
     }
-    let last_ref = refs[VOTES - 1];
-    let tolerance = tolerance(period);
+    let reference_steps = [refs[0].step, refs[1].step];
     let mut out = Vec::new();
     for r in ranks {
         let rank = r.rank.unwrap_or(reference);
-        let last = r.hits.last().map_or(0, |h| h.ts_ns);
-        if last < last_ref.ts_ns.saturating_add(tolerance) {
-            return Err(Pending::Wait(format!(
-                "rank {rank} has not reported the iteration of job step {} yet",
-                last_ref.step
-            )));
-        }
-        // (offset, matched own hit, distance) per reference boundary, or
-        // None where the nearest boundary is beyond the tolerance.
-        let matches: Vec<Option<(i64, Hit, i64)>> = refs
-            .iter()
-            .map(|b| {
-                let h = nearest(&r.hits, b.ts_ns).expect("rank has hits");
-                let d = i128::from(h.ts_ns) - i128::from(b.ts_ns);
-                (d.unsigned_abs() <= u128::from(tolerance))
-                    .then(|| (h.step as i64 - b.step as i64, h, d as i64))
-            })
-            .collect();
-        let mut tally: Vec<(i64, usize)> = Vec::new();
-        for (off, _, _) in matches.iter().flatten() {
-            match tally.iter_mut().find(|(o, _)| o == off) {
-                Some((_, n)) => *n += 1,
-                None => tally.push((*off, 1)),
+        // The offsets that make one of its boundaries the nearest to a
+        // reference boundary, and their neighbours: the candidates.
+        let mut cands: Vec<i64> = Vec::new();
+        for b in refs {
+            let h = nearest(&r.hits, b.ts_ns).expect("rank has hits");
+            let d = h.step as i64 - b.step as i64;
+            for c in [d - 1, d, d + 1] {
+                if !cands.contains(&c) {
+                    cands.push(c);
+                }
             }
         }
-        let best = tally.iter().max_by_key(|(_, n)| *n).copied();
-        let Some((offset, votes)) = best.filter(|(_, n)| *n >= QUORUM) else {
-            let worst = refs
-                .iter()
-                .filter_map(|b| {
-                    let h = nearest(&r.hits, b.ts_ns)?;
-                    Some((i128::from(h.ts_ns) - i128::from(b.ts_ns)).unsigned_abs())
-                })
-                .max()
-                .unwrap_or(0);
+        let own = |step: u64| {
+            r.hits
+                .binary_search_by_key(&step, |h| h.step)
+                .ok()
+                .map(|k| r.hits[k].ts_ns)
+        };
+        let pairs: Vec<(u64, u64)> = refs.iter().map(|b| (b.step, b.ts_ns)).collect();
+        let mut scored: Vec<(u64, i64)> = cands
+            .iter()
+            .filter_map(|&c| Some((mean_distance(own, &pairs, c)?, c)))
+            .collect();
+        scored.sort_unstable();
+        let best = scored.first().copied();
+        let runner_up = scored.get(1).map(|x| x.0);
+        let Some((_, offset)) = best.filter(|b| clear(b.0, runner_up, period)) else {
+            if n < MAX_VOTES {
+                // A loaded host spreads single boundaries over more than
+                // half a step: more of them decide.
+                return Err(Pending::Wait(format!(
+                    "rank {rank}: no clear index offset over {n} boundaries yet; waiting for more"
+                )));
+            }
+            let ms = |x: Option<u64>| x.map_or(f64::NAN, |x| x as f64 / 1e6);
             return Err(Pending::Fail(format!(
-                "rank {rank}: only {} of rank {reference}'s {VOTES} boundaries {}..{} match one of its \
-                 own within {:.3} ms with one index offset (nearest up to {:.3} ms away; step period \
-                 {:.3} ms): the ranks are not in lockstep, so their steps cannot be matched",
-                best.map_or(0, |b| b.1),
+                "rank {rank}: no index offset matches rank {reference}'s {n} boundaries {}..{}: \
+                 the nearest offset is {:.3} ms away on average and the next {:.3} ms (needs at \
+                 most half a step, {:.3} ms, and half the next one's): the ranks are not in \
+                 lockstep, so their steps cannot be matched",
                 refs[0].step,
-                last_ref.step,
-                tolerance as f64 / 1e6,
-                worst as f64 / 1e6,
-                period as f64 / 1e6
+                refs[n - 1].step,
+                ms(best.map(|b| b.0)),
+                ms(runner_up),
+                period as f64 / 2e6
             )));
         };
-        let agrees = |m: &Option<(i64, Hit, i64)>| m.is_some_and(|(o, _, _)| o == offset);
-        let j = (0..VOTES - 1)
-            .find(|&j| agrees(&matches[j]) && agrees(&matches[j + 1]))
-            .expect("QUORUM of VOTES includes two consecutive boundaries");
-        let (Some((_, h0, d0)), Some((_, h1, d1))) = (matches[j], matches[j + 1]) else {
-            unreachable!("both agree");
-        };
+        let m: Vec<(Hit, i64)> = refs
+            .iter()
+            .map(|b| {
+                let step = (b.step as i64 + offset) as u64;
+                let ts = own(step).expect("scored");
+                (
+                    Hit { step, ts_ns: ts },
+                    (i128::from(ts) - i128::from(b.ts_ns)) as i64,
+                )
+            })
+            .collect();
+        let votes = m.iter().filter(|x| x.1.unsigned_abs() <= tolerance).count();
+        // The evidence: the consecutive pair nearest to the reference.
+        let j = (0..n - 1)
+            .min_by_key(|&j| m[j].1.unsigned_abs() + m[j + 1].1.unsigned_abs())
+            .expect("n > 1");
         out.push(RankAlign {
             rank,
             offset,
             reference_hits: [refs[j].step, refs[j + 1].step],
-            own_hits: [h0.step, h1.step],
-            ts_ns: [h0.ts_ns, h1.ts_ns],
-            delta_ns: [d0, d1],
+            own_hits: [m[j].0.step, m[j + 1].0.step],
+            ts_ns: [m[j].0.ts_ns, m[j + 1].0.ts_ns],
+            delta_ns: [m[j].1, m[j + 1].1],
             votes: votes as u32,
+            boundaries: n as u32,
         });
     }
     out.sort_by_key(|a| a.rank);
@@ -259,7 +320,7 @@ pub fn align(ranks: &[RankHits]) -> Result<Alignment, Pending> {
         reference,
         period_ns: period,
         all_attached_ts_ns: t0,
-        reference_steps: [refs[0].step, refs[1].step],
+        reference_steps,
         ranks: out,
     })
 }
@@ -292,26 +353,35 @@ pub struct Verification {
     pub max_skew_ns: u64,
     /// The job step where it was largest.
     pub worst_step: Option<u64>,
-    /// Bound: half the median step duration. Within it, a rank's step is
-    /// nearer to the other ranks' same job step than to any neighbour: the
-    /// match cannot be off by one. (The alignment itself asks for 2/5 of a
-    /// step, to leave a margin; afterwards, a rank preempted for a few
-    /// milliseconds at a boundary of a short step must not fail the check.)
+    /// Half the median step duration: the most a rank's steps may start
+    /// from the reference rank's same job steps, on average.
     pub bound_ns: u64,
+    /// Ranks whose recorded steps are not clearly the reference rank's same
+    /// iterations: their mean start distance is over the bound, or not at
+    /// most half of what it is one step earlier or later.
+    pub unclear: Vec<Rank>,
     /// Job steps some rank did not record.
     pub missing: Vec<(Rank, u64)>,
     pub ok: bool,
 }
 
-/// Checks that every rank's recorded job steps started within half a step
-/// of each other (see [`Verification::bound_ns`]). `rows` is (rank, job step, start, duration).
+/// Checks that every rank's recorded job steps are the reference rank's
+/// same iterations, by the rule of [`align`]: over the window, the mean
+/// distance between their starts is within half a step and at most half
+/// of what it is with the rank shifted one step either way. (One step's
+/// spread may exceed half a step on a loaded host without any doubt about
+/// which iteration it is; it is reported as `max_skew_ns`.)
+/// `rows` is (rank, job step, start, duration).
 pub fn verify(ranks: &[Rank], rows: &[(Rank, u64, u64, u64)]) -> Verification {
     use std::collections::{BTreeMap, BTreeSet};
     let mut by_step: BTreeMap<u64, Vec<(Rank, u64)>> = BTreeMap::new();
-    for (r, j, start, _) in rows {
-        by_step.entry(*j).or_default().push((*r, *start));
+    let mut start: BTreeMap<(Rank, u64), u64> = BTreeMap::new();
+    for (r, j, t, _) in rows {
+        by_step.entry(*j).or_default().push((*r, *t));
+        start.insert((*r, *j), *t);
     }
-    let bound = median(rows.iter().map(|r| r.3).collect()).unwrap_or(0) / 2;
+    let period = median(rows.iter().map(|r| r.3).collect()).unwrap_or(0);
+    let bound = period / 2;
     let mut max_skew = 0;
     let mut worst = None;
     let mut missing = Vec::new();
@@ -325,11 +395,36 @@ pub fn verify(ranks: &[Rank], rows: &[(Rank, u64, u64, u64)]) -> Verification {
             worst = Some(*j);
         }
     }
+    let mut unclear = Vec::new();
+    if let Some(&reference) = ranks.iter().min() {
+        let refs: Vec<(u64, u64)> = by_step
+            .keys()
+            .filter_map(|&j| Some((j, *start.get(&(reference, j))?)))
+            .collect();
+        // Inner steps: the neighbours one step either way were recorded.
+        let inner = refs.get(1..refs.len().saturating_sub(1)).unwrap_or(&[]);
+        for &r in ranks.iter().filter(|&&r| r != reference) {
+            let own = |j: u64| start.get(&(r, j)).copied();
+            let ok = if inner.is_empty() {
+                mean_distance(own, &refs, 0).is_some_and(|m| m < bound.max(1))
+            } else {
+                let runner = [-1, 1]
+                    .iter()
+                    .filter_map(|&s| mean_distance(own, inner, s))
+                    .min();
+                mean_distance(own, inner, 0).is_some_and(|m| clear(m, runner, period))
+            };
+            if !ok {
+                unclear.push(r);
+            }
+        }
+    }
     Verification {
         max_skew_ns: max_skew,
         worst_step: worst,
         bound_ns: bound,
-        ok: missing.is_empty() && !by_step.is_empty() && max_skew < bound,
+        ok: missing.is_empty() && !by_step.is_empty() && unclear.is_empty(),
+        unclear,
         missing,
     }
 }
@@ -340,13 +435,13 @@ mod tests {
 
     const MS: u64 = 1_000_000;
 
-    /// Ranks in lockstep at 100 ms per step, attached at different
-    /// iterations (rank 1 two iterations before rank 0, rank 2 one after),
-    /// crossing each boundary up to 3 ms apart.
+    /// Ranks in lockstep at 100 ms per step for 40 iterations, attached at
+    /// different iterations (rank 1 two iterations before rank 0, rank 2
+    /// one after), crossing each boundary up to 3 ms apart.
     fn lockstep() -> Vec<RankHits> {
         let mk = |rank: u32, first_iter: u64, skew: u64| RankHits {
             rank: Some(Rank(rank)),
-            hits: (first_iter..20)
+            hits: (first_iter..40)
                 .map(|it| Hit {
                     step: it - first_iter + 1,
                     ts_ns: 1_000 * MS + it * 100 * MS + skew,
@@ -413,10 +508,65 @@ mod tests {
         }
         let a = align(&r).unwrap();
         let r2 = a.ranks.iter().find(|x| x.rank == Rank(2)).unwrap();
-        assert_eq!((r2.offset, r2.votes), (-1, 5));
+        // Scored on all 20 reference boundaries; 19 are within 2P/5.
+        assert_eq!((r2.offset, r2.votes, r2.boundaries), (-1, 19, 20));
         // The evidence is a pair both matched with that offset.
         assert_eq!(r2.own_hits[0] as i64 - r2.reference_hits[0] as i64, -1);
         assert_eq!(r2.own_hits[1], r2.own_hits[0] + 1);
+    }
+
+    #[test]
+    fn a_loaded_host_spreading_boundaries_over_half_a_step_still_aligns() {
+        let mut r = lockstep();
+        // 8 ranks on 2 cores: rank 2 crosses its boundaries up to 55 ms
+        // (over half a step) from rank 0's. Only 2 of each 6 are within
+        // 2P/5, so no per-boundary match would do; on average the right
+        // offset is 34 ms away, its neighbours about a step.
+        let skew = [55i64, -48, 10, -45, 42, -5];
+        for (k, h) in r[2].hits.iter_mut().enumerate() {
+            h.ts_ns = (h.ts_ns as i64 - MS as i64 + skew[k % 6] * MS as i64) as u64;
+        }
+        let a = align(&r).unwrap();
+        let r2 = a.ranks.iter().find(|x| x.rank == Rank(2)).unwrap();
+        assert_eq!(r2.offset, -1);
+        assert!(r2.votes < r2.boundaries / 2, "{r2:?}");
+        // The evidence pair is the nearest consecutive one: -5 ms then
+        // 55 ms (the pattern repeats), or 10 and -45.
+        assert_eq!(r2.own_hits[1], r2.own_hits[0] + 1);
+        assert_eq!(
+            r2.own_hits[0] as i64 - r2.reference_hits[0] as i64,
+            -1,
+            "{r2:?}"
+        );
+    }
+
+    #[test]
+    fn an_unclear_offset_waits_for_more_boundaries_then_refuses() {
+        let mut r = lockstep();
+        for h in &mut r[2].hits {
+            h.ts_ns += 45 * MS;
+        }
+        // 12 reference boundaries are reported: not clear, wait for more.
+        let short: Vec<RankHits> = r
+            .iter()
+            .map(|x| RankHits {
+                rank: x.rank,
+                hits: x
+                    .hits
+                    .iter()
+                    .copied()
+                    .filter(|h| h.ts_ns < 2_900 * MS)
+                    .collect(),
+            })
+            .collect();
+        let Err(Pending::Wait(why)) = align(&short) else {
+            panic!("{:?}", align(&short))
+        };
+        assert!(why.contains("rank 2: no clear index offset"), "{why}");
+        let Err(Pending::Fail(why)) = align(&r) else {
+            panic!()
+        };
+        assert!(why.contains("20 boundaries"), "{why}");
     }
 
     #[test]
@@ -450,6 +600,20 @@ mod tests {
     #[test]
     fn verify_flags_skew_and_missing_steps() {
         let rk = [Rank(0), Rank(1)];
+        // A loaded host: single starts 60 ms apart at 100 ms steps (over
+        // the half-step bound), 35 ms on average, and at least 75 ms with
+        // rank 1 shifted by one: clearly the same iterations.
+        let loaded: Vec<(Rank, u64, u64, u64)> = (0..8u64)
+            .flat_map(|j| {
+                let t = 1_000 + j * 100;
+                let skew = if j % 2 == 0 { 60 } else { 10 };
+                let own = if j % 2 == 0 { t + skew } else { t - skew };
+                [(Rank(0), j + 5, t, 100), (Rank(1), j + 5, own, 100)]
+            })
+            .collect();
+        let v = verify(&rk, &loaded);
+        assert!(v.ok, "{v:?}");
+        assert_eq!((v.max_skew_ns, v.bound_ns), (60, 50));
         let good = [
             (Rank(0), 5, 1_000, 100),
             (Rank(1), 5, 1_010, 100),

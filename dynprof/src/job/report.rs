@@ -104,8 +104,20 @@ pub fn render(dir: &Path, a: &JobAnalysis) -> String {
     if let Some(v) = a.meta.get("verification") {
         let skew = v.get("max_skew_ns").and_then(Value::as_u64).unwrap_or(0);
         let ok = v.get("ok").and_then(Value::as_bool).unwrap_or(false);
+        let unclear = v
+            .get("unclear")
+            .and_then(Value::as_array)
+            .filter(|u| !u.is_empty())
+            .map(|u| {
+                let names: Vec<String> = u.iter().map(|r| r.to_string()).collect();
+                format!(
+                    "; ranks not clearly on the same iterations: {}",
+                    names.join(", ")
+                )
+            })
+            .unwrap_or_default();
         s.push_str(&format!(
-            "alignment: {} (largest start spread of one job step over the ranks: {} ms)\n",
+            "alignment: {} (largest start spread of one job step over the ranks: {} ms{unclear})\n",
             if ok { "checked" } else { "NOT confirmed" },
             ms(skew)
         ));

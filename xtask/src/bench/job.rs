@@ -31,6 +31,8 @@ const RANKS: [usize; 4] = [1, 2, 4, 8];
 /// Long enough that the ranks stay in lockstep on a loaded 2-core host
 /// (at 1 ms they drift half a period apart and job mode cannot align them).
 const CPU_US: &str = "5000";
+/// From every rank attached to the idle measurement.
+const SETTLE: Duration = Duration::from_secs(3);
 /// The ranks run until SIGTERM.
 const SIGTERM: i32 = 15;
 
@@ -166,6 +168,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             let _ = std::fs::remove_dir_all(&out);
             std::fs::create_dir_all(&out)?;
             let (mut dp, ms) = attach(ctx, &job, false, false, &out)?;
+            // Idle is the steady state: past the work that follows attach
+            // (about 55 ms of CPU per rank in the first second: the
+            // sessions' start and the alignment).
+            std::thread::sleep(SETTLE);
             let (cpu, rss) = sample(&mut dp, secs, false);
             let _ = dp.stop(Duration::from_secs(60));
             idle[i].push(Cost {
@@ -197,6 +203,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
 
             if n == 1 {
                 let (mut dp, ms) = attach(ctx, &job, true, false, &out)?;
+                std::thread::sleep(SETTLE);
                 let (cpu, rss) = sample(&mut dp, secs, false);
                 let _ = dp.stop(Duration::from_secs(60));
                 single.push(Cost {

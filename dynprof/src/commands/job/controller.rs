@@ -47,10 +47,27 @@ pub(super) enum PlanOutcome {
 /// How long a rank's window may take to appear once the rank is past it.
 const NOT_OPENED_GRACE: Duration = Duration::from_secs(2);
 const WRITE_GRACE: Duration = Duration::from_secs(300);
+/// Boundaries per rank an alignment looks at: many times the 20 reference
+/// boundaries it scores, plus the step period's.
+const ALIGN_HITS: usize = 512;
+/// The controller's tick while nothing is aligning, planned or in flight.
+const IDLE_POLL: Duration = Duration::from_millis(250);
+
+/// The latest boundary in a snapshot (0 when empty).
+fn live_latest_ts(snap: &[RankHits]) -> u64 {
+    snap.iter()
+        .filter_map(|r| r.hits.last())
+        .map(|h| h.ts_ns)
+        .max()
+        .unwrap_or(0)
+}
 
 pub(super) struct Controller {
     pub(super) s: JobSetup,
     pub(super) alignment: Option<Alignment>,
+    /// Alignments refused so far, and the latest boundary they used.
+    pub(super) align_refusals: u32,
+    pub(super) align_after_ns: u64,
     pub(super) pending: Option<JobRequest>,
     /// The window whose plans were sent and that some rank has not closed.
     pub(super) running: Option<Running>,
@@ -88,6 +105,8 @@ impl Controller {
         Self {
             s,
             alignment: None,
+            align_refusals: 0,
+            align_after_ns: 0,
             pending,
             running: None,
             closing: Vec::new(),
@@ -158,6 +177,7 @@ impl Controller {
             ));
             self.s.ranks.push(r);
             self.alignment = None;
+            self.align_refusals = 0;
         }
         self.s.ranks.sort_by_key(|r| r.rank());
     }
@@ -229,11 +249,24 @@ impl Controller {
                 }
                 // No live rank while following: between an elastic
                 // restart's old and new workers.
+                // Each rank's latest boundaries only (this runs every tick
+                // until aligned), and after a refusal only those crossed
+                // since.
                 let snap: Vec<RankHits> = live
                     .iter()
-                    .map(|r| RankHits {
-                        rank: Some(r.rank()),
-                        hits: r.tap.borrow().hits.iter().map(|h| h.0).collect(),
+                    .map(|r| {
+                        let tap = r.tap.borrow();
+                        let skip = tap.hits.len().saturating_sub(ALIGN_HITS);
+                        RankHits {
+                            rank: Some(r.rank()),
+                            hits: tap
+                                .hits
+                                .iter()
+                                .skip(skip)
+                                .map(|h| h.0)
+                                .filter(|h| h.ts_ns > self.align_after_ns)
+                                .collect(),
+                        }
                     })
                     .collect();
                 match if snap.is_empty() {
@@ -246,9 +279,27 @@ impl Controller {
                         self.alignment = Some(a);
                     }
                     Err(Pending::Fail(why)) => {
-                        eprintln!("dynprof: job: cannot align the ranks: {why}; detaching");
-                        self.write_error(&why);
-                        bail!("job window not recorded: {why}");
+                        self.align_refusals += 1;
+                        let n = self.align_refusals;
+                        let flags = matches!(self.s.trigger, Trigger::Flags(_));
+                        if flags && n >= align::ATTEMPTS {
+                            eprintln!(
+                                "dynprof: job: cannot align the ranks ({n} attempts): {why}; detaching"
+                            );
+                            self.write_error(&why);
+                            bail!("job window not recorded: {why}");
+                        }
+                        // A load spike can hold back a few boundaries of
+                        // ranks in lockstep: try again on fresh ones. A
+                        // console or config-file job waits for its next
+                        // request rather than ending (said at attempts 1,
+                        // 2, 4, 8, … so that it does not flood the console).
+                        if n.is_power_of_two() {
+                            eprintln!(
+                                "dynprof: job: cannot align the ranks yet (attempt {n}): {why}; trying again on the next boundaries"
+                            );
+                        }
+                        self.align_after_ns = live_latest_ts(&snap);
                     }
                     Err(Pending::Wait(why)) => {
                         // Ranks that stopped stepping (a hung collective, a
@@ -327,7 +378,27 @@ impl Controller {
                 ));
                 self.quitting = true;
             }
-            tokio::time::sleep(POLL).await;
+            // Idle (aligned, no window asked for or in flight): a slow tick,
+            // woken at once by a command, so that an idle job costs no
+            // more than the ranks' own sessions.
+            let busy = self.alignment.is_none()
+                || self.pending.is_some()
+                || self.running.is_some()
+                || !self.closing.is_empty()
+                || !self.arrivals.is_empty()
+                || self.quitting;
+            let tick = if busy { POLL } else { IDLE_POLL };
+            if commands_open {
+                tokio::select! {
+                    cmd = rx.recv() => match cmd {
+                        Some(cmd) => self.on_command(cmd),
+                        None => commands_open = false,
+                    },
+                    () = tokio::time::sleep(tick) => {}
+                }
+            } else {
+                tokio::time::sleep(tick).await;
+            }
         }
         let reason = if self.quitting {
             "quit"

@@ -271,10 +271,11 @@ impl Controller {
         eprintln!("dynprof: {msg}");
         if !verification.ok {
             eprintln!(
-                "dynprof: job: alignment NOT confirmed: largest start spread {:.3} ms (bound {:.3} ms), missing {:?}",
-                verification.max_skew_ns as f64 / 1e6,
+                "dynprof: job: alignment NOT confirmed: ranks {:?} not clearly on the reference's iterations (mean start distance over {:.3} ms, or not half of the neighbouring steps'), missing {:?}; largest start spread {:.3} ms",
+                verification.unclear,
                 verification.bound_ns as f64 / 1e6,
-                verification.missing
+                verification.missing,
+                verification.max_skew_ns as f64 / 1e6
             );
         }
         eprintln!("dynprof: {}", v.text);
