@@ -305,8 +305,7 @@ fn config_file_starts_one_job_window_on_the_ranks_of_rank_list() {
 }
 
 /// The console in job mode: `capture 2 warmup 1` records the same job
-/// steps on every rank; `start` is refused with the reason; `status` counts
-/// the window; `quit` detaches.
+/// steps on every rank; `status` counts the window; `quit` detaches.
 #[test]
 fn console_capture_records_one_job_window() {
     require_privileges!();
@@ -331,8 +330,6 @@ fn console_capture_records_one_job_window() {
         true,
     );
     d.wait_for("dynprof console ready", T);
-    d.send("start");
-    d.wait_for("not available in job mode", T);
     d.send("capture 2 warmup 1");
     d.wait_for("job window written", T);
     d.send("status");
@@ -344,6 +341,70 @@ fn console_capture_records_one_job_window() {
     assert_eq!(jobs.len(), 1, "{jobs:?}");
     check_window(&jobs[0], &ranks, &[0, 1, 2, 3], 2);
     assert_eq!(job_meta(&jobs[0])["trigger"], "console");
+    drop(ranks);
+}
+
+/// The job step a console answer names after `needle` ("… steps 41.. until
+/// `stop`", "… ends after job step 57 …").
+fn step_after(line: &str, needle: &str) -> u64 {
+    let rest = &line[line
+        .find(needle)
+        .unwrap_or_else(|| panic!("{needle:?} in {line}"))
+        + needle.len()..];
+    rest.chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .unwrap_or_else(|_| panic!("a step after {needle:?} in {line}"))
+}
+
+/// `start` and `stop` in job mode: the window opens and ends on the same
+/// job steps on every rank (checked against each rank's own log), and
+/// holds exactly the steps from the one `start` named to the one `stop`
+/// named. `quit` with a `start` window open ends it the same way, writes
+/// it complete, then detaches.
+#[test]
+fn console_start_and_stop_end_on_the_same_job_step_on_every_rank() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode_triggers-startstop");
+    let ranks = Ranks::start(&dir, "jmt-startstop");
+    let out = dir.join("out");
+    let pids = ranks.pids();
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pids",
+            &pids,
+            "--marker",
+            "exe:optimizer_step",
+            "--interactive",
+            "--collect",
+            "offcpu",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        true,
+    );
+    d.wait_for("dynprof console ready", T);
+    let mut from = 0;
+    for (n, end_with) in [(1, "stop"), (2, "quit")] {
+        d.send("start");
+        let i = d.wait_for_from(from, &format!("job window {n} records job steps"), T);
+        let first = step_after(&d.lines[i].1, "records job steps ");
+        assert!(d.lines[i].1.contains("until `stop`"), "{}", d.lines[i].1);
+        d.send(end_with);
+        let i = d.wait_for_from(i, &format!("job window {n} ends after job step "), T);
+        let last = step_after(&d.lines[i].1, "ends after job step ");
+        assert!(last >= first, "{}", d.transcript());
+        from = d.wait_for_from(i, "job window written", T);
+        let jobs = job_dirs(&out);
+        assert_eq!(jobs.len(), n, "{jobs:?}");
+        let steps = check_window(&jobs[n - 1], &ranks, &[0, 1, 2, 3], last - first + 1);
+        assert_eq!(steps.first(), Some(&first), "{steps:?}");
+    }
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{st}\n{}", d.transcript());
     drop(ranks);
 }
 

@@ -17,6 +17,7 @@ mod fig;
 mod idle;
 mod job;
 mod json;
+mod offcpu;
 mod probe;
 mod procs;
 mod sites;
@@ -48,9 +49,9 @@ pub struct Opts {
     pub no_build: bool,
 }
 
-const SECTIONS: [&str; 11] = [
-    "probe", "sites", "idle", "torch", "attach", "api", "trigger", "job", "stacks", "agent",
-    "later",
+const SECTIONS: [&str; 12] = [
+    "probe", "sites", "idle", "torch", "attach", "api", "trigger", "job", "stacks", "offcpu",
+    "agent", "later",
 ];
 
 fn parse(args: &[String]) -> Result<Opts> {
@@ -138,7 +139,7 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut sections: Vec<Section> = Vec::new();
     type Runner = fn(&Ctx) -> Result<Section>;
     // Sections 6 and 7 first: section 8 uses the per-trap cost of 7.
-    let plan: [(&str, &str, Runner); 11] = [
+    let plan: [(&str, &str, Runner); 12] = [
         (
             "probe",
             "6. Probe cost per hit by first instruction (hitloop)",
@@ -171,6 +172,11 @@ pub fn run(args: &[String]) -> Result<()> {
             "stacks",
             "10. Stacks: stack copy + unwinding vs torch.profiler with_stack and py-spy --native",
             stacks::run,
+        ),
+        (
+            "offcpu",
+            "13. Off-CPU collector: cost per context switch (pingpong)",
+            offcpu::run,
         ),
         (
             "agent",

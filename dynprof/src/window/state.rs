@@ -334,6 +334,40 @@ impl WindowState {
         ))
     }
 
+    /// Job mode's `stop`: the window (open, or planned open-ended) records
+    /// up to this rank's own step `last`, the same job step on every rank.
+    /// When the step counter is already past it, the window closes at the
+    /// next boundary, as `stop` does (it then holds more steps than the
+    /// other ranks', which the job's verification reports).
+    pub fn end_at(
+        &mut self,
+        last: u64,
+        reg: &mut impl PlanRegister,
+        out: &mut Vec<Action>,
+    ) -> Result<String> {
+        let Some(p) = &mut self.plan else {
+            return Ok("no window open or pending".into());
+        };
+        let now = reg.step_hits()?;
+        if last < now || last < p.cfg.start {
+            let m = self.stop(reg, out)?;
+            return Ok(format!("step {last} has already begun: {m}"));
+        }
+        self.deferred = None;
+        let mut cfg = p.cfg;
+        cfg.end = last + 1;
+        reg.set_plan(cfg)?;
+        p.cfg = cfg;
+        p.stop_last = Some(last);
+        p.final_cycle = true;
+        if let Some(w) = &mut self.window
+            && last < w.last_recorded
+        {
+            w.last_recorded = last;
+        }
+        Ok(format!("the window closes after step {last}"))
+    }
+
     /// A console command other than `status` (which only reads).
     pub fn console(
         &mut self,

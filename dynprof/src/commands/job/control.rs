@@ -22,9 +22,6 @@ impl Trigger {
     }
 }
 
-/// Why a window open until `stop` is refused in job mode.
-pub(super) const OPEN_ENDED_REFUSED: &str = "a window open until `stop` is not available in job mode: `stop` closes a window at the next boundary each rank's session sees after it, which is a different iteration on each rank, and an open window takes no planned end; use `capture A [warmup W] [at S]`";
-
 /// The trigger as the user gave it; flag plans are in job steps.
 pub(super) fn job_trigger(args: &AttachArgs) -> Result<Trigger> {
     use std::io::IsTerminal as _;

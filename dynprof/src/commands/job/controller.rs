@@ -28,8 +28,17 @@ impl Running {
     pub(super) fn first(&self) -> u64 {
         self.start + self.req.plan.warmup
     }
+    /// The last job step; `u64::MAX` while a `start` window waits for
+    /// `stop`.
     pub(super) fn last(&self) -> u64 {
+        if self.req.plan.open_ended() {
+            return u64::MAX;
+        }
         self.first() + self.req.plan.active - 1
+    }
+    /// A `start` window whose end `stop` has not fixed yet.
+    pub(super) fn open_ended(&self) -> bool {
+        self.req.plan.open_ended()
     }
 }
 
@@ -79,6 +88,8 @@ pub(super) struct Controller {
     pub(super) written: Vec<PathBuf>,
     pub(super) failures: Vec<String>,
     pub(super) quitting: bool,
+    /// `quit` with a `start` window open: detach once it is written.
+    pub(super) quit_after_window: bool,
     pub(super) last_activity: Instant,
     /// `--follow`: ranks attached later, and whether the REF is gone.
     pub(super) late: Option<(mpsc::UnboundedReceiver<CtlRank>, super::follow::FollowState)>,
@@ -115,6 +126,7 @@ impl Controller {
             written: Vec::new(),
             failures: Vec::new(),
             quitting: false,
+            quit_after_window: false,
             last_activity: Instant::now(),
             late: None,
             arrivals: Vec::new(),
@@ -349,6 +361,9 @@ impl Controller {
                 // Not yet (--start-at's instant not reached): keep it.
                 self.pending = Some(*req);
             }
+            if self.quit_after_window && self.running.is_none() && self.closing.is_empty() {
+                self.quitting = true;
+            }
             let all_ended = self.s.ranks.iter().all(|r| !r.alive()) && !self.following();
             let flags_done = matches!(self.s.trigger, Trigger::Flags(_))
                 && self.pending.is_none()
@@ -538,7 +553,12 @@ impl Controller {
             }
         };
         let rel_base = req.prof_dir.clone().unwrap_or_default().join(&name);
-        let last = start + req.plan.warmup + req.plan.active - 1;
+        let open = req.plan.open_ended();
+        let last = if open {
+            u64::MAX
+        } else {
+            start + req.plan.warmup + req.plan.active - 1
+        };
         let mut ranks = Vec::new();
         for r in self
             .s
@@ -547,8 +567,12 @@ impl Controller {
             .filter(|r| sel.ranks.contains(&r.rank()))
         {
             let rank = r.rank();
-            let (Some(own), Some(own_last)) = (a.own_step(rank, start), a.own_step(rank, last))
-            else {
+            let own_last = if open {
+                Some(u64::MAX)
+            } else {
+                a.own_step(rank, last)
+            };
+            let (Some(own), Some(own_last)) = (a.own_step(rank, start), own_last) else {
                 continue;
             };
             let rank_dir = job::rank_dir_name(rank);
@@ -597,9 +621,13 @@ impl Controller {
                 "repeat window {n} asked for job step {requested}, too close to be planned once every rank had opened the window before; it starts at job step {start}"
             ));
         }
+        let steps = if open {
+            format!("{}.. until `stop`", start + req.plan.warmup)
+        } else {
+            format!("{}..={last}", start + req.plan.warmup)
+        };
         let what = format!(
-            "job window {n} records job steps {}..={last} on rank(s) {}: {}",
-            start + req.plan.warmup,
+            "job window {n} records job steps {steps} on rank(s) {}: {}",
             sel.ranks
                 .iter()
                 .map(|r| r.to_string())
@@ -626,6 +654,44 @@ impl Controller {
             passed: HashMap::new(),
         });
         PlanOutcome::Planned(what)
+    }
+
+    /// `stop` (or `quit`) during a job window: it ends on the same job
+    /// step on every rank, the first one every rank's plan can still
+    /// reach (the same lead as a start), and never before its first
+    /// recorded step.
+    pub(super) fn end_running(&mut self) -> String {
+        let (Some(a), Some(now)) = (self.alignment.clone(), self.job_now()) else {
+            return "error: the ranks are not aligned; the window cannot be ended".into();
+        };
+        let lead = align::lead_steps(a.period_ns);
+        let Some(run) = self.running.as_mut() else {
+            return "no job window open or pending".into();
+        };
+        let end = now.saturating_add(lead).max(run.first());
+        if end >= run.last() {
+            return format!(
+                "job window {} ends at job step {} anyway",
+                run.n,
+                run.last()
+            );
+        }
+        run.req.plan.active = end - run.first() + 1;
+        for (rank, _, own_last) in &mut run.ranks {
+            let Some(own) = a.own_step(*rank, end) else {
+                continue;
+            };
+            *own_last = own;
+            if let Some(r) = self.s.ranks.iter().find(|r| r.rank() == *rank) {
+                let _ = r.tx.send(Command::EndAt(own));
+            }
+        }
+        let msg = format!(
+            "job window {} ends after job step {end} ({} recorded steps)",
+            run.n, run.req.plan.active
+        );
+        self.notice(msg.clone());
+        msg
     }
 
     fn refused(&mut self, req: &JobRequest, why: &str) {

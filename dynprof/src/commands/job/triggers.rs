@@ -15,7 +15,8 @@ impl Controller {
                 let _ = c.reply.send(crate::window::trigger::Reply { text });
             }
             Command::ConfigChanged(ev) => self.on_config(&ev),
-            Command::Plan(_) => {}
+            // Sent by the controller to the ranks, never to itself.
+            Command::Plan(_) | Command::EndAt(_) => {}
         }
     }
 
@@ -23,11 +24,36 @@ impl Controller {
         match req {
             ConsoleRequest::Status => self.status(),
             ConsoleRequest::Quit => {
+                // An open window first ends on the same job step on every
+                // rank, so that it is written complete.
+                if self.running.as_ref().is_some_and(|r| r.open_ended()) {
+                    let m = self.end_running();
+                    self.quit_after_window = true;
+                    return format!("{m}; detaching from every rank once it is written");
+                }
                 self.quitting = true;
                 "detaching from every rank; the job keeps running".into()
             }
-            ConsoleRequest::Start | ConsoleRequest::Stop => format!("error: {OPEN_ENDED_REFUSED}"),
-            ConsoleRequest::Capture(plan) => {
+            ConsoleRequest::Stop => {
+                if self.running.is_some() {
+                    self.end_running()
+                } else if self.pending.take().is_some() {
+                    "the window waiting to be planned is cancelled".into()
+                } else {
+                    "no job window open or pending".into()
+                }
+            }
+            ConsoleRequest::Start | ConsoleRequest::Capture(_) => {
+                let plan = match req {
+                    ConsoleRequest::Capture(plan) => plan,
+                    _ => Plan {
+                        start_step: -1,
+                        warmup: 0,
+                        active: UNTIL_STOP,
+                        repeat: 0,
+                        gap: 0,
+                    },
+                };
                 let req = JobRequest {
                     plan,
                     source: Source::Console,
@@ -143,6 +169,11 @@ impl Controller {
             None => s.push_str("aligning the ranks; "),
         }
         match &self.running {
+            Some(r) if r.open_ended() => s.push_str(&format!(
+                "job window {} planned for job steps {}.. until `stop`",
+                r.n,
+                r.first()
+            )),
             Some(r) => s.push_str(&format!(
                 "job window {} planned for job steps {}..={}",
                 r.n,

@@ -150,6 +150,13 @@ impl Observer<SessionCommand> for Scheduler {
                 self.printer = Some(f);
             }
             SessionCommand::Plan(req) => self.on_plan((**req).clone(), ctx)?,
+            SessionCommand::EndAt(last) => {
+                self.last_activity = Instant::now();
+                let mut out = Vec::new();
+                let r = self.state.end_at(*last, ctx.kernel, &mut out);
+                self.carry_out(out, ctx.kernel, ctx.target, None)?;
+                self.notice(r.unwrap_or_else(|e| format!("stop refused: {e:#}")));
+            }
         }
         Ok(())
     }

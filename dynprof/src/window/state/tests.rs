@@ -232,6 +232,47 @@ fn stop_closes_an_open_ended_window_at_the_next_boundary() {
 }
 
 #[test]
+fn end_at_closes_an_open_ended_window_after_that_step() {
+    // Job mode's `stop`: the end is a step ahead, the same job step on
+    // every rank, and the gate closes exactly there.
+    let mut r = Run::new(false);
+    let mut out = Vec::new();
+    r.st.console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
+        .unwrap();
+    for _ in 0..3 {
+        r.step();
+    }
+    let m = r.st.end_at(6, &mut r.reg, &mut out).unwrap();
+    assert_eq!(m, "the window closes after step 6");
+    assert_eq!(r.reg.plan.map(|c| c.end), Some(7));
+    for _ in 0..3 {
+        r.step();
+    }
+    assert!(r.windows().is_empty(), "step 6 is still in the window");
+    r.step();
+    assert_eq!(r.windows(), vec![(1, 6, true)]);
+    assert!(r.st.plan().is_none() && r.st.window().is_none());
+}
+
+#[test]
+fn end_at_a_step_already_begun_closes_at_the_next_boundary() {
+    let mut r = Run::new(false);
+    let mut out = Vec::new();
+    r.st.console(ConsoleRequest::Start, &mut r.reg, 2, &mut out)
+        .unwrap();
+    for _ in 0..5 {
+        r.step();
+    }
+    let m = r.st.end_at(3, &mut r.reg, &mut out).unwrap();
+    assert_eq!(
+        m,
+        "step 3 has already begun: window 1 closes at the next boundary (step 6)"
+    );
+    r.step();
+    assert_eq!(r.windows(), vec![(1, 5, true)]);
+}
+
+#[test]
 fn quit_with_a_window_open_detaches_after_it() {
     let mut r = Run::new(false);
     let mut out = Vec::new();

@@ -99,4 +99,7 @@ pub enum SessionCommand {
     /// A plan decided outside this session (job mode: the job's aligned
     /// start, in this rank's own step indices).
     Plan(Box<PlanRequest>),
+    /// Job mode's `stop`: the window ends after this rank's own step (the
+    /// same job step on every rank).
+    EndAt(u64),
 }

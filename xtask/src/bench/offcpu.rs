@@ -1,0 +1,202 @@
+//! Section 13: what the off-CPU collector adds to each context switch of
+//! the target, with the user-stack copy for unwinding (docs/stacks.md) and
+//! with frame-pointer stacks only (`DYNPROF_STACK_COPY_KB=0`).
+//!
+//! The target is tests/fixtures/pingpong: two threads bounce a byte over
+//! pipes, so every round trip blocks each thread once, and one step is
+//! `ROUNDS` round trips. Interleaved in one run: B U B F B U B F … B, where
+//! B is a bare stretch of steps (nothing attached), U a window
+//! `--collect offcpu` with the copy, F the same with frame pointers only.
+//! Each attached stretch is compared with the mean of the bare stretches
+//! around it. Step durations come from the fixture's own log
+//! (CLOCK_MONOTONIC before and after each step); switches per step from
+//! the kernel's `voluntary_ctxt_switches` of the target's threads over the
+//! bare stretches. The cost per switch is (window step − bare step) ÷
+//! switches per step: the sched_switch program, the ring, and dynprof's
+//! consumer competing for the 2 cores, i.e. what the target feels.
+
+use std::{path::Path, process::Command, time::Duration};
+
+use anyhow::{Context as _, Result};
+
+use super::{
+    Ctx, Section,
+    fig::{Figure, Goal, Unit},
+    procs::Proc,
+    say, stats,
+};
+
+/// Round trips per step: about 20–40 ms per step here.
+const ROUNDS: &str = "2000";
+const SIGTERM: i32 = 15;
+
+/// Voluntary context switches of all of `pid`'s threads.
+fn switches(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// The fixture log's steps so far: (index, duration ns).
+fn log_steps(log: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.first() != Some(&"step") {
+                return None;
+            }
+            let i = f.get(1)?.parse().ok()?;
+            let a: u64 = f.get(2)?.parse().ok()?;
+            let b: u64 = f.get(3)?.parse().ok()?;
+            Some((i, b.saturating_sub(a)))
+        })
+        .collect()
+}
+
+/// Waits until the log has `n` more steps than `from`; returns the count.
+fn wait_steps(log: &Path, from: usize, n: usize) -> Result<usize> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let k = log_steps(log).len();
+        if k >= from + n {
+            return Ok(k);
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "pingpong stopped stepping"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn mean_dur(log: &Path, from: usize, to: usize) -> Option<f64> {
+    let s = log_steps(log);
+    let v: Vec<f64> = s.get(from..to)?.iter().map(|x| x.1 as f64).collect();
+    stats::mean_se(&v).map(|m| m.0)
+}
+
+/// One window of `n` steps on the running pingpong; the mean duration of
+/// the steps well inside it.
+fn window(ctx: &Ctx, pid: u32, log: &Path, n: usize, copy: bool) -> Result<f64> {
+    let out = ctx.work.join("offcpu-window");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out)?;
+    let mut cmd = ctx.dynprof_cmd();
+    if !copy {
+        cmd.env("DYNPROF_STACK_COPY_KB", "0");
+    }
+    cmd.args(["attach", "--pid", &pid.to_string(), "--json"])
+        .args(["--marker", "exe:optimizer_step"])
+        .args(["--start-step", "-1", "--active", &n.to_string()])
+        .args(["--collect", "offcpu", "--output"])
+        .arg(&out);
+    let mut dp = Proc::spawn("dynprof attach --collect offcpu", &mut cmd)?;
+    dp.wait_event(Duration::from_secs(60), "attached")?;
+    let at = log_steps(log).len();
+    dp.wait_exit(Duration::from_secs(300))?;
+    anyhow::ensure!(
+        !dp.events("window").is_empty(),
+        "the off-CPU window was not written"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+    // The window opens at the boundary after `attached` and holds n steps;
+    // two steps of margin on each side.
+    mean_dur(log, at + 2, at + n - 2).context("window steps missing from the log")
+}
+
+pub fn run(ctx: &Ctx) -> Result<Section> {
+    let log = ctx.work.join("offcpu-pingpong.log");
+    let _ = std::fs::remove_file(&log);
+    let mut cmd = Command::new(ctx.fixtures.join("pingpong"));
+    cmd.args(["--rounds", ROUNDS, "--log"]).arg(&log);
+    let mut pp = Proc::spawn("pingpong", &mut cmd)?;
+    let pid = pp.pid();
+    let n = if ctx.quick() { 20 } else { 60 };
+    let reps = if ctx.quick() { 2 } else { ctx.reps() };
+    let r = (|| -> Result<_> {
+        wait_steps(&log, 0, 5)?;
+        let mut bare = Vec::new();
+        let mut per_step_switches = Vec::new();
+        let mut bare_stretch = |bare: &mut Vec<f64>| -> Result<()> {
+            let from = log_steps(&log).len();
+            let s0 = switches(pid);
+            let to = wait_steps(&log, from, n)?;
+            let s1 = switches(pid);
+            let k = log_steps(&log);
+            let steps = (to - from) as f64;
+            per_step_switches.push((s1 - s0) as f64 / steps);
+            let v: Vec<f64> = k[from + 1..to].iter().map(|x| x.1 as f64).collect();
+            bare.push(stats::mean_se(&v).map_or(f64::NAN, |m| m.0));
+            Ok(())
+        };
+        bare_stretch(&mut bare)?;
+        let (mut unwind, mut fp) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            for copy in [true, false] {
+                let w = window(ctx, pid, &log, n, copy)?;
+                bare_stretch(&mut bare)?;
+                let b = (bare[bare.len() - 2] + bare[bare.len() - 1]) / 2.0;
+                if copy { &mut unwind } else { &mut fp }.push((w, b));
+            }
+        }
+        Ok((unwind, fp, per_step_switches))
+    })();
+    pp.signal(SIGTERM);
+    let _ = pp.wait_exit(Duration::from_secs(10));
+    let (unwind, fp, sw) = r?;
+    let sw_step = stats::median(&sw).unwrap_or(f64::NAN);
+    say(format!(
+        "offcpu: {sw_step:.0} voluntary switches per step; unwind (window, bare) {unwind:?}; fp {fp:?}"
+    ));
+    let per_switch =
+        |v: &[(f64, f64)]| -> Vec<f64> { v.iter().map(|(w, b)| (w - b) / sw_step).collect() };
+    let ratio = |v: &[(f64, f64)]| -> Vec<f64> { v.iter().map(|(w, b)| w / b).collect() };
+    let mut s = Section::new("");
+    s.figures.push(
+        Figure::new(
+            "offcpu_switches_per_step",
+            "pingpong: voluntary context switches per step (bare)",
+            Unit::Count,
+            Goal::Info,
+            "",
+        )
+        .samples(sw.clone()),
+    );
+    for (key, what, v) in [
+        ("unwind", "with the user-stack copy (unwinding)", &unwind),
+        ("fp", "frame pointers only (DYNPROF_STACK_COPY_KB=0)", &fp),
+    ] {
+        s.figures.push(
+            Figure::new(
+                &format!("offcpu_step_ratio_{key}"),
+                &format!("off-CPU window {what}: step time ÷ bare"),
+                Unit::Ratio,
+                Goal::Info,
+                "",
+            )
+            .samples(ratio(v)),
+        );
+        s.figures.push(
+            Figure::new(
+                &format!("offcpu_switch_ns_{key}"),
+                &format!("off-CPU window {what}: added per context switch"),
+                Unit::Ns,
+                Goal::Info,
+                "",
+            )
+            .samples(per_switch(v)),
+        );
+    }
+    Ok(s)
+}
