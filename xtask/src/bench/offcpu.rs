@@ -22,7 +22,7 @@ use anyhow::{Context as _, Result};
 use super::{
     Ctx, Section,
     fig::{Figure, Goal, Unit},
-    procs::Proc,
+    procs::{self, Proc},
     say, stats,
 };
 
@@ -46,9 +46,11 @@ fn switches(pid: u32) -> u64 {
         .sum()
 }
 
-/// The fixture log's steps so far: (index, duration ns).
+/// The fixture log's steps so far: (index, duration ns). A step's
+/// duration is from its boundary (the marker call) to the next one's; the
+/// last logged boundary has no duration yet and is left out.
 fn log_steps(log: &Path) -> Vec<(u64, u64)> {
-    std::fs::read_to_string(log)
+    let starts: Vec<(u64, u64)> = std::fs::read_to_string(log)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| {
@@ -56,11 +58,12 @@ fn log_steps(log: &Path) -> Vec<(u64, u64)> {
             if f.first() != Some(&"step") {
                 return None;
             }
-            let i = f.get(1)?.parse().ok()?;
-            let a: u64 = f.get(2)?.parse().ok()?;
-            let b: u64 = f.get(3)?.parse().ok()?;
-            Some((i, b.saturating_sub(a)))
+            Some((f.get(1)?.parse().ok()?, f.get(2)?.parse().ok()?))
         })
+        .collect();
+    starts
+        .windows(2)
+        .map(|w| (w[0].0, w[1].1.saturating_sub(w[0].1)))
         .collect()
 }
 
@@ -88,7 +91,7 @@ fn mean_dur(log: &Path, from: usize, to: usize) -> Option<f64> {
 
 /// One window of `n` steps on the running pingpong; the mean duration of
 /// the steps well inside it.
-fn window(ctx: &Ctx, pid: u32, log: &Path, n: usize, copy: bool) -> Result<f64> {
+fn window(ctx: &Ctx, pid: u32, log: &Path, n: usize, copy: bool) -> Result<Window> {
     let out = ctx.work.join("offcpu-window");
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out)?;
@@ -104,15 +107,26 @@ fn window(ctx: &Ctx, pid: u32, log: &Path, n: usize, copy: bool) -> Result<f64> 
     let mut dp = Proc::spawn("dynprof attach --collect offcpu", &mut cmd)?;
     dp.wait_event(Duration::from_secs(60), "attached")?;
     let at = log_steps(log).len();
+    let c0 = procs::cpu_ns(dp.pid()).unwrap_or(0);
+    dp.wait_event(Duration::from_secs(300), "window")?;
+    let dp_ns = procs::cpu_ns(dp.pid()).unwrap_or(0).saturating_sub(c0) as f64;
     dp.wait_exit(Duration::from_secs(300))?;
-    anyhow::ensure!(
-        !dp.events("window").is_empty(),
-        "the off-CPU window was not written"
-    );
     let _ = std::fs::remove_dir_all(&out);
     // The window opens at the boundary after `attached` and holds n steps;
     // two steps of margin on each side.
-    mean_dur(log, at + 2, at + n - 2).context("window steps missing from the log")
+    let step = mean_dur(log, at + 2, at + n - 2).context("window steps missing from the log")?;
+    Ok(Window {
+        step_ns: step,
+        dynprof_ns_per_step: dp_ns / n as f64,
+    })
+}
+
+/// One off-CPU window's figures.
+struct Window {
+    /// Mean step duration inside it.
+    step_ns: f64,
+    /// dynprof's own CPU from `attached` to the window written, per step.
+    dynprof_ns_per_step: f64,
 }
 
 pub fn run(ctx: &Ctx) -> Result<Section> {
@@ -147,7 +161,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 let w = window(ctx, pid, &log, n, copy)?;
                 bare_stretch(&mut bare)?;
                 let b = (bare[bare.len() - 2] + bare[bare.len() - 1]) / 2.0;
-                if copy { &mut unwind } else { &mut fp }.push((w, b));
+                if copy { &mut unwind } else { &mut fp }.push((
+                    w.step_ns,
+                    b,
+                    w.dynprof_ns_per_step,
+                ));
             }
         }
         Ok((unwind, fp, per_step_switches))
@@ -159,9 +177,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     say(format!(
         "offcpu: {sw_step:.0} voluntary switches per step; unwind (window, bare) {unwind:?}; fp {fp:?}"
     ));
+    type Runs = [(f64, f64, f64)];
     let per_switch =
-        |v: &[(f64, f64)]| -> Vec<f64> { v.iter().map(|(w, b)| (w - b) / sw_step).collect() };
-    let ratio = |v: &[(f64, f64)]| -> Vec<f64> { v.iter().map(|(w, b)| w / b).collect() };
+        |v: &Runs| -> Vec<f64> { v.iter().map(|(w, b, _)| (w - b) / sw_step).collect() };
+    let ratio = |v: &Runs| -> Vec<f64> { v.iter().map(|(w, b, _)| w / b).collect() };
+    let dp_per_switch = |v: &Runs| -> Vec<f64> { v.iter().map(|(_, _, d)| d / sw_step).collect() };
     let mut s = Section::new("");
     s.figures.push(
         Figure::new(
@@ -196,6 +216,16 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 "",
             )
             .samples(per_switch(v)),
+        );
+        s.figures.push(
+            Figure::new(
+                &format!("offcpu_dynprof_ns_per_switch_{key}"),
+                &format!("off-CPU window {what}: dynprof's own CPU per switch (attach included)"),
+                Unit::Ns,
+                Goal::Info,
+                "",
+            )
+            .samples(dp_per_switch(v)),
         );
     }
     Ok(s)
