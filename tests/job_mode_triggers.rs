@@ -304,21 +304,14 @@ fn config_file_starts_one_job_window_on_the_ranks_of_rank_list() {
     drop(ranks);
 }
 
-/// The console in job mode: `capture 2 warmup 1` records the same job
-/// steps on every rank; `status` counts the window; `quit` detaches.
-#[test]
-fn console_capture_records_one_job_window() {
-    require_privileges!();
-    let _one = one_job();
-    let dir = scratch_dir("job_mode_triggers-console");
-    let ranks = Ranks::start(&dir, "jmt-console");
-    let out = dir.join("out");
-    let pids = ranks.pids();
+/// `dynprof attach --pids … --interactive --collect offcpu` on the ranks,
+/// once its console is ready.
+fn console_job(ranks: &Ranks, out: &Path) -> windows_util::Running {
     let mut d = spawn(
         &[
             "attach",
             "--pids",
-            &pids,
+            &ranks.pids(),
             "--marker",
             "exe:optimizer_step",
             "--interactive",
@@ -330,6 +323,19 @@ fn console_capture_records_one_job_window() {
         true,
     );
     d.wait_for("dynprof console ready", T);
+    d
+}
+
+/// The console in job mode: `capture 2 warmup 1` records the same job
+/// steps on every rank; `status` counts the window; `quit` detaches.
+#[test]
+fn console_capture_records_one_job_window() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode_triggers-console");
+    let ranks = Ranks::start(&dir, "jmt-console");
+    let out = dir.join("out");
+    let mut d = console_job(&ranks, &out);
     d.send("capture 2 warmup 1");
     d.wait_for("job window written", T);
     d.send("status");
@@ -370,23 +376,7 @@ fn console_start_and_stop_end_on_the_same_job_step_on_every_rank() {
     let dir = scratch_dir("job_mode_triggers-startstop");
     let ranks = Ranks::start(&dir, "jmt-startstop");
     let out = dir.join("out");
-    let pids = ranks.pids();
-    let mut d = spawn(
-        &[
-            "attach",
-            "--pids",
-            &pids,
-            "--marker",
-            "exe:optimizer_step",
-            "--interactive",
-            "--collect",
-            "offcpu",
-            "-o",
-            out.to_str().unwrap(),
-        ],
-        true,
-    );
-    d.wait_for("dynprof console ready", T);
+    let mut d = console_job(&ranks, &out);
     let mut from = 0;
     for (n, end_with) in [(1, "stop"), (2, "quit")] {
         d.send("start");

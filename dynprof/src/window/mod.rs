@@ -60,6 +60,14 @@ impl Default for Plan {
 }
 
 impl Plan {
+    /// The console's `start`: from the next boundary until `stop`.
+    pub fn until_stop() -> Self {
+        Self {
+            active: UNTIL_STOP,
+            ..Self::default()
+        }
+    }
+
     pub fn open_ended(&self) -> bool {
         self.active == UNTIL_STOP
     }

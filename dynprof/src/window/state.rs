@@ -12,7 +12,7 @@ use anyhow::{Result, bail};
 use dynprof_common::PlanConfig;
 
 use super::{
-    Plan, UNTIL_STOP, first_start,
+    Plan, first_start,
     trigger::{ConsoleRequest, PlanRequest, Source},
 };
 use crate::types::{Builtin, WindowId};
@@ -393,13 +393,7 @@ impl WindowState {
                 }
                 let plan = match req {
                     ConsoleRequest::Capture(p) => p,
-                    _ => Plan {
-                        start_step: -1,
-                        warmup: 0,
-                        active: UNTIL_STOP,
-                        repeat: 0,
-                        gap: 0,
-                    },
+                    _ => Plan::until_stop(),
                 };
                 self.submit(PlanRequest::new(plan, Source::Console), reg, lead, out)
             }

@@ -39,7 +39,7 @@ use crate::{
     target::Target,
     types::Builtin,
     window::{
-        Plan, Scheduler, SchedulerOptions, UNTIL_STOP,
+        Plan, Scheduler, SchedulerOptions,
         trigger::{
             ConsoleCommand, ConsoleRequest, PlanRequest, SessionCommand as Command,
             SetNoticePrinter, Source, config_file::ConfigFileTrigger,

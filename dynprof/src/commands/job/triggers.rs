@@ -46,13 +46,7 @@ impl Controller {
             ConsoleRequest::Start | ConsoleRequest::Capture(_) => {
                 let plan = match req {
                     ConsoleRequest::Capture(plan) => plan,
-                    _ => Plan {
-                        start_step: -1,
-                        warmup: 0,
-                        active: UNTIL_STOP,
-                        repeat: 0,
-                        gap: 0,
-                    },
+                    _ => Plan::until_stop(),
                 };
                 let req = JobRequest {
                     plan,
