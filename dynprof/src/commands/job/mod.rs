@@ -51,6 +51,7 @@ mod control;
 mod controller;
 mod finish;
 mod follow;
+mod plan;
 mod rank;
 mod triggers;
 
