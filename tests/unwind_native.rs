@@ -24,34 +24,16 @@ fn expected_chain() -> Vec<String> {
     v
 }
 
+/// A copy of the `deepstack` fixture in `dir` (the Makefile's build, made
+/// for arm64 on the host when the tests run in the arm64 VM).
 fn build_deepstack(dir: &Path) -> PathBuf {
-    // (Built per test: a shared binary would race between parallel tests.)
-    let src = workspace_root().join("tests/fixtures/deepstack.c");
+    // (Copied per test: tests that rewrite it must not race.)
     let out = dir.join("deepstack");
-    let o = Command::new("gcc")
-        .args([
-            "-O2",
-            "-g",
-            "-fomit-frame-pointer",
-            "-Wall",
-            "-Wextra",
-            "-I",
-        ])
-        .arg(workspace_root().join("tests/fixtures"))
-        .arg("-o")
-        .arg(&out)
-        .arg(&src)
-        .output()
-        .expect("running gcc");
-    assert!(
-        o.status.success(),
-        "gcc: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    std::fs::copy(&fixtures().deepstack, &out).expect("copying the deepstack fixture");
     out
 }
 
-/// `deepstack` built in a fresh scratch dir `tag` and started with 20 ms
+/// `deepstack` copied into a fresh scratch dir `tag` and started with 20 ms
 /// steps and `extra` flags; returns the dir and the running process.
 fn start_deepstack(tag: &str, extra: &[&str]) -> (PathBuf, Proc) {
     let dir = scratch_dir(tag);

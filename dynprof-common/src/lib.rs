@@ -28,6 +28,16 @@ pub const MAX_APIS: u32 = 512;
 pub const MAX_PROBE_ADDRS: u32 = 4096;
 /// API calls in flight per thread that the no-cookie API programs record.
 pub const API_STACK_DEPTH: usize = 8;
+/// Entries of the maps keyed by a thread of the target (`API_START`,
+/// `API_STACK`, `OFFCPU_START`, `OFFCPU_LAST_COPY`) as built: user space
+/// sizes them at load from the target's thread count (4 per thread, a
+/// power of two, at least this, at most [`THREAD_MAPS_MAX`]). Hash maps
+/// are preallocated, so their size is kernel memory and attach time for
+/// every attached process (8 ranks used to take 8 x 8 MB with 16,384).
+pub const THREAD_MAPS_MIN: u32 = 4096;
+pub const THREAD_MAPS_MAX: u32 = 65536;
+/// The maps sized by [`THREAD_MAPS_MIN`]'s rule.
+pub const THREAD_MAPS: [&str; 4] = ["API_START", "API_STACK", "OFFCPU_START", "OFFCPU_LAST_COPY"];
 /// Longest string-argument prefix the kernel compares.
 pub const PREFIX_LEN: usize = 64;
 
@@ -104,6 +114,9 @@ pub mod reg_x86_64 {
     pub const RSI: u32 = 13;
     pub const RDI: u32 = 14;
     pub const RIP: u32 = 16;
+    /// The code segment selector: its low two bits are the privilege
+    /// level the registers were saved at (3: user mode).
+    pub const CS: u32 = 17;
     pub const RSP: u32 = 19;
     /// The instruction pointer, which a uprobe handler sees at the probe.
     pub const IP: u32 = RIP;
@@ -127,6 +140,10 @@ pub mod reg_aarch64 {
     pub const LR: u32 = 30;
     pub const SP: u32 = 31;
     pub const PC: u32 = 32;
+    /// The saved PSTATE: its low five bits are the exception level and
+    /// execution state the registers were saved at (0: EL0, AArch64 user
+    /// mode; bit 4 set: a 32-bit compat task).
+    pub const PSTATE: u32 = 33;
     /// The instruction pointer, which a uprobe handler sees at the probe.
     pub const IP: u32 = PC;
     /// Integer argument registers of AAPCS64 (x0..x7), in order.

@@ -41,10 +41,13 @@ pub struct StackSampleHeader {
     /// `hdr.kind` is [`SAMPLE_STACK`]; the frame-pointer stack id stays in
     /// `user_stack`, the fast path when it is deep and agrees.
     pub sample: SampleEvent,
-    /// User registers at the sample (x86-64: rip, rsp, rbp).
+    /// User registers at the sample: the instruction and stack pointers,
+    /// the frame pointer (x86-64: rbp; arm64: x29) and, on arm64, the link
+    /// register x30 (a leaf function's return address; 0 on x86-64).
     pub ip: u64,
     pub sp: u64,
     pub bp: u64,
+    pub lr: u64,
     /// Bytes of stack that follow the Python frames.
     pub len: u32,
     /// Entries of `py` that are filled, innermost first.

@@ -38,7 +38,7 @@ use aya_ebpf::{
 use dynprof_common::{
     API_STACK_DEPTH, ApiEvent, ApiKey, ApiStack, EventHeader, KernelState, MAX_APIS, MAX_MARKERS,
     MAX_PROBE_ADDRS, MarkerConfig, OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY,
-    SampleEvent, StepEvent, arg_mode, drop_slot, kind, reg, ringbuf, role,
+    SampleEvent, StepEvent, THREAD_MAPS_MIN, arg_mode, drop_slot, kind, reg, ringbuf, role,
 };
 
 /// Host tgid of the target, set by user space before load.
@@ -68,9 +68,9 @@ pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 #[map]
 static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
 #[map]
-static API_START: HashMap<ApiKey, u64> = HashMap::with_max_entries(16384, 0);
+static API_START: HashMap<ApiKey, u64> = HashMap::with_max_entries(THREAD_MAPS_MIN, 0);
 #[map]
-static OFFCPU_START: HashMap<u32, OffCpuStart> = HashMap::with_max_entries(16384, 0);
+static OFFCPU_START: HashMap<u32, OffCpuStart> = HashMap::with_max_entries(THREAD_MAPS_MIN, 0);
 
 // Kernels without attach cookies (bpf_get_attach_cookie and perf links
 // came in 5.15) load the `*_ip` program variants instead: they find the
@@ -89,7 +89,7 @@ static API_BY_IP: HashMap<u64, u32> = HashMap::with_max_entries(MAX_PROBE_ADDRS,
 /// back in the reverse order of entries, so the top frame is the call that
 /// returns.
 #[map]
-static API_STACK: HashMap<u32, ApiStack> = HashMap::with_max_entries(16384, 0);
+static API_STACK: HashMap<u32, ApiStack> = HashMap::with_max_entries(THREAD_MAPS_MIN, 0);
 /// One all-zero `ApiStack`, never written: the initial value of a thread's
 /// stack (a zeroed local would compile to a memset call BPF cannot make).
 #[map]

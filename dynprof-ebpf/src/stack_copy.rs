@@ -26,7 +26,7 @@ use aya_ebpf::{
     programs::PerfEventContext,
 };
 use dynprof_common::{
-    SampleEvent, drop_slot,
+    SampleEvent, THREAD_MAPS_MIN, drop_slot,
     unwind::{
         MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_COPY_EVERY_NS, OFFCPU_COPY_MAX, OFFCPU_STACK,
         PY_FRAME_VIA_CFRAME, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX,
@@ -35,7 +35,7 @@ use dynprof_common::{
 };
 
 /// Largest copy in bytes, set by user space at load: 0 disables the copy
-/// (architectures other than x86-64, or `DYNPROF_STACK_COPY_KB=0`).
+/// (`DYNPROF_STACK_COPY_KB=0`, or a ring too small for copies).
 #[unsafe(no_mangle)]
 static STACK_COPY_BYTES: u32 = 0;
 
@@ -71,16 +71,50 @@ static PY: PyOffsets = PyOffsets {
 #[map]
 static STACK_BUF: PerCpuArray<StackSample> = PerCpuArray::with_max_entries(1, 0);
 
-// x86-64 `struct pt_regs` word indices (arch/x86/include/asm/ptrace.h).
-const RBP: usize = 4;
-const RIP: usize = 16;
-const CS: usize = 17;
-const RSP: usize = 19;
+/// The user registers an unwinder starts from.
+#[derive(Clone, Copy)]
+struct UserRegs {
+    ip: u64,
+    sp: u64,
+    fp: u64,
+    /// arm64's link register (0 on x86-64).
+    lr: u64,
+}
 
-/// The user registers (ip, sp, bp) saved at the current task's entry into
-/// the kernel, when the kernel can say (`USER_REGS_FROM_TASK`).
+/// Where the registers are in the architecture's `struct pt_regs` (word
+/// indices), and how to tell user mode from the saved mode word.
+#[cfg(bpf_target_arch = "aarch64")]
+mod arch {
+    use dynprof_common::reg_aarch64 as r;
+    pub const IP: usize = r::PC as usize;
+    pub const SP: usize = r::SP as usize;
+    pub const FP: usize = r::FP as usize;
+    pub const LR: Option<usize> = Some(r::LR as usize);
+    pub const MODE: usize = r::PSTATE as usize;
+    /// EL0 in AArch64 state (`PSR_MODE_EL0t`, without the compat bit): a
+    /// 32-bit task's stack is not unwound with the 64-bit tables.
+    pub fn is_user(pstate: u64) -> bool {
+        pstate & 0x1f == 0
+    }
+}
+#[cfg(not(bpf_target_arch = "aarch64"))]
+mod arch {
+    use dynprof_common::reg_x86_64 as r;
+    pub const IP: usize = r::RIP as usize;
+    pub const SP: usize = r::RSP as usize;
+    pub const FP: usize = r::RBP as usize;
+    pub const LR: Option<usize> = None;
+    pub const MODE: usize = r::CS as usize;
+    /// Saved at privilege level 3.
+    pub fn is_user(cs: u64) -> bool {
+        cs & 3 == 3
+    }
+}
+
+/// The user registers saved at the current task's entry into the kernel,
+/// when the kernel can say (`USER_REGS_FROM_TASK`).
 #[inline(always)]
-fn task_user_regs() -> Option<(u64, u64, u64)> {
+fn task_user_regs() -> Option<UserRegs> {
     if unsafe { core::ptr::read_volatile(&USER_REGS_FROM_TASK) } == 0 {
         return None;
     }
@@ -91,12 +125,21 @@ fn task_user_regs() -> Option<(u64, u64, u64)> {
     }
     let word = |i: usize| unsafe { bpf_probe_read_kernel(regs.wrapping_add(i)) }.ok();
     // A kernel thread's saved registers are not a user context.
-    if word(CS)? & 3 != 3 {
+    if !arch::is_user(word(arch::MODE)?) {
         return None;
     }
-    let sp = word(RSP)?;
+    let sp = word(arch::SP)?;
     (sp != 0).then_some(())?;
-    Some((word(RIP)?, sp, word(RBP)?))
+    let lr = match arch::LR {
+        Some(i) => word(i)?,
+        None => 0,
+    };
+    Some(UserRegs {
+        ip: word(arch::IP)?,
+        sp,
+        fp: word(arch::FP)?,
+        lr,
+    })
 }
 
 /// Emits `sample` with a copy of the user stack and returns true, or
@@ -117,16 +160,18 @@ pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u
     // to the sampled registers (a helper read of the context would read
     // `bpf_perf_event_data_kern`, not the registers).
     let regs = ctx.as_ptr() as *const u64;
-    let (ip, sp, bp, cs) = unsafe {
-        (
-            *regs.add(RIP),
-            *regs.add(RSP),
-            *regs.add(RBP),
-            *regs.add(CS),
-        )
+    let at = |i: usize| unsafe { *regs.add(i) };
+    let sampled = UserRegs {
+        ip: at(arch::IP),
+        sp: at(arch::SP),
+        fp: at(arch::FP),
+        lr: match arch::LR {
+            Some(i) => at(i),
+            None => 0,
+        },
     };
-    let user = if cs & 3 == 3 && sp != 0 {
-        Some((ip, sp, bp))
+    let user = if arch::is_user(at(arch::MODE)) && sampled.sp != 0 {
+        Some(sampled)
     } else {
         task_user_regs()
     };
@@ -153,24 +198,30 @@ fn forget(buf: *mut StackSample, py_count: u32) -> u32 {
 fn emit_copy(
     buf: *mut StackSample,
     sample: SampleEvent,
-    user: Option<(u64, u64, u64)>,
+    user: Option<UserRegs>,
     py_count: u32,
     max: usize,
     flags: u64,
     drop: u32,
 ) -> bool {
-    let (ip, sp, bp) = user.unwrap_or((0, 0, 0));
+    let r = user.unwrap_or(UserRegs {
+        ip: 0,
+        sp: 0,
+        fp: 0,
+        lr: 0,
+    });
     unsafe {
         (*buf).hdr = StackSampleHeader {
             sample,
-            ip,
-            sp,
-            bp,
+            ip: r.ip,
+            sp: r.sp,
+            bp: r.fp,
+            lr: r.lr,
             len: 0,
             py_count,
         };
     }
-    let copied = user.is_some() && copy_stack(buf, sp, max, flags, drop);
+    let copied = user.is_some() && copy_stack(buf, r.sp, max, flags, drop);
     if copied {
         return true;
     }
@@ -182,6 +233,7 @@ fn emit_copy(
         (*buf).hdr.ip = 0;
         (*buf).hdr.sp = 0;
         (*buf).hdr.bp = 0;
+        (*buf).hdr.lr = 0;
     }
     let bytes = unsafe { core::slice::from_raw_parts(buf as *const u8, STACK_COPY_OFFSET) };
     if crate::EVENTS.output::<[u8]>(bytes, flags).is_err() {
@@ -204,7 +256,7 @@ pub struct LastCopy {
 
 /// tid -> its last switch-out copy (LRU: threads come and go).
 #[map]
-static OFFCPU_LAST_COPY: LruHashMap<u32, LastCopy> = LruHashMap::with_max_entries(16384, 0);
+static OFFCPU_LAST_COPY: LruHashMap<u32, LastCopy> = LruHashMap::with_max_entries(THREAD_MAPS_MIN, 0);
 
 /// What a switch-out carries.
 pub enum OffCpuCopy {
@@ -248,7 +300,7 @@ pub fn emit_offcpu_stack(
     let py_count = forget(buf, read_python(&py, buf, tid));
     let mut user = if max == 0 { None } else { task_user_regs() };
     let mut outcome = OffCpuCopy::None;
-    if let Some((ip, sp, _)) = user {
+    if let Some(UserRegs { ip, sp, .. }) = user {
         let place = LastCopy {
             ts_ns,
             ip,

@@ -17,7 +17,10 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
-use dynprof_common::{KernelState, MAX_PROBE_ADDRS, OffCpuStart, PlanConfig, drop_slot};
+use dynprof_common::{
+    KernelState, MAX_PROBE_ADDRS, OffCpuStart, PlanConfig, THREAD_MAPS, THREAD_MAPS_MAX,
+    THREAD_MAPS_MIN, drop_slot,
+};
 
 use crate::{
     compat::{self, KernelPaths, ProbeIdentity},
@@ -103,6 +106,25 @@ pub struct Kernel {
     sched_link: Option<TracePointLinkId>,
 }
 
+/// Entries of the maps keyed by the target's threads, for a target with
+/// `threads` threads at attach: 4 per thread (an API call in flight per
+/// thread, nested a few deep; one off-CPU interval per thread), so that
+/// threads started later fit too. A full map loses the call or interval
+/// and counts it in the collector's drops.
+fn thread_map_entries(threads: Option<u64>) -> u32 {
+    let want = threads.unwrap_or(0).saturating_mul(4);
+    let want = u32::try_from(want).unwrap_or(u32::MAX);
+    want.checked_next_power_of_two()
+        .unwrap_or(THREAD_MAPS_MAX)
+        .clamp(THREAD_MAPS_MIN, THREAD_MAPS_MAX)
+}
+
+/// The target's thread count (`/proc/PID/stat`), if it can be read.
+fn thread_count(pid: HostPid) -> Option<u64> {
+    let p = procfs::process::Process::new(i32::try_from(pid.0).ok()?).ok()?;
+    u64::try_from(p.stat().ok()?.num_threads).ok()
+}
+
 impl Kernel {
     /// Loads the object for one target. `ring_bytes` must be a power of two
     /// multiple of the page size; `wake_bytes` is how full the ring may get
@@ -123,7 +145,7 @@ impl Kernel {
         let tgid = pid.0;
         let stack_copy = crate::symbols::unwind::stack_copy_bytes(ring_bytes);
         if stack_copy == 0 {
-            // No copy to unwind (turned off, or not x86-64): frame pointers
+            // No copy to unwind (turned off, or a ring too small for it): frame pointers
             // in kernel mode too, whatever the kernel offers.
             paths.kernel_mode_stacks = compat::KernelModeStacks::FramePointers;
         }
@@ -132,6 +154,7 @@ impl Kernel {
         let python = crate::symbols::python::detect(tgid)
             .map(|i| i.offsets)
             .unwrap_or_default();
+        let thread_maps = thread_map_entries(thread_count(pid));
         let ebpf = EbpfLoader::new()
             .override_global("TARGET_TGID", &tgid, true)
             .override_global("WAKE_BYTES", &wake_bytes, true)
@@ -139,6 +162,10 @@ impl Kernel {
             .override_global("USER_REGS_FROM_TASK", &user_regs_from_task, true)
             .override_global("PY", &python, true)
             .map_max_entries("EVENTS", ring_bytes)
+            .map_max_entries(THREAD_MAPS[0], thread_maps)
+            .map_max_entries(THREAD_MAPS[1], thread_maps)
+            .map_max_entries(THREAD_MAPS[2], thread_maps)
+            .map_max_entries(THREAD_MAPS[3], thread_maps)
             .load(OBJECT)
             .map_err(|e| anyhow!("loading dynprof's eBPF programs: {e:#}"))?;
         let mut k = Self {
@@ -548,5 +575,24 @@ impl Kernel {
 impl Drop for Kernel {
     fn drop(&mut self) {
         self.detach_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_maps_hold_four_entries_per_thread_within_bounds() {
+        // Unknown, or a small process: the built-in size.
+        assert_eq!(thread_map_entries(None), 4096);
+        assert_eq!(thread_map_entries(Some(1)), 4096);
+        assert_eq!(thread_map_entries(Some(1024)), 4096);
+        // A PyTorch rank with 1,500 threads: 6,000 rounded up.
+        assert_eq!(thread_map_entries(Some(1500)), 8192);
+        assert_eq!(thread_map_entries(Some(16384)), 65536);
+        // Past the cap, and absurd counts, stay at the cap.
+        assert_eq!(thread_map_entries(Some(100_000)), 65536);
+        assert_eq!(thread_map_entries(Some(u64::MAX)), 65536);
     }
 }

@@ -84,6 +84,8 @@ pub struct Fixtures {
     pub libfixture_marker: PathBuf,
     /// Two threads ping-ponging over pipes: a dense off-CPU target.
     pub pingpong: PathBuf,
+    /// 12 calls deep without frame pointers (tests/unwind_native.rs).
+    pub deepstack: PathBuf,
     /// Python scripts (run them with [`PYTHON3`]; see [`Fixtures::python`]).
     pub usdt_train_py: PathBuf,
     pub torch_train_py: PathBuf,
@@ -164,6 +166,7 @@ fn fixtures_in(dir: PathBuf, src_dir: PathBuf) -> Result<Fixtures> {
         dlopen_trainer: dir.join("dlopen_trainer"),
         libfixture_marker: dir.join("libfixture_marker.so"),
         pingpong: dir.join("pingpong"),
+        deepstack: dir.join("deepstack"),
         usdt_train_py: src_dir.join("usdt_train.py"),
         torch_train_py: src_dir.join("torch_train.py"),
         dir,
@@ -177,6 +180,7 @@ fn fixtures_in(dir: PathBuf, src_dir: PathBuf) -> Result<Fixtures> {
         &f.acl_trainer,
         &f.dlopen_trainer,
         &f.libfixture_marker,
+        &f.deepstack,
         &f.usdt_train_py,
         &f.torch_train_py,
     ] {

@@ -117,6 +117,15 @@ const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
         "windows",
         &["windows_plan_records_exactly_the_planned_steps"],
     ),
+    // arm64's registers in the stack copy (x29, x30, sp, pc, pstate) and
+    // framehop's aarch64 unwinder, on the cross-built `deepstack`.
+    (
+        "unwind_native",
+        &[
+            "unwind_native_chain_without_frame_pointers",
+            "unwind_native_kernel_mode_samples_keep_their_user_stack",
+        ],
+    ),
 ];
 
 /// The tests run in the VM: (test binary, exact test names; empty = all).

@@ -81,6 +81,7 @@ fn stack_copy(b: &[u8]) -> Option<StackCopy> {
             ip: h.ip,
             sp: h.sp,
             bp: h.bp,
+            lr: h.lr,
         },
         stack: b.get(STACK_COPY_OFFSET..)?.get(..len)?.to_vec(),
         py: py_frames(b, &h)?,

@@ -11,10 +11,7 @@
 //! that has none, and the stack is unwound again. See docs/stacks.md.
 use std::{ops::Range, sync::Arc};
 
-use framehop::{
-    FrameAddress, Module, Unwinder as _,
-    x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
-};
+use framehop::{FrameAddress, Module, Unwinder as _};
 
 pub use dynprof_common::unwind::{STACK_COPY_MAX, STACK_COPY_MIN};
 
@@ -30,7 +27,7 @@ pub const STACK_COPY_ENV: &str = "DYNPROF_STACK_COPY_KB";
 pub const MAX_FRAMES: usize = 256;
 
 /// What the `cpu` program is told to copy, in bytes: 0 where copies are
-/// unsupported (only x86-64's registers are read) or turned off. At most a
+/// unsupported (registers are read on x86-64 and arm64 only) or turned off. At most a
 /// sixteenth of the ring (`ring_bytes`), so that a small ring still holds
 /// many samples: a 4 KiB ring gets no copy, a 64 KiB one 4 KiB copies.
 pub fn stack_copy_bytes(ring_bytes: u32) -> u32 {
@@ -48,7 +45,7 @@ pub fn stack_copy_bytes(ring_bytes: u32) -> u32 {
 }
 
 fn configured_copy_bytes() -> u32 {
-    if !cfg!(target_arch = "x86_64") {
+    if !cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) {
         return 0;
     }
     let kb = match std::env::var(STACK_COPY_ENV) {
@@ -69,7 +66,38 @@ fn configured_copy_bytes() -> u32 {
 pub struct UserRegs {
     pub ip: u64,
     pub sp: u64,
+    /// The frame pointer (x86-64: rbp; arm64: x29).
     pub bp: u64,
+    /// arm64's link register x30: where a leaf function, which keeps its
+    /// return address in a register, returns to (0 on x86-64).
+    pub lr: u64,
+}
+
+/// framehop's unwinder for the architecture dynprof runs on (the target's:
+/// dynprof attaches to processes of its own machine).
+#[cfg(target_arch = "aarch64")]
+mod arch {
+    pub(super) use framehop::aarch64::{
+        CacheAarch64 as Cache, UnwindRegsAarch64 as Regs, UnwinderAarch64 as Unwinder,
+    };
+    use framehop::aarch64::PtrAuthMask;
+
+    /// Linux gives user space 48-bit addresses (52 only on request);
+    /// pointer authentication, where a library uses it, signs the bits
+    /// above, which are cleared from return addresses.
+    pub(super) fn regs(u: &super::UserRegs) -> Regs {
+        Regs::new_with_ptr_auth_mask(PtrAuthMask(u64::MAX >> 16), u.lr, u.sp, u.bp)
+    }
+}
+#[cfg(not(target_arch = "aarch64"))]
+mod arch {
+    pub(super) use framehop::x86_64::{
+        CacheX86_64 as Cache, UnwindRegsX86_64 as Regs, UnwinderX86_64 as Unwinder,
+    };
+
+    pub(super) fn regs(u: &super::UserRegs) -> Regs {
+        Regs::new(u.ip, u.sp, u.bp)
+    }
 }
 
 pub type UnwindModule = Module<Arc<[u8]>>;
@@ -132,8 +160,8 @@ enum Kind {
 /// One target's unwinder: the modules loaded so far and framehop's cache.
 #[derive(Default)]
 pub struct NativeUnwinder {
-    unwinder: UnwinderX86_64<Arc<[u8]>>,
-    cache: CacheX86_64,
+    unwinder: arch::Unwinder<Arc<[u8]>>,
+    cache: arch::Cache,
     /// Mapping ranges already looked up, and what they hold.
     seen: Vec<(Range<u64>, Kind)>,
     /// Frames recovered by scanning a JIT frame's stack (for the summary).
@@ -169,7 +197,7 @@ impl NativeUnwinder {
     ) -> UnwoundStack {
         let base = regs.sp;
         let mut read = |addr: u64| read_word(stack, base, addr);
-        let mut r = UnwindRegsX86_64::new(regs.ip, regs.sp, regs.bp);
+        let mut r = arch::regs(&regs);
         let mut addr = FrameAddress::from_instruction_pointer(regs.ip);
         let mut out = vec![regs.ip];
         let mut sps = vec![regs.sp];
@@ -232,7 +260,7 @@ impl NativeUnwinder {
     /// `at.sp()`, and the stack slot it was found in.
     fn scan(
         &mut self,
-        at: &UnwindRegsX86_64,
+        at: &arch::Regs,
         stack: &[u8],
         base: u64,
         lookup: &mut impl FnMut(u64) -> Lookup,
@@ -258,7 +286,7 @@ impl NativeUnwinder {
         &mut self,
         word: u64,
         slot: u64,
-        at: &UnwindRegsX86_64,
+        at: &arch::Regs,
         stack: &[u8],
         base: u64,
         lookup: &mut impl FnMut(u64) -> Lookup,
@@ -352,7 +380,7 @@ mod tests {
             return;
         }
         let (max, min) = (STACK_COPY_MAX as u32, STACK_COPY_MIN as u32);
-        if !cfg!(target_arch = "x86_64") {
+        if !cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) {
             assert_eq!(stack_copy_bytes(4 << 20), 0);
             return;
         }
