@@ -256,7 +256,8 @@ pub struct LastCopy {
 
 /// tid -> its last switch-out copy (LRU: threads come and go).
 #[map]
-static OFFCPU_LAST_COPY: LruHashMap<u32, LastCopy> = LruHashMap::with_max_entries(THREAD_MAPS_MIN, 0);
+static OFFCPU_LAST_COPY: LruHashMap<u32, LastCopy> =
+    LruHashMap::with_max_entries(THREAD_MAPS_MIN, 0);
 
 /// What a switch-out carries.
 pub enum OffCpuCopy {

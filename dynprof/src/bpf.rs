@@ -125,12 +125,27 @@ fn thread_count(pid: HostPid) -> Option<u64> {
     u64::try_from(p.stat().ok()?.num_threads).ok()
 }
 
-impl Kernel {
-    /// Loads the object for one target. `ring_bytes` must be a power of two
-    /// multiple of the page size; `wake_bytes` is how full the ring may get
-    /// before a batched event wakes the reader (`u64::MAX`: only the step
-    /// hits of `PlanConfig::wakes` do).
-    pub fn load(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
+/// Everything one target's object is loaded with, decided before the
+/// loader exists: the kernel's paths, the target's CPython layout, the ring
+/// and map sizes. A [`Loader`] borrows it while it loads.
+pub struct LoadPlan {
+    pid: HostPid,
+    tgid: u32,
+    ring_bytes: u32,
+    wake_bytes: u64,
+    stack_copy: u32,
+    user_regs_from_task: u32,
+    python: dynprof_common::unwind::PyOffsets,
+    thread_maps: u32,
+    paths: KernelPaths,
+}
+
+impl LoadPlan {
+    /// The plan for `pid`. `ring_bytes` must be a power of two multiple of
+    /// the page size; `wake_bytes` is how full the ring may get before a
+    /// batched event wakes the reader (`u64::MAX`: only the step hits of
+    /// `PlanConfig::wakes` do).
+    pub fn new(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
         preflight()?;
         let mut features = crate::sys::kernel::probe();
         let forced = match std::env::var(compat::FEATURES_ENV) {
@@ -142,35 +157,65 @@ impl Kernel {
         for f in &paths.fallbacks {
             log::info!("kernel {}: {f}", paths.release);
         }
-        let tgid = pid.0;
         let stack_copy = crate::symbols::unwind::stack_copy_bytes(ring_bytes);
         if stack_copy == 0 {
-            // No copy to unwind (turned off, or a ring too small for it): frame pointers
-            // in kernel mode too, whatever the kernel offers.
+            // No copy to unwind (turned off, or a ring too small for it):
+            // frame pointers in kernel mode too, whatever the kernel offers.
             paths.kernel_mode_stacks = compat::KernelModeStacks::FramePointers;
         }
         let user_regs_from_task =
             u32::from(paths.kernel_mode_stacks == compat::KernelModeStacks::Unwound);
-        let python = crate::symbols::python::detect(tgid)
+        let python = crate::symbols::python::detect(pid.0)
             .map(|i| i.offsets)
             .unwrap_or_default();
-        let thread_maps = thread_map_entries(thread_count(pid));
-        let ebpf = EbpfLoader::new()
-            .override_global("TARGET_TGID", &tgid, true)
-            .override_global("WAKE_BYTES", &wake_bytes, true)
-            .override_global("STACK_COPY_BYTES", &stack_copy, true)
-            .override_global("USER_REGS_FROM_TASK", &user_regs_from_task, true)
-            .override_global("PY", &python, true)
-            .map_max_entries("EVENTS", ring_bytes)
-            .map_max_entries(THREAD_MAPS[0], thread_maps)
-            .map_max_entries(THREAD_MAPS[1], thread_maps)
-            .map_max_entries(THREAD_MAPS[2], thread_maps)
-            .map_max_entries(THREAD_MAPS[3], thread_maps)
+        Ok(Self {
+            pid,
+            tgid: pid.0,
+            ring_bytes,
+            wake_bytes,
+            stack_copy,
+            user_regs_from_task,
+            python,
+            thread_maps: thread_map_entries(thread_count(pid)),
+            paths,
+        })
+    }
+}
+
+/// Loads dynprof's object for one target after another. aya parses the
+/// kernel's BTF (several MB) each time a loader is made, which was a fifth
+/// of job mode's attach CPU with one loader per rank; one loader serves a
+/// whole job. Map creation is serialised through it; the verifier, the
+/// slow part, runs afterwards on the ranks' threads.
+pub struct Loader<'a>(EbpfLoader<'a>);
+
+impl<'a> Loader<'a> {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Self {
+        Self(EbpfLoader::new())
+    }
+
+    /// Creates `plan`'s maps and relocates its programs; none is verified
+    /// yet ([`Kernel::verify_uprobe_programs`]).
+    pub fn load(&mut self, plan: &'a LoadPlan) -> Result<Kernel> {
+        let ebpf = self
+            .0
+            .override_global("TARGET_TGID", &plan.tgid, true)
+            .override_global("WAKE_BYTES", &plan.wake_bytes, true)
+            .override_global("STACK_COPY_BYTES", &plan.stack_copy, true)
+            .override_global("USER_REGS_FROM_TASK", &plan.user_regs_from_task, true)
+            .override_global("PY", &plan.python, true)
+            .map_max_entries("EVENTS", plan.ring_bytes)
+            .map_max_entries(THREAD_MAPS[0], plan.thread_maps)
+            .map_max_entries(THREAD_MAPS[1], plan.thread_maps)
+            .map_max_entries(THREAD_MAPS[2], plan.thread_maps)
+            .map_max_entries(THREAD_MAPS[3], plan.thread_maps)
             .load(OBJECT)
             .map_err(|e| anyhow!("loading dynprof's eBPF programs: {e:#}"))?;
-        let mut k = Self {
+        let paths = plan.paths.clone();
+        Ok(Kernel {
             ebpf,
-            pid,
+            pid: plan.pid,
             markers: Vec::new(),
             ledger: None,
             semaphores: SemaphoreReport {
@@ -185,13 +230,28 @@ impl Kernel {
             api_addrs: Vec::new(),
             cpu_links: Vec::new(),
             sched_link: None,
-        };
-        for name in k.uprobe_programs() {
-            k.uprobe(name)?
+        })
+    }
+}
+
+impl Kernel {
+    /// Loads the object for one target, its uprobe programs verified (see
+    /// [`LoadPlan::new`] for the arguments).
+    pub fn load(pid: HostPid, ring_bytes: u32, wake_bytes: u64) -> Result<Self> {
+        let plan = LoadPlan::new(pid, ring_bytes, wake_bytes)?;
+        let mut k = Loader::new().load(&plan)?;
+        k.verify_uprobe_programs()?;
+        Ok(k)
+    }
+
+    /// Runs the verifier on the marker and API programs.
+    pub fn verify_uprobe_programs(&mut self) -> Result<()> {
+        for name in self.uprobe_programs() {
+            self.uprobe(name)?
                 .load()
                 .with_context(|| format!("verifying eBPF program {name}"))?;
         }
-        Ok(k)
+        Ok(())
     }
 
     /// The marker, API entry and API return programs for this kernel.

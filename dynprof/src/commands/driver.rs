@@ -49,12 +49,25 @@ pub struct RingArgs {
 impl RingArgs {
     /// Loads the eBPF object for `pid` with this ring.
     pub fn load(&self, pid: crate::types::HostPid) -> Result<Kernel> {
+        let (bytes, wake) = self.sizes()?;
+        Kernel::load(pid, bytes, wake)
+    }
+
+    /// The load plan for `pid` with this ring, for a shared
+    /// [`crate::bpf::Loader`] (job mode).
+    pub fn plan(&self, pid: crate::types::HostPid) -> Result<crate::bpf::LoadPlan> {
+        let (bytes, wake) = self.sizes()?;
+        crate::bpf::LoadPlan::new(pid, bytes, wake)
+    }
+
+    /// (ring bytes, wake bytes).
+    fn sizes(&self) -> Result<(u32, u64)> {
         let bytes = ring_bytes(self.ring_buffer_kb)?;
         let wake = match self.ring_wake_kb {
             Some(kb) => u64::from(kb) * 1024,
             None => u64::from(bytes / 4),
         };
-        Kernel::load(pid, bytes, wake)
+        Ok((bytes, wake))
     }
 }
 

@@ -77,10 +77,10 @@ pub struct UserRegs {
 /// dynprof attaches to processes of its own machine).
 #[cfg(target_arch = "aarch64")]
 mod arch {
+    use framehop::aarch64::PtrAuthMask;
     pub(super) use framehop::aarch64::{
         CacheAarch64 as Cache, UnwindRegsAarch64 as Regs, UnwinderAarch64 as Unwinder,
     };
-    use framehop::aarch64::PtrAuthMask;
 
     /// Linux gives user space 48-bit addresses (52 only on request);
     /// pointer authentication, where a library uses it, signs the bits

@@ -26,6 +26,7 @@ use super::{
     driver::{self, MarkerWait, markers_or_auto, resolve_waiting},
 };
 use crate::{
+    bpf::{LoadPlan, Loader},
     job::{
         self, Rank,
         align::{self, Alignment, Hit, Pending, RankHits},
@@ -99,12 +100,15 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
 
     let mut not_attached: Vec<(Member, String)> = Vec::new();
     let mut attached = Vec::new();
-    let resolved: Vec<Result<Resolved>> = std::thread::scope(|s| {
+    // Two parallel passes over the ranks: markers and load plans, then
+    // the objects, through one loader (one parse of the kernel's BTF for
+    // the job), each verified on its rank's thread.
+    let prepared: Vec<Result<(Prepared, LoadPlan)>> = std::thread::scope(|s| {
         let hs: Vec<_> = members
             .iter()
             .map(|m| {
-                let (a, c) = (&args, &collect);
-                s.spawn(move || resolve_rank(a, m, marker_wait(a), c))
+                let a = &args;
+                s.spawn(move || prepare_rank(a, m, marker_wait(a)))
             })
             .collect();
         hs.into_iter()
@@ -114,6 +118,37 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
             })
             .collect()
     });
+    let (prepared, plans): (Vec<_>, Vec<_>) = prepared
+        .into_iter()
+        .map(|r| match r {
+            Ok((p, plan)) => (Ok(p), Some(plan)),
+            Err(e) => (Err(e), None),
+        })
+        .unzip();
+    let loader = std::sync::Mutex::new(Loader::new());
+    let resolved: Vec<Result<Resolved>> = std::thread::scope(|s| {
+        let hs: Vec<_> = members
+            .iter()
+            .zip(prepared)
+            .zip(&plans)
+            .map(|((m, p), plan)| {
+                let (l, c) = (&loader, &collect);
+                s.spawn(move || match (p, plan) {
+                    (Ok(p), Some(plan)) => load_rank(m, p, plan, l, c),
+                    (Err(e), _) => Err(e),
+                    // (Not made: the plan comes with every prepared rank.)
+                    (Ok(_), None) => Err(anyhow::anyhow!("rank {}: no load plan", m.rank)),
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("loading panicked")))
+            })
+            .collect()
+    });
+    drop(loader);
     for (m, res) in members.iter().zip(resolved) {
         match res.and_then(|res| attach_rank(&args, m, res, &collect)) {
             Ok(a) => {

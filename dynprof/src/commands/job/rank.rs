@@ -126,18 +126,53 @@ pub(super) fn marker_wait(args: &AttachArgs) -> MarkerWait {
     }
 }
 
-pub(super) fn resolve_rank(
+/// A rank whose markers are resolved and whose load plan is made: the
+/// first, parallel half of [`resolve_rank`].
+pub(super) struct Prepared {
+    pub(super) target: Target,
+    pub(super) lock: lock::TargetLock,
+    pub(super) resolved: Vec<probes::ResolvedProbe>,
+}
+
+/// Opens and locks the rank's target, resolves its markers (ELF symbols)
+/// and plans its eBPF object.
+pub(super) fn prepare_rank(
     args: &AttachArgs,
     m: &Member,
     wait: MarkerWait,
-    collect: &[Builtin],
-) -> Result<Resolved> {
+) -> Result<(Prepared, crate::bpf::LoadPlan)> {
     let target = Target::open(m.host_pid)?;
     let lock = lock::acquire(target.host_pid, "attach")?;
     let markers = markers_or_auto(&args.markers);
     let (resolved, _) = resolve_waiting(&target, &markers, wait, false)?;
-    let mut kernel = args.ring.load(target.host_pid)?;
-    // Here, in parallel, rather than on the event loop at the first window.
+    let plan = args.ring.plan(target.host_pid)?;
+    Ok((
+        Prepared {
+            target,
+            lock,
+            resolved,
+        },
+        plan,
+    ))
+}
+
+/// Loads a prepared rank's object through the job's shared `loader`, then
+/// runs the verifier on its programs: the uprobe ones, and the collectors'
+/// here, in parallel, rather than on the event loop at the first window.
+pub(super) fn load_rank<'a>(
+    m: &Member,
+    p: Prepared,
+    plan: &'a crate::bpf::LoadPlan,
+    loader: &std::sync::Mutex<crate::bpf::Loader<'a>>,
+    collect: &[Builtin],
+) -> Result<Resolved> {
+    let mut kernel = {
+        let mut l = loader
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the eBPF loader was poisoned by a panic"))?;
+        l.load(plan)?
+    };
+    kernel.verify_uprobe_programs()?;
     if let Err(e) = kernel.verify_collector_programs(
         collect.contains(&Builtin::Cpu),
         collect.contains(&Builtin::Offcpu),
@@ -145,11 +180,24 @@ pub(super) fn resolve_rank(
         log::warn!("rank {}: {e:#} (the window will say so)", m.rank);
     }
     Ok(Resolved {
-        target,
-        lock,
-        resolved,
+        target: p.target,
+        lock: p.lock,
+        resolved: p.resolved,
         kernel,
     })
+}
+
+/// Both halves for one rank, with a loader of its own (a rank that
+/// appears later, `--follow`).
+pub(super) fn resolve_rank(
+    args: &AttachArgs,
+    m: &Member,
+    wait: MarkerWait,
+    collect: &[Builtin],
+) -> Result<Resolved> {
+    let (p, plan) = prepare_rank(args, m, wait)?;
+    let loader = std::sync::Mutex::new(crate::bpf::Loader::new());
+    load_rank(m, p, &plan, &loader, collect)
 }
 
 pub(super) fn attach_rank(
