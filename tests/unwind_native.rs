@@ -24,20 +24,18 @@ fn expected_chain() -> Vec<String> {
     v
 }
 
-/// A copy of the `deepstack` fixture in `dir` (the Makefile's build, made
-/// for arm64 on the host when the tests run in the arm64 VM).
-fn build_deepstack(dir: &Path) -> PathBuf {
-    // (Copied per test: tests that rewrite it must not race.)
-    let out = dir.join("deepstack");
-    std::fs::copy(&fixtures().deepstack, &out).expect("copying the deepstack fixture");
-    out
+/// The `deepstack` fixture (the Makefile's build, made for arm64 on the
+/// host when the tests run in the arm64 VM). Not copied: a copy written
+/// by this process races its parallel tests' forks (ETXTBSY at exec).
+fn deepstack() -> PathBuf {
+    fixtures().deepstack.clone()
 }
 
-/// `deepstack` copied into a fresh scratch dir `tag` and started with 20 ms
+/// `deepstack` run with a fresh scratch dir `tag` and started with 20 ms
 /// steps and `extra` flags; returns the dir and the running process.
 fn start_deepstack(tag: &str, extra: &[&str]) -> (PathBuf, Proc) {
     let dir = scratch_dir(tag);
-    let exe = build_deepstack(&dir);
+    let exe = deepstack();
     let p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20"]).args(extra));
     (dir, p)
 }
