@@ -678,11 +678,32 @@ fn a_rank_that_exits_before_alignment_is_left_out() {
 /// per step on each, and the report names rank 2.
 #[test]
 fn hccl_fixture_ranks_wait_in_the_collective() {
+    collective_fixture_job("hccl", "hccl/hccl_rank", &["HcclAllReduce"]);
+}
+
+/// The same job on the libnccl.so.2 stand-in (NCCL's names and shapes):
+/// the NCCL API set traces ncclGroupStart, ncclAllReduce and ncclGroupEnd
+/// once per step on every rank. No NCCL library is on this machine; the
+/// stand-in is the same barrier under NCCL's names (docs/job-mode.md).
+#[test]
+fn nccl_fixture_ranks_call_the_nccl_set_once_per_step() {
+    collective_fixture_job(
+        "nccl",
+        "nccl/nccl_rank",
+        &["ncclGroupStart", "ncclAllReduce", "ncclGroupEnd"],
+    );
+}
+
+/// Runs [`WORLD`] ranks of the fixture `bin` (under the fixtures dir) as
+/// one job, rank [`SLOW`] slow, through `attach --pids` with the offcpu and
+/// api collectors; checks the job window ([`check_job`]) and that every
+/// rank's `api_summary.csv` counts each of `calls` once per active step.
+fn collective_fixture_job(tag: &str, bin: &str, calls: &[&str]) {
     require_privileges!();
     let _one = one_job();
-    let dir = scratch_dir("job_mode-hccl");
-    let bin = fixtures().dir.join("hccl/hccl_rank");
-    let shm = format!("/dynprof-job-mode-{}", std::process::id());
+    let dir = scratch_dir(&format!("job_mode-{tag}"));
+    let bin = fixtures().dir.join(bin);
+    let shm = format!("/dynprof-job-mode-{tag}-{}", std::process::id());
     struct Unlink(String);
     impl Drop for Unlink {
         fn drop(&mut self) {
@@ -737,14 +758,16 @@ fn hccl_fixture_ranks_wait_in_the_collective() {
             .unwrap()
             .path();
         let api = std::fs::read_to_string(win.join("api_summary.csv")).unwrap();
-        let line = api
-            .lines()
-            .find(|l| l.starts_with("HcclAllReduce,"))
-            .unwrap_or_else(|| panic!("rank {r}: {api}"));
-        assert_eq!(
-            line.split(',').nth(1),
-            Some(ACTIVE.to_string().as_str()),
-            "rank {r}: {line}"
-        );
+        for call in calls {
+            let line = api
+                .lines()
+                .find(|l| l.starts_with(&format!("{call},")))
+                .unwrap_or_else(|| panic!("rank {r}: no {call} in {api}"));
+            assert_eq!(
+                line.split(',').nth(1),
+                Some(ACTIVE.to_string().as_str()),
+                "rank {r}: {line}"
+            );
+        }
     }
 }
