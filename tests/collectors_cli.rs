@@ -320,7 +320,7 @@ fn collectors_cuda_tables_and_user_api() {
         assert_eq!(counts, expected, "step {}", s.step);
         for c in &ours {
             assert_eq!(
-                c.device_wait,
+                c.class == dynprof::output::model::ApiClass::DeviceWait,
                 c.api == "cudaStreamSynchronize" || c.api == "my_allreduce",
                 "{c:?}"
             );

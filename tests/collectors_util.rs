@@ -376,7 +376,10 @@ pub fn check_acl_window(
                 })
                 .unwrap_or_else(|| panic!("no probed call brackets {l:?}"));
             assert_eq!(c.ret, 0);
-            assert_eq!(c.device_wait, l.api == "aclrtSynchronizeStream");
+            assert_eq!(
+                c.class == dynprof::output::model::ApiClass::DeviceWait,
+                l.api == "aclrtSynchronizeStream"
+            );
             if queue_thread && l.api != "aclrtSynchronizeStream" {
                 assert_ne!(
                     c.tid, main_tid,

@@ -137,7 +137,7 @@ fn ddp_four_ranks_same_iterations_and_straggler_named() {
     let mut pids: Vec<String> = ranks.iter().map(|p| p.pid.to_string()).collect();
     pids.push(stranger.pid.to_string());
     let (job, _) = attach_job(&out, &["--pids", &pids.join(",")], Some(stranger.pid));
-    check_job(&dir, &job, true);
+    check_job(&dir, &job, true, FROM_C10D_CALLS);
     drop(ranks);
 }
 
@@ -265,7 +265,7 @@ fn ddp_job_by_launcher_pid() {
         "{}",
         fin.stderr
     );
-    check_job(&dir, &job_dir(&out), false);
+    check_job(&dir, &job_dir(&out), false, FROM_C10D_CALLS);
 
     // `dynprof ps --jobs` shows the job held by the shell, with its 4 ranks
     // by RANK and the --job reference to use.
@@ -302,7 +302,7 @@ fn ddp_job_by_pid_namespace() {
     assert_eq!(init.len(), 1, "{init:?}");
     let ns = std::fs::read_link(format!("/proc/{}/ns/pid", init[0])).unwrap();
     let (job, _) = attach_job(&dir.join("out"), &["--job", ns.to_str().unwrap()], None);
-    check_job(&dir, &job, false);
+    check_job(&dir, &job, false, FROM_C10D_CALLS);
 }
 
 /// The same DDP job in its own PID namespace and in a container's cgroup
@@ -326,7 +326,7 @@ fn ddp_job_by_container_id() {
     };
     let g = Group::start_in(&dir, true, true, None, Some(&cg.dir));
     let (job, _) = attach_job(&dir.join("out"), &["--job", &id[..13]], None);
-    check_job(&dir, &job, false);
+    check_job(&dir, &job, false, FROM_C10D_CALLS);
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
     assert_eq!(meta["rank_source"], "rank", "{meta:#}");
@@ -391,16 +391,35 @@ fn attach_job(out: &Path, job: &[&str], stranger: Option<u32>) -> (PathBuf, Stri
     (job_dir(out), stderr)
 }
 
-fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
+/// Where job_meta.json says a rank's collective wait came from.
+const FROM_C10D_CALLS: &str = "collective_calls";
+const FROM_OFF_CPU: &str = "step_thread_off_cpu";
+
+/// Rank `r`'s own window directory in the job window `job` (exactly one).
+fn rank_window(job: &Path, r: u32) -> PathBuf {
+    let rd = job.join(format!("rank{r}"));
+    let wins: Vec<PathBuf> = std::fs::read_dir(&rd)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("PROF_"))
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(wins.len(), 1, "{}: {wins:?}", rd.display());
+    wins.into_iter().next().unwrap()
+}
+
+/// Rank `r`'s calls of `api` in its window's api_summary.csv.
+fn api_count(job: &Path, r: u32, api: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(rank_window(job, r).join("api_summary.csv")).unwrap();
+    text.lines()
+        .find(|l| l.starts_with(&format!("{api},")))
+        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+}
+
+fn check_job(dir: &Path, job: &Path, with_stranger: bool, wait_from: &str) {
     // Every rank's window holds its own PROF directory.
     for r in 0..WORLD {
-        let rd = job.join(format!("rank{r}"));
-        let n = std::fs::read_dir(&rd)
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().starts_with("PROF_"))
-            .count();
-        assert_eq!(n, 1, "{}", rd.display());
+        rank_window(job, r);
     }
 
     let rows = read_job_steps(&job.join("job_steps.csv"));
@@ -449,11 +468,29 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
     }
 
     // The waiting ranks show their wait as collective wait, not compute;
-    // the slow rank computes more than any of them. (Its own wait is not
-    // checked: on a loaded host the time it is runnable but preempted is
-    // off-CPU too; see docs/job-mode.md.)
+    // the slow rank computes more than any of them.
     let compute = |r: u32| by_rank[&r].iter().map(|x| x.compute).sum::<u64>();
     let wait = |r: u32| by_rank[&r].iter().map(|x| x.wait).sum::<u64>();
+    if wait_from == FROM_C10D_CALLS {
+        // DDP waits for its gradient allreduce once per step, in
+        // Reducer::finalize_backward. Measured there, the slow rank's own
+        // wait is what it spent in that call, not the time it was
+        // preempted while computing (as off-CPU time would count it on
+        // these 2 cores), so it stays below its compute.
+        for r in 0..WORLD {
+            assert_eq!(
+                api_count(job, r, "c10d::Reducer::finalize_backward"),
+                Some(ACTIVE),
+                "rank {r}"
+            );
+        }
+        assert!(
+            wait(SLOW) < compute(SLOW),
+            "rank {SLOW}: compute {} ns, collective wait {} ns",
+            compute(SLOW),
+            wait(SLOW)
+        );
+    }
     for r in (0..WORLD).filter(|r| *r != SLOW) {
         assert!(
             wait(r) > compute(r),
@@ -489,6 +526,14 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool) {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
     assert_eq!(meta["verification"]["ok"], true, "{meta:#}");
+    for r in meta["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["rank"].as_u64() < Some(u64::from(WORLD)))
+    {
+        assert_eq!(r["collective_wait_from"], wait_from, "{r}");
+    }
     if with_stranger {
         let r4 = meta["ranks"]
             .as_array()
@@ -657,7 +702,7 @@ fn a_rank_that_exits_before_alignment_is_left_out() {
         fin.stderr
     );
     let job = job_dir(&out);
-    check_job(&dir, &job, false);
+    check_job(&dir, &job, false, FROM_C10D_CALLS);
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(job.join("job_meta.json")).unwrap()).unwrap();
     assert_eq!(meta["complete"], false);
@@ -748,26 +793,10 @@ fn collective_fixture_job(tag: &str, bin: &str, calls: &[&str]) {
     // which is the order they were started in.
     assert!(stderr.contains("(ranks from Order)"), "{stderr}");
     let job = job_dir(&dir.join("out"));
-    check_job(&dir, &job, false);
+    check_job(&dir, &job, false, FROM_OFF_CPU);
     for r in 0..WORLD {
-        let rd = job.join(format!("rank{r}"));
-        let win = std::fs::read_dir(&rd)
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .find(|e| e.file_name().to_string_lossy().starts_with("PROF_"))
-            .unwrap()
-            .path();
-        let api = std::fs::read_to_string(win.join("api_summary.csv")).unwrap();
         for call in calls {
-            let line = api
-                .lines()
-                .find(|l| l.starts_with(&format!("{call},")))
-                .unwrap_or_else(|| panic!("rank {r}: no {call} in {api}"));
-            assert_eq!(
-                line.split(',').nth(1),
-                Some(ACTIVE.to_string().as_str()),
-                "rank {r}: {line}"
-            );
+            assert_eq!(api_count(&job, r, call), Some(ACTIVE), "rank {r}: {call}");
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The `api` collector: entry and return probes on device-runtime APIs
-//! (CANN ACL, CUDA runtime and driver, user-added symbols).
+//! (CANN ACL, CUDA runtime and driver, HCCL/NCCL collectives, PyTorch's
+//! c10d waits, user-added symbols).
 //!
 //! The kernel times each call itself (`dynprof_api_enter` stores the entry
 //! time per (thread, API) while the window gate is open, the return probe
@@ -19,7 +20,7 @@ use super::{
 };
 use crate::{
     bpf::Kernel,
-    output::model::{ApiCall, WindowData},
+    output::model::{ApiCall, ApiClass, WindowData},
     session::Decoded,
     target::Target,
     types::Builtin,
@@ -133,14 +134,14 @@ impl Collector for ApiCollector {
         let mut calls: Vec<ApiCall> = evs
             .iter()
             .map(|e| {
-                let (name, wait) = self.table.name(e.api).unwrap_or(("?", false));
+                let (name, class) = self.table.name(e.api).unwrap_or(("?", ApiClass::Call));
                 ApiCall {
                     tid: e.hdr.tid,
                     api: name.to_string(),
                     start_ts_ns: e.hdr.ts_ns,
                     dur_ns: e.dur_ns,
                     ret: e.ret,
-                    device_wait: wait,
+                    class,
                 }
             })
             .collect();
@@ -193,7 +194,7 @@ mod tests {
             start_ts_ns: s,
             dur_ns: d,
             ret: 0,
-            device_wait: false,
+            class: ApiClass::Call,
         }
     }
 

@@ -1,5 +1,5 @@
 //! The runtime API tables the `api` collector probes, user-added APIs
-//! (`--api OBJECT:SYMBOL[,wait]`), and their resolution through the
+//! (`--api OBJECT:SYMBOL[,wait|,collective]`), and their resolution through the
 //! target's `/proc/PID/maps` and ELF symbols.
 //!
 //! An API set names the libraries that may export it (by file-name prefix)
@@ -13,11 +13,12 @@ use anyhow::{Result, bail};
 use serde::Serialize;
 
 use crate::{
+    output::model::ApiClass,
     probes::{
         resolve::host_path_for,
         spec::{self, Location, MarkerArg, ObjectRef},
     },
-    symbols::ElfImage,
+    symbols::{ElfImage, SymbolHit},
     target::{Mapping, Target},
 };
 
@@ -25,20 +26,25 @@ use crate::{
 #[derive(Clone, Copy, Debug)]
 pub struct ApiDef {
     pub name: &'static str,
-    /// The host waits for the device in this call (synchronize calls).
-    pub device_wait: bool,
+    pub class: ApiClass,
 }
 
 const fn api(name: &'static str) -> ApiDef {
     ApiDef {
         name,
-        device_wait: false,
+        class: ApiClass::Call,
     }
 }
 const fn wait(name: &'static str) -> ApiDef {
     ApiDef {
         name,
-        device_wait: true,
+        class: ApiClass::DeviceWait,
+    }
+}
+const fn collective_wait(name: &'static str) -> ApiDef {
+    ApiDef {
+        name,
+        class: ApiClass::CollectiveWait,
     }
 }
 
@@ -138,19 +144,40 @@ pub const NCCL: ApiSet = ApiSet {
     ],
 };
 
-pub const BUILTIN_SETS: &[ApiSet] = &[CANN, CUDA_RUNTIME, CUDA_DRIVER, HCCL, NCCL];
+/// PyTorch's c10d waits, where a rank's host thread blocks until its peers
+/// have joined a collective. On a CPU (gloo) job, DDP waits for the
+/// gradient allreduce in `Reducer::finalize_backward` (through an inlined
+/// future wait, so the Reducer function is the probe), and a synchronous
+/// `dist.all_reduce` in the work's `wait`, which gloo's work does not
+/// override except for send and receive. Names are matched demangled,
+/// parameters left out; torch 1.13 (Debian) and 2.x (PyPI) export them
+/// from `libtorch_cpu.so`.
+pub const C10D: ApiSet = ApiSet {
+    name: "c10d",
+    libs: &["libtorch_cpu.so"],
+    apis: &[
+        collective_wait("c10d::Reducer::finalize_backward"),
+        collective_wait("c10d::Work::wait"),
+        collective_wait("c10d::ProcessGroupGloo::SendWork::wait"),
+        collective_wait("c10d::ProcessGroupGloo::RecvWork::wait"),
+    ],
+};
 
-/// Is this a synchronize-type API of a built-in set?
-pub fn is_device_wait(name: &str) -> bool {
+pub const BUILTIN_SETS: &[ApiSet] = &[CANN, CUDA_RUNTIME, CUDA_DRIVER, HCCL, NCCL, C10D];
+
+/// The class of an API of a built-in set (`None`: not in any).
+pub fn builtin_class(name: &str) -> Option<ApiClass> {
     BUILTIN_SETS
         .iter()
         .flat_map(|s| s.apis)
-        .any(|a| a.name == name && a.device_wait)
+        .find(|a| a.name == name)
+        .map(|a| a.class)
 }
 
-/// A user-added API: `--api OBJECT:SYMBOL[,name=LABEL][,wait]`, with the
-/// object grammar of `--marker` (`exe`, an absolute path in the target, or a
-/// library-name fragment). `,wait` classifies its time as device wait.
+/// A user-added API: `--api OBJECT:SYMBOL[,name=LABEL][,wait|,collective]`,
+/// with the object grammar of `--marker` (`exe`, an absolute path in the
+/// target, or a library-name fragment). `,wait` classifies its time as
+/// device wait, `,collective` as collective wait.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ApiSpec {
     pub raw: String,
@@ -158,16 +185,19 @@ pub struct ApiSpec {
     pub symbol: String,
     /// Name in outputs (default: the symbol).
     pub label: String,
-    pub device_wait: bool,
+    pub class: ApiClass,
 }
 
 pub fn parse_api_spec(raw: &str) -> Result<ApiSpec> {
     let s = raw.trim();
-    let (s, device_wait) = match s.strip_suffix(",wait") {
-        Some(rest) => (rest, true),
-        None => (s, false),
+    let (s, class) = if let Some(rest) = s.strip_suffix(",wait") {
+        (rest, ApiClass::DeviceWait)
+    } else if let Some(rest) = s.strip_suffix(",collective") {
+        (rest, ApiClass::CollectiveWait)
+    } else {
+        (s, ApiClass::Call)
     };
-    let hint = "hint: --api OBJECT:SYMBOL[,name=LABEL][,wait], OBJECT = exe | /path/in/target | library-name fragment";
+    let hint = "hint: --api OBJECT:SYMBOL[,name=LABEL][,wait|,collective], OBJECT = exe | /path/in/target | library-name fragment";
     let m = match spec::parse(s) {
         Ok(MarkerArg::Spec(m)) => m,
         Ok(MarkerArg::Auto) => bail!("--api `{raw}`: `auto` is not an API\n{hint}"),
@@ -194,7 +224,7 @@ pub fn parse_api_spec(raw: &str) -> Result<ApiSpec> {
         object: m.object,
         label: m.label.unwrap_or_else(|| name.clone()),
         symbol: name,
-        device_wait,
+        class,
     })
 }
 
@@ -204,7 +234,7 @@ pub struct ResolvedApi {
     /// The attach cookie: index into the collector's API table.
     pub index: u32,
     pub name: String,
-    pub device_wait: bool,
+    pub class: ApiClass,
     /// Path as the target sees it.
     pub object: String,
     #[serde(skip)]
@@ -217,28 +247,35 @@ pub struct ResolvedApi {
 /// an event read after re-arming still names the right API.
 #[derive(Default, Debug)]
 pub struct ApiTable {
-    entries: Vec<(String, bool)>,
+    entries: Vec<(String, ApiClass)>,
     by_key: HashMap<(String, u64), u32>,
+    /// Symbol lookups by (file, inode, symbol), kept across arms: the
+    /// table is resolved again at every window, and a search of
+    /// libtorch_cpu's symbols takes milliseconds. A file replaced on disk
+    /// has a new inode and is searched again.
+    lookups: HashMap<(String, u64, String), Vec<SymbolHit>>,
 }
 
 impl ApiTable {
-    pub fn name(&self, index: u32) -> Option<(&str, bool)> {
+    pub fn name(&self, index: u32) -> Option<(&str, ApiClass)> {
         self.entries
             .get(index as usize)
             .map(|(n, w)| (n.as_str(), *w))
     }
 
-    fn index_for(&mut self, object: &str, file_offset: u64, name: &str, wait: bool) -> u32 {
+    fn index_for(&mut self, object: &str, file_offset: u64, name: &str, class: ApiClass) -> u32 {
         if let Some(&i) = self.by_key.get(&(object.to_string(), file_offset)) {
             return i;
         }
         let i = self.entries.len() as u32;
-        self.entries.push((name.to_string(), wait));
+        self.entries.push((name.to_string(), class));
         self.by_key.insert((object.to_string(), file_offset), i);
         i
     }
 
-    fn add_alias(&mut self, object: &str, file_offset: u64, name: &str, wait: bool) {
+    /// A second name at the same address: both names, and the stronger
+    /// class (a wait under either name is a wait).
+    fn add_alias(&mut self, object: &str, file_offset: u64, name: &str, class: ApiClass) {
         let Some(&i) = self.by_key.get(&(object.to_string(), file_offset)) else {
             return;
         };
@@ -246,7 +283,7 @@ impl ApiTable {
         if !e.0.split('|').any(|n| n == name) {
             e.0 = format!("{}|{name}", e.0);
         }
-        e.1 |= wait;
+        e.1 = e.1.max(class);
     }
 
     pub fn len(&self) -> usize {
@@ -303,29 +340,51 @@ pub fn resolve(
         })
         .unwrap_or_default();
     let mut res = Resolution::default();
+    // Opened on first use only: a file whose lookups are all cached is
+    // not read again.
     let mut images: HashMap<String, Option<ElfImage>> = HashMap::new();
-    let open = |images: &mut HashMap<String, Option<ElfImage>>, m: &Mapping| -> bool {
-        images
-            .entry(m.path.clone())
-            .or_insert_with(|| match crate::target::mount::open_elf(target, m) {
-                Ok(i) => Some(i),
-                Err(e) => {
-                    log::debug!("api: cannot read {}: {e:#}", m.path);
-                    None
-                }
-            })
-            .is_some()
-    };
-    let mut wanted: Vec<(&Mapping, String, String, bool)> = Vec::new();
+    let mut lookup =
+        |table: &mut ApiTable, m: &Mapping, symbols: &[&str]| -> Option<Vec<Vec<SymbolHit>>> {
+            let key = |s: &str| (m.path.clone(), m.inode, s.to_string());
+            if let Some(all) = symbols
+                .iter()
+                .map(|s| table.lookups.get(&key(s)).cloned())
+                .collect::<Option<Vec<_>>>()
+            {
+                return Some(all);
+            }
+            let img = images
+                .entry(m.path.clone())
+                .or_insert_with(|| match crate::target::mount::open_elf(target, m) {
+                    Ok(i) => Some(i),
+                    Err(e) => {
+                        log::debug!("api: cannot read {}: {e:#}", m.path);
+                        None
+                    }
+                })
+                .as_ref()?;
+            let all = img.find_functions(symbols);
+            for (s, hits) in symbols.iter().zip(&all) {
+                table.lookups.insert(key(s), hits.clone());
+            }
+            Some(all)
+        };
+    // (mapping, label, class, where its symbol was found)
+    let mut wanted: Vec<(&Mapping, String, ApiClass, Vec<SymbolHit>)> = Vec::new();
     for set in sets {
         for m in &files {
             let base = basename(&m.path);
-            if !set.libs.iter().any(|l| base.starts_with(l)) || !open(&mut images, m) {
+            if !set.libs.iter().any(|l| base.starts_with(l)) {
                 continue;
             }
+            let names: Vec<&str> = set.apis.iter().map(|a| a.name).collect();
+            // One pass over the file's symbols for the whole set.
+            let Some(found) = lookup(table, m, &names) else {
+                continue;
+            };
             res.searched.push(m.path.clone());
-            for a in set.apis {
-                wanted.push((m, a.name.to_string(), a.name.to_string(), a.device_wait));
+            for (a, hits) in set.apis.iter().zip(found) {
+                wanted.push((m, a.name.to_string(), a.class, hits));
             }
         }
     }
@@ -347,13 +406,13 @@ pub fn resolve(
         }
         let mut found = false;
         for m in objs {
-            if !open(&mut images, m) {
+            let Some(hits) = lookup(table, m, &[u.symbol.as_str()]).and_then(|mut v| v.pop())
+            else {
                 continue;
-            }
-            let img = images[&m.path].as_ref().expect("opened");
-            if !img.find_function(&u.symbol).is_empty() {
+            };
+            if !hits.is_empty() {
                 found = true;
-                wanted.push((m, u.symbol.clone(), u.label.clone(), u.device_wait));
+                wanted.push((m, u.label.clone(), u.class, hits));
             }
         }
         if !found {
@@ -364,24 +423,21 @@ pub fn resolve(
         }
     }
     let mut seen: Vec<(String, u64)> = Vec::new();
-    for (m, symbol, label, wait) in wanted {
-        let Some(Some(img)) = images.get(&m.path) else {
-            continue;
-        };
-        for hit in img.find_function(&symbol) {
+    for (m, label, class, hits) in wanted {
+        for hit in hits {
             // Aliases (two names, one address: identical functions folded
             // by the linker) are probed once, under both names: the kernel
             // cannot tell which name the caller used.
             if seen.contains(&(m.path.clone(), hit.file_offset)) {
-                table.add_alias(&m.path, hit.file_offset, &label, wait);
+                table.add_alias(&m.path, hit.file_offset, &label, class);
                 continue;
             }
             seen.push((m.path.clone(), hit.file_offset));
-            let index = table.index_for(&m.path, hit.file_offset, &label, wait);
+            let index = table.index_for(&m.path, hit.file_offset, &label, class);
             res.apis.push(ResolvedApi {
                 index,
                 name: label.clone(),
-                device_wait: wait,
+                class,
                 object: m.path.clone(),
                 attach_path: host_path_for(target, m),
                 symbol: hit.demangled,
@@ -404,14 +460,14 @@ mod tests {
             "aclrtSynchronizeDevice",
             "aclrtSynchronizeEvent",
         ] {
-            assert!(is_device_wait(n), "{n}");
+            assert_eq!(builtin_class(n), Some(ApiClass::DeviceWait), "{n}");
         }
         for n in [
             "cudaStreamSynchronize",
             "cudaDeviceSynchronize",
             "cudaEventSynchronize",
         ] {
-            assert!(is_device_wait(n), "{n}");
+            assert_eq!(builtin_class(n), Some(ApiClass::DeviceWait), "{n}");
         }
         for n in [
             "aclrtLaunchKernel",
@@ -419,9 +475,22 @@ mod tests {
             "cudaMemcpy",
             "cuLaunchKernel",
             "aclmdlExecute",
+            "HcclAllReduce",
+            "ncclAllReduce",
         ] {
-            assert!(!is_device_wait(n), "{n}");
+            assert_eq!(builtin_class(n), Some(ApiClass::Call), "{n}");
         }
+        // Collectives on NPU/GPU enqueue and return: only c10d's host
+        // waits are collective wait.
+        for n in [
+            "c10d::Reducer::finalize_backward",
+            "c10d::Work::wait",
+            "c10d::ProcessGroupGloo::SendWork::wait",
+            "c10d::ProcessGroupGloo::RecvWork::wait",
+        ] {
+            assert_eq!(builtin_class(n), Some(ApiClass::CollectiveWait), "{n}");
+        }
+        assert_eq!(builtin_class("aclrtSynchronizeStreamX"), None);
         assert_eq!(CANN.apis.len(), 12);
         assert_eq!(CUDA_RUNTIME.apis.len() + CUDA_DRIVER.apis.len(), 9);
     }
@@ -437,31 +506,39 @@ mod tests {
         assert!(!m(&CANN, "libascendcl_impl.so"));
         assert!(m(&HCCL, "libhccl.so") && !m(&HCCL, "libhccl_alg.so"));
         assert!(m(&NCCL, "libnccl.so.2") && !m(&NCCL, "libnccl-net.so"));
+        // Debian's versioned name and the wheel's plain one.
+        assert!(m(&C10D, "libtorch_cpu.so.1.13") && m(&C10D, "libtorch_cpu.so"));
+        assert!(!m(&C10D, "libtorch_python.so"));
     }
 
     #[test]
     fn aliases_share_one_entry() {
         let mut t = ApiTable::default();
-        let i = t.index_for("/lib/a.so", 0x10, "f", false);
-        t.add_alias("/lib/a.so", 0x10, "g", true);
-        t.add_alias("/lib/a.so", 0x10, "g", true);
-        assert_eq!(t.name(i), Some(("f|g", true)));
-        assert_eq!(t.index_for("/lib/a.so", 0x10, "f", false), i);
-        assert_eq!(t.index_for("/lib/b.so", 0x10, "f", false), i + 1);
+        let i = t.index_for("/lib/a.so", 0x10, "f", ApiClass::Call);
+        t.add_alias("/lib/a.so", 0x10, "g", ApiClass::DeviceWait);
+        t.add_alias("/lib/a.so", 0x10, "g", ApiClass::Call);
+        assert_eq!(t.name(i), Some(("f|g", ApiClass::DeviceWait)));
+        assert_eq!(t.index_for("/lib/a.so", 0x10, "f", ApiClass::Call), i);
+        assert_eq!(t.index_for("/lib/b.so", 0x10, "f", ApiClass::Call), i + 1);
     }
 
     #[test]
     fn user_api_grammar() {
         let a = parse_api_spec("exe:my_sync,wait").unwrap();
         assert_eq!(
-            (a.object.clone(), a.symbol.as_str(), a.device_wait),
-            (ObjectRef::Exe, "my_sync", true)
+            (a.object.clone(), a.symbol.as_str(), a.class),
+            (ObjectRef::Exe, "my_sync", ApiClass::DeviceWait)
+        );
+        let a = parse_api_spec("libfoo:my_barrier,name=barrier,collective").unwrap();
+        assert_eq!(
+            (a.symbol.as_str(), a.label.as_str(), a.class),
+            ("my_barrier", "barrier", ApiClass::CollectiveWait)
         );
         let a = parse_api_spec("libhccl:HcclAllReduce,name=allreduce").unwrap();
         assert_eq!(a.object, ObjectRef::Lib("libhccl".into()));
         assert_eq!(
-            (a.symbol.as_str(), a.label.as_str(), a.device_wait),
-            ("HcclAllReduce", "allreduce", false)
+            (a.symbol.as_str(), a.label.as_str(), a.class),
+            ("HcclAllReduce", "allreduce", ApiClass::Call)
         );
         let a = parse_api_spec("/opt/x/libfoo.so:ns::f(int)").unwrap();
         assert_eq!(a.object, ObjectRef::Path("/opt/x/libfoo.so".into()));

@@ -33,9 +33,10 @@ pub struct CollectArgs {
     pub cpu_hz: u64,
 
     /// Trace another function as a runtime API (repeatable):
-    /// OBJECT:SYMBOL[,name=LABEL][,wait] with the object grammar of --marker
-    /// (exe, /path/in/target, library-name fragment). `,wait` counts its
-    /// time as device wait, like the synchronize calls.
+    /// OBJECT:SYMBOL[,name=LABEL][,wait|,collective] with the object grammar
+    /// of --marker (exe, /path/in/target, library-name fragment). `,wait`
+    /// counts its time as device wait, like the synchronize calls;
+    /// `,collective` as collective wait, like c10d's work wait.
     #[arg(long = "api", value_name = "OBJECT:SYMBOL")]
     pub apis: Vec<String>,
 
@@ -264,7 +265,7 @@ mod tests {
             ..Default::default()
         };
         let o = a.options().unwrap();
-        assert!(o.apis[0].device_wait);
+        assert_eq!(o.apis[0].class, crate::output::model::ApiClass::DeviceWait);
         assert_eq!(o.memory_budget.bytes(), 256 << 20);
         for bad in ["inf", "nan", "-1", "1e300", "12XB", "1MiB"] {
             let e = parse_budget(bad).unwrap_err().to_string();

@@ -1,11 +1,13 @@
 //! `job_steps.csv`: one row per rank per recorded job step.
 //!
 //! Built from what each rank's own window wrote (`steps.csv`: boundaries,
-//! device wait, API calls) and the off-CPU intervals of the thread that
-//! crosses the rank's step boundaries. On a CPU (gloo) job that thread
-//! blocks in c10d's wait for its peers, so its off-CPU time in a step,
-//! less what was already counted as device wait, is the step's collective
-//! wait; the rest of the step is compute.
+//! device wait, collective wait, API calls) and the off-CPU intervals of
+//! the thread that crosses the rank's step boundaries. A rank's collective
+//! wait comes from one of two sources ([`WaitSource`]): its time in c10d's
+//! collective-wait calls when the `api` collector saw any (a PyTorch job,
+//! whatever its backend), or else the step thread's off-CPU time in the
+//! step, less device wait (native ranks with a collective library of
+//! their own). The rest of the step is compute.
 use std::collections::HashMap;
 
 use anyhow::{Context as _, Result, bail};
@@ -22,7 +24,34 @@ pub struct OwnStep {
     pub start_ts_ns: u64,
     pub end_ts_ns: u64,
     pub device_wait_ns: u64,
+    /// `None` in a `steps.csv` without the column (an older dynprof).
+    pub collective_wait_ns: Option<u64>,
     pub api_calls: u64,
+}
+
+/// Where a rank's `collective_wait_ns` came from (recorded per rank in
+/// `job_meta.json`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitSource {
+    /// Wall time in c10d's collective-wait calls (`Reducer::finalize_backward`,
+    /// `Work::wait`), less device wait. Blocking elsewhere (a data loader
+    /// queue, I/O) and preemption during compute are not counted.
+    CollectiveCalls,
+    /// Off-CPU time of the step thread inside the step, less device wait:
+    /// no collective-wait call was seen, so any blocking counts.
+    StepThreadOffCpu,
+}
+
+impl WaitSource {
+    /// Collective-wait calls if the rank made any in these steps.
+    pub fn of(steps: &[OwnStep]) -> WaitSource {
+        if steps.iter().any(|s| s.collective_wait_ns.unwrap_or(0) > 0) {
+            WaitSource::CollectiveCalls
+        } else {
+            WaitSource::StepThreadOffCpu
+        }
+    }
 }
 
 /// One off-CPU interval of one thread.
@@ -62,6 +91,7 @@ pub fn parse_steps_csv(text: &str) -> Result<Vec<OwnStep>> {
         col("device_wait_ns")?,
         col("api_calls")?,
     );
+    let cw = col("collective_wait_ns").ok();
     let mut out = Vec::new();
     for (i, rec) in rd.records().enumerate() {
         let rec = rec.with_context(|| format!("steps.csv row {}", i + 1))?;
@@ -79,6 +109,7 @@ pub fn parse_steps_csv(text: &str) -> Result<Vec<OwnStep>> {
             start_ts_ns: num(a)?,
             end_ts_ns: num(b)?,
             device_wait_ns: num(dw)?,
+            collective_wait_ns: cw.map(num).transpose()?,
             api_calls: num(api)?,
         };
         if st.end_ts_ns < st.start_ts_ns {
@@ -94,12 +125,14 @@ fn overlap(a0: u64, a1: u64, b0: u64, b1: u64) -> u64 {
 }
 
 /// The rows of one rank: its own steps renumbered as job steps
-/// (`own - offset`), with the off-CPU time of `step_tid[own step]` inside
-/// each step as collective wait. Steps below job step 1 are dropped.
+/// (`own - offset`), with the collective wait of `source`: the step's
+/// collective-wait calls, or the off-CPU time of `step_tid[own step]`
+/// inside the step. Steps below job step 1 are dropped.
 pub fn rank_rows(
     rank: Rank,
     offset: i64,
     steps: &[OwnStep],
+    source: WaitSource,
     step_tid: &HashMap<u64, u32>,
     offcpu: &[OffCpu],
 ) -> Vec<JobStepRow> {
@@ -113,8 +146,11 @@ pub fn rank_rows(
             continue;
         }
         let dur = s.end_ts_ns - s.start_ts_ns;
-        let off: u64 = match step_tid.get(&s.step) {
-            Some(tid) => offcpu
+        let off_cpu = || -> u64 {
+            let Some(tid) = step_tid.get(&s.step) else {
+                return 0;
+            };
+            offcpu
                 .iter()
                 .filter(|o| o.tid == *tid)
                 .map(|o| {
@@ -125,11 +161,15 @@ pub fn rank_rows(
                         s.end_ts_ns,
                     )
                 })
-                .sum(),
-            None => 0,
+                .sum()
         };
         let device = s.device_wait_ns.min(dur);
-        let wait = off.saturating_sub(device).min(dur - device);
+        let wait = match source {
+            // Already less device wait (`steps.csv`).
+            WaitSource::CollectiveCalls => s.collective_wait_ns.unwrap_or(0),
+            WaitSource::StepThreadOffCpu => off_cpu().saturating_sub(device),
+        }
+        .min(dur - device);
         out.push(JobStepRow {
             rank,
             step: job,
@@ -204,6 +244,7 @@ mod tests {
                 start_ts_ns: 1000,
                 end_ts_ns: 2000,
                 device_wait_ns: 0,
+                collective_wait_ns: Some(0),
                 api_calls: 3,
             },
             OwnStep {
@@ -211,6 +252,7 @@ mod tests {
                 start_ts_ns: 2000,
                 end_ts_ns: 3000,
                 device_wait_ns: 100,
+                collective_wait_ns: Some(0),
                 api_calls: 0,
             },
         ];
@@ -235,7 +277,8 @@ mod tests {
                 dur_ns: 200,
             },
         ];
-        let rows = rank_rows(Rank(3), 2, &steps, &tid, &off);
+        assert_eq!(WaitSource::of(&steps), WaitSource::StepThreadOffCpu);
+        let rows = rank_rows(Rank(3), 2, &steps, WaitSource::StepThreadOffCpu, &tid, &off);
         assert_eq!(rows.len(), 2);
         assert_eq!(
             (rows[0].step, rows[0].collective_wait_ns, rows[0].compute_ns),
@@ -254,7 +297,51 @@ mod tests {
         let back = from_csv(std::str::from_utf8(&to_csv(&rows)).unwrap()).unwrap();
         assert_eq!(back, rows);
         // Own steps at or below the offset have no job step.
-        assert!(rank_rows(Rank(0), 8, &steps, &tid, &off).is_empty());
+        assert!(rank_rows(Rank(0), 8, &steps, WaitSource::StepThreadOffCpu, &tid, &off).is_empty());
+    }
+
+    #[test]
+    fn collective_wait_calls_replace_off_cpu_when_the_rank_made_any() {
+        let step = |n, a, b, coll| OwnStep {
+            step: n,
+            start_ts_ns: a,
+            end_ts_ns: b,
+            device_wait_ns: 50,
+            collective_wait_ns: coll,
+            api_calls: 1,
+        };
+        let steps = [step(7, 1000, 2000, Some(600)), step(8, 2000, 3000, Some(0))];
+        assert_eq!(WaitSource::of(&steps), WaitSource::CollectiveCalls);
+        let tid: HashMap<u64, u32> = [(7, 42), (8, 42)].into();
+        // The step thread blocked in a data loader queue, not a collective:
+        // off-CPU, but not collective wait under this source.
+        let off = [OffCpu {
+            tid: 42,
+            ts_ns: 2100,
+            dur_ns: 700,
+        }];
+        let rows = rank_rows(Rank(1), 0, &steps, WaitSource::CollectiveCalls, &tid, &off);
+        assert_eq!(
+            rows.iter()
+                .map(|r| (r.step, r.collective_wait_ns, r.device_wait_ns, r.compute_ns))
+                .collect::<Vec<_>>(),
+            vec![(7, 600, 50, 350), (8, 0, 50, 950)]
+        );
+        // No column (an older steps.csv), or no call at all: off-CPU.
+        assert_eq!(
+            WaitSource::of(&[step(7, 1000, 2000, None)]),
+            WaitSource::StepThreadOffCpu
+        );
+        // A wait the step cannot hold is capped at the step less device wait.
+        let rows = rank_rows(
+            Rank(1),
+            0,
+            &[step(7, 1000, 2000, Some(5000))],
+            WaitSource::CollectiveCalls,
+            &tid,
+            &[],
+        );
+        assert_eq!((rows[0].collective_wait_ns, rows[0].compute_ns), (950, 0));
     }
 
     #[test]
@@ -267,9 +354,14 @@ mod tests {
                 start_ts_ns: 10,
                 end_ts_ns: 30,
                 device_wait_ns: 0,
+                collective_wait_ns: None,
                 api_calls: 2
             }]
         );
+        let t = "step,start_ts_ns,end_ts_ns,duration_ns,host_busy_ns,device_wait_ns,collective_wait_ns,api_calls\n4,10,30,20,20,0,7,2\n";
+        assert_eq!(parse_steps_csv(t).unwrap()[0].collective_wait_ns, Some(7));
+        let t = "step,start_ts_ns,end_ts_ns,duration_ns,host_busy_ns,device_wait_ns,collective_wait_ns,api_calls\n4,10,30,20,20,0,7,2\n";
+        assert_eq!(parse_steps_csv(t).unwrap()[0].collective_wait_ns, Some(7));
         assert!(parse_steps_csv("step,start_ts_ns\n1,2\n").is_err());
         assert!(
             parse_steps_csv("step,start_ts_ns,end_ts_ns,device_wait_ns,api_calls\n1,9,3,0,0\n")

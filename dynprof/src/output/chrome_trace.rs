@@ -3,7 +3,8 @@
 //!
 //! Layout: one process (the target, pid = host pid); a pseudo-thread
 //! [`STEPS_TID`] named "steps" with one slice per step; per real thread its
-//! API slices (cat `api`, or `device_wait` for synchronize calls), off-CPU
+//! API slices (cat `api`, `device_wait` for synchronize calls or
+//! `collective_wait` for c10d's waits), off-CPU
 //! slices (cat `offcpu`) and CPU samples as thread-scoped instant events.
 //! Times are µs (floats, so ns precision survives) relative to the first
 //! step's start; the absolute base is `metadata.ts_base_ns`.
@@ -266,7 +267,7 @@ pub fn write_trace_json<W: Write>(w: W, data: &WindowData) -> Result<()> {
                 out.put(&Event {
                     ph: "X",
                     name: &c.api,
-                    cat: if c.device_wait { "device_wait" } else { "api" },
+                    cat: c.class.trace_category(),
                     pid,
                     tid: s.tid,
                     ts: us(s.start),

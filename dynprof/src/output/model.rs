@@ -24,8 +24,36 @@ pub struct ApiCall {
     pub start_ts_ns: u64,
     pub dur_ns: u64,
     pub ret: i64,
-    /// Synchronize-type calls: time the host waits for the device.
-    pub device_wait: bool,
+    /// What its time is to the step tables.
+    pub class: ApiClass,
+}
+
+/// What an API call's time is. The step tables add up each class's calls
+/// per step (`device_wait_ns`, `collective_wait_ns` in `steps.csv`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum ApiClass {
+    /// The call's own host time (a launch, a copy, an allocation).
+    #[default]
+    Call,
+    /// The host waits for the device (synchronize calls).
+    DeviceWait,
+    /// The host waits for its peers in a collective (c10d's work wait,
+    /// DDP's wait for the gradient allreduce).
+    CollectiveWait,
+}
+
+impl ApiClass {
+    /// The Chrome trace category of its slices.
+    pub fn trace_category(self) -> &'static str {
+        match self {
+            ApiClass::Call => "api",
+            ApiClass::DeviceWait => "device_wait",
+            ApiClass::CollectiveWait => "collective_wait",
+        }
+    }
 }
 
 /// A symbolized stack, root first, leaf last; kernel frames are suffixed

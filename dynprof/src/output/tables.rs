@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::model::{ApiCall, Drops, OverBudget, StepSpan, WindowData};
+use super::model::{ApiCall, ApiClass, Drops, OverBudget, StepSpan, WindowData};
 use super::{Collectors, write_atomic};
 
 pub const API_SUMMARY_FILE: &str = "api_summary.csv";
@@ -107,6 +107,10 @@ pub struct StepRow {
     pub aux: Vec<u64>,
     pub host_busy_ns: u64,
     pub device_wait_ns: u64,
+    /// Wall time in collective-wait calls (c10d's waits) not already in
+    /// `device_wait_ns`. Part of `host_busy_ns`, which counts only the
+    /// device as a wait.
+    pub collective_wait_ns: u64,
     pub api_calls: u64,
 }
 
@@ -137,7 +141,9 @@ fn step_of(steps: &[StepSpan], order: &[usize], ts: u64) -> Option<usize> {
 /// plain sum of their durations; the union only matters when waits overlap
 /// (two threads waiting at once, or a timeout variant wrapping the plain
 /// call), where a sum would count the same wall time twice and could make
-/// `host_busy_ns` negative.
+/// `host_busy_ns` negative. `collective_wait_ns` is, the same way, the
+/// union of the step's collective-wait calls, less what of it was device
+/// wait: the two never add up to more than the step.
 pub fn step_rows(data: &WindowData) -> (Vec<String>, Vec<StepRow>) {
     let names = aux_names(&data.steps);
     let mut order: Vec<usize> = (0..data.steps.len()).collect();
@@ -145,17 +151,24 @@ pub fn step_rows(data: &WindowData) -> (Vec<String>, Vec<StepRow>) {
 
     let mut calls = vec![0u64; data.steps.len()];
     let mut waits: Vec<Vec<(u64, u64)>> = vec![Vec::new(); data.steps.len()];
+    // Device and collective waits together, for the collective share.
+    let mut all_waits: Vec<Vec<(u64, u64)>> = vec![Vec::new(); data.steps.len()];
     for c in &data.api_calls {
         let Some(i) = step_of(&data.steps, &order, c.start_ts_ns) else {
             continue;
         };
         calls[i] += 1;
-        if c.device_wait {
-            let end = c
-                .start_ts_ns
-                .saturating_add(c.dur_ns)
-                .min(data.steps[i].end_ts_ns);
-            waits[i].push((c.start_ts_ns, end));
+        let end = c
+            .start_ts_ns
+            .saturating_add(c.dur_ns)
+            .min(data.steps[i].end_ts_ns);
+        match c.class {
+            ApiClass::DeviceWait => {
+                waits[i].push((c.start_ts_ns, end));
+                all_waits[i].push((c.start_ts_ns, end));
+            }
+            ApiClass::CollectiveWait => all_waits[i].push((c.start_ts_ns, end)),
+            ApiClass::Call => {}
         }
     }
 
@@ -166,6 +179,9 @@ pub fn step_rows(data: &WindowData) -> (Vec<String>, Vec<StepRow>) {
         .map(|(i, s)| {
             let duration = s.end_ts_ns.saturating_sub(s.start_ts_ns);
             let wait = union_len(&mut waits[i]).min(duration);
+            let collective = union_len(&mut all_waits[i])
+                .min(duration)
+                .saturating_sub(wait);
             let aux = names
                 .iter()
                 .map(|n| s.aux.iter().filter(|(k, _)| k == n).map(|(_, v)| *v).sum())
@@ -178,6 +194,7 @@ pub fn step_rows(data: &WindowData) -> (Vec<String>, Vec<StepRow>) {
                 aux,
                 host_busy_ns: duration - wait,
                 device_wait_ns: wait,
+                collective_wait_ns: collective,
                 api_calls: calls[i],
             }
         })
@@ -214,9 +231,14 @@ pub fn steps_header(aux: &[String]) -> Vec<String> {
         .collect();
     h.extend(aux.iter().map(|n| format!("aux_{n}")));
     h.extend(
-        ["host_busy_ns", "device_wait_ns", "api_calls"]
-            .iter()
-            .map(|s| s.to_string()),
+        [
+            "host_busy_ns",
+            "device_wait_ns",
+            "collective_wait_ns",
+            "api_calls",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
     );
     h
 }
@@ -237,6 +259,7 @@ pub fn write_steps(dir: &Path, data: &WindowData) -> Result<PathBuf> {
         rec.extend(r.aux.iter().map(u64::to_string));
         rec.push(r.host_busy_ns.to_string());
         rec.push(r.device_wait_ns.to_string());
+        rec.push(r.collective_wait_ns.to_string());
         rec.push(r.api_calls.to_string());
         w.write_record(&rec).with_context(ctx)?;
     }
@@ -382,7 +405,11 @@ pub fn summary(data: &WindowData, collectors: &Collectors) -> Summary {
         step_time,
         device_wait_ns,
         host_busy_ns,
-        device_wait_apis: api_stats(data.api_calls.iter().filter(|c| c.device_wait)),
+        device_wait_apis: api_stats(
+            data.api_calls
+                .iter()
+                .filter(|c| c.class == ApiClass::DeviceWait),
+        ),
         api_calls: rows.iter().map(|r| r.api_calls).sum(),
         top_apis,
         top_cpu_frames_self: top_self,
@@ -425,7 +452,11 @@ mod tests {
             start_ts_ns: s,
             dur_ns: d,
             ret: 0,
-            device_wait: wait,
+            class: if wait {
+                ApiClass::DeviceWait
+            } else {
+                ApiClass::Call
+            },
         }
     }
 
@@ -470,7 +501,51 @@ mod tests {
         assert_eq!(rows[1].device_wait_ns, 600);
         assert_eq!(
             steps_header(&names).join(","),
-            "step,start_ts_ns,end_ts_ns,duration_ns,aux_backward,host_busy_ns,device_wait_ns,api_calls"
+            "step,start_ts_ns,end_ts_ns,duration_ns,aux_backward,host_busy_ns,device_wait_ns,collective_wait_ns,api_calls"
+        );
+        assert_eq!(
+            (rows[0].collective_wait_ns, rows[1].collective_wait_ns),
+            (0, 0)
+        );
+    }
+
+    #[test]
+    fn collective_waits_are_their_own_column_and_never_count_device_wait_twice() {
+        let coll = |tid, s, d| ApiCall {
+            class: ApiClass::CollectiveWait,
+            ..call(tid, "c10d::Reducer::finalize_backward", s, d, false)
+        };
+        let data = WindowData {
+            steps: vec![step(1, 1000, 2000), step(2, 2000, 3000)],
+            api_calls: vec![
+                // 300 ns of collective wait.
+                coll(1, 1100, 300),
+                // A device wait inside a collective wait (an NPU DDP
+                // finalize synchronizing its stream): 200 ns device, and
+                // the collective call adds only its other 300 ns.
+                coll(1, 2000, 500),
+                call(1, "aclrtSynchronizeStream", 2100, 200, true),
+                // Crosses the window's end: clipped.
+                coll(2, 2900, 1000),
+            ],
+            ..Default::default()
+        };
+        let (_, rows) = step_rows(&data);
+        assert_eq!(
+            (
+                rows[0].collective_wait_ns,
+                rows[0].device_wait_ns,
+                rows[0].host_busy_ns
+            ),
+            (300, 0, 1000)
+        );
+        assert_eq!(
+            (
+                rows[1].collective_wait_ns,
+                rows[1].device_wait_ns,
+                rows[1].api_calls
+            ),
+            (300 + 100, 200, 3)
         );
     }
 

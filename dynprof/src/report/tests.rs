@@ -33,7 +33,7 @@ fn window(wait_ns: u64, hot: &str) -> WindowData {
             start_ts_ns: s + 100_000,
             dur_ns: 20_000,
             ret: 0,
-            device_wait: false,
+            class: crate::output::model::ApiClass::Call,
         });
         d.api_calls.push(ApiCall {
             tid: 778,
@@ -41,7 +41,7 @@ fn window(wait_ns: u64, hot: &str) -> WindowData {
             start_ts_ns: s + 200_000,
             dur_ns: 20_000,
             ret: 0,
-            device_wait: false,
+            class: crate::output::model::ApiClass::Call,
         });
         let sync_start = s + step_ns - wait_ns - 1_000;
         d.api_calls.push(ApiCall {
@@ -50,7 +50,7 @@ fn window(wait_ns: u64, hot: &str) -> WindowData {
             start_ts_ns: sync_start,
             dur_ns: wait_ns,
             ret: 0,
-            device_wait: true,
+            class: crate::output::model::ApiClass::DeviceWait,
         });
         d.offcpu.push(OffCpuSpan {
             tid: 777,

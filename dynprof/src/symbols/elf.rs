@@ -604,11 +604,20 @@ impl ElfImage {
     /// [`demangle`]'s caps, and all of them under [`limits::DEMANGLE_TIME`];
     /// names left once that runs out are compared mangled only, with a warning.
     pub fn find_function(&self, spec: &str) -> Vec<SymbolHit> {
+        self.find_functions(&[spec]).pop().unwrap_or_default()
+    }
+
+    /// [`Self::find_function`] for several names in one pass over the
+    /// symbol tables (libtorch_cpu's take milliseconds per pass); one list
+    /// of hits per name, in order. A name that is a candidate for several
+    /// specs is demangled once.
+    pub fn find_functions(&self, specs: &[&str]) -> Vec<Vec<SymbolHit>> {
         let file = self.file();
-        let needles = mangled_needles(spec);
-        // (mangled, vaddr, demangled when already known)
-        let mut found: Vec<(&str, u64, Option<String>)> = Vec::new();
-        let mut to_demangle: Vec<(&str, u64)> = Vec::new();
+        let needles: Vec<Vec<String>> = specs.iter().map(|s| mangled_needles(s)).collect();
+        // Per spec: (mangled, vaddr, demangled when already known)
+        let mut found: Vec<Vec<(&str, u64, Option<String>)>> = vec![Vec::new(); specs.len()];
+        // (mangled, vaddr, the specs it may be)
+        let mut to_demangle: Vec<(&str, u64, Vec<usize>)> = Vec::new();
         for sym in file.symbols().chain(file.dynamic_symbols()) {
             if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
                 continue;
@@ -623,29 +632,42 @@ impl ElfImage {
             if is_cold_fragment(name) {
                 continue;
             }
-            if name == spec {
-                found.push((name, sym.address(), None));
-            } else if name.starts_with("_Z") && needles.iter().all(|n| name.contains(n.as_str())) {
-                to_demangle.push((name, sym.address()));
+            let mut maybe = Vec::new();
+            for (i, spec) in specs.iter().enumerate() {
+                if name == *spec {
+                    found[i].push((name, sym.address(), None));
+                } else if name.starts_with("_Z")
+                    && needles[i].iter().all(|n| name.contains(n.as_str()))
+                {
+                    maybe.push(i);
+                }
+            }
+            if !maybe.is_empty() {
+                to_demangle.push((name, sym.address(), maybe));
             }
         }
         // Shortest first under the time budget: a file cannot hide a real
         // name behind many long crafted ones.
-        to_demangle.sort_by_key(|(n, a)| (n.len(), *a));
+        to_demangle.sort_by_key(|(n, a, _)| (n.len(), *a));
         let deadline = Instant::now() + limits::DEMANGLE_TIME;
-        let mut skipped = 0usize;
-        for (name, vaddr) in to_demangle {
+        let mut skipped = vec![0usize; specs.len()];
+        for (name, vaddr, maybe) in to_demangle {
             if Instant::now() >= deadline {
-                skipped += 1;
+                for i in maybe {
+                    skipped[i] += 1;
+                }
                 continue;
             }
-            if let Some(full) = demangle::cpp(name)
-                && (full == spec || strip_params(&full) == spec)
-            {
-                found.push((name, vaddr, Some(full)));
+            let Some(full) = demangle::cpp(name) else {
+                continue;
+            };
+            for i in maybe {
+                if full == specs[i] || strip_params(&full) == specs[i] {
+                    found[i].push((name, vaddr, Some(full.clone())));
+                }
             }
         }
-        if skipped > 0 {
+        for (spec, skipped) in specs.iter().zip(skipped).filter(|(_, n)| *n > 0) {
             log::warn!(
                 "{}: demangling took over {} s; {skipped} candidate names for `{spec}` were not \
                  demangled (the longest ones; name the function by its mangled name to reach them)",
@@ -653,21 +675,26 @@ impl ElfImage {
                 limits::DEMANGLE_TIME.as_secs()
             );
         }
-        let mut hits: Vec<SymbolHit> = Vec::new();
-        for (name, vaddr, demangled) in found {
-            if hits.iter().any(|h| h.vaddr == vaddr) {
-                continue;
-            }
-            if let Some(file_offset) = self.vaddr_to_offset(vaddr) {
-                hits.push(SymbolHit {
-                    mangled: name.to_string(),
-                    demangled: demangled.unwrap_or_else(|| demangle(name)),
-                    vaddr,
-                    file_offset,
-                });
-            }
-        }
-        hits
+        found
+            .into_iter()
+            .map(|found| {
+                let mut hits: Vec<SymbolHit> = Vec::new();
+                for (name, vaddr, demangled) in found {
+                    if hits.iter().any(|h| h.vaddr == vaddr) {
+                        continue;
+                    }
+                    if let Some(file_offset) = self.vaddr_to_offset(vaddr) {
+                        hits.push(SymbolHit {
+                            mangled: name.to_string(),
+                            demangled: demangled.unwrap_or_else(|| demangle(name)),
+                            vaddr,
+                            file_offset,
+                        });
+                    }
+                }
+                hits
+            })
+            .collect()
     }
 }
 

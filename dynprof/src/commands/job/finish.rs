@@ -92,6 +92,7 @@ impl Controller {
                 .as_ref()
                 .map(|w| format!("{}/{w}", job::rank_dir_name(m.rank)));
             let mut own_rows = Vec::new();
+            let mut wait_source = None;
             match &win {
                 None => {
                     problem = Some(
@@ -111,7 +112,10 @@ impl Controller {
                             let t = rk.tap.borrow();
                             let tids: HashMap<u64, u32> =
                                 t.hits.iter().map(|(h, tid)| (h.step, *tid)).collect();
-                            own_rows = table::rank_rows(m.rank, offset, &steps, &tids, &t.offcpu);
+                            let source = table::WaitSource::of(&steps);
+                            wait_source = Some(source);
+                            own_rows =
+                                table::rank_rows(m.rank, offset, &steps, source, &tids, &t.offcpu);
                             let step_tids: std::collections::HashSet<u32> = steps
                                 .iter()
                                 .filter_map(|s| tids.get(&s.step).copied())
@@ -172,6 +176,7 @@ impl Controller {
                 "offset": offset,
                 "own_steps": [alignment.own_step(m.rank, first), alignment.own_step(m.rank, last)],
                 "window_dir": window_dir,
+                "collective_wait_from": wait_source,
                 "problem": problem,
                 "session": ended.and_then(|e| e.summary),
             }));
@@ -220,7 +225,7 @@ impl Controller {
             "rank_list": run.req.rank_list,
             "job_step_is": "the reference (lowest) rank's own step index, counted from its attach",
             "rank_source": self.s.source,
-            "collective_wait_is": "off-CPU time of the thread that crosses the step boundary, less device wait",
+            "collective_wait_is": "per rank (`collective_wait_from`): time in c10d's collective-wait calls (collective_calls), or else off-CPU time of the thread that crosses the step boundary (step_thread_off_cpu); less device wait either way",
             "alignment": alignment,
             "verification": verification,
             "ranks": rank_meta,

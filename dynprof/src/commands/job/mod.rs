@@ -78,14 +78,11 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     crate::sys::caps::check(&driver::needs(&args.window, &trigger.mode())?)?;
     let (members, source) = discover_waiting(&job_ref, args.window.wait_for_marker)?;
     crate::bpf::preflight()?;
-    // The collective wait is the step thread's off-CPU time: always collect it.
-    let mut collect = args
-        .window
-        .collectors()?
-        .unwrap_or_else(|| Builtin::ALL.to_vec());
-    if !collect.contains(&Builtin::Offcpu) {
-        collect.push(Builtin::Offcpu);
-    }
+    let collect = with_job_collectors(
+        args.window
+            .collectors()?
+            .unwrap_or_else(|| Builtin::ALL.to_vec()),
+    );
     let root = OutputRoot::open(&args.window.output)?;
     eprintln!(
         "dynprof: job of {} rank(s) (ranks from {:?}): {}",
@@ -319,4 +316,17 @@ pub fn ps_jobs(json_out: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The collectors a job window arms: `collect` plus the two that
+/// `job_steps.csv`'s collective wait comes from: `api` (c10d's
+/// collective-wait calls) and `offcpu` (the step thread's off-CPU time,
+/// for ranks that make no such call).
+fn with_job_collectors(mut collect: Vec<Builtin>) -> Vec<Builtin> {
+    for b in [Builtin::Api, Builtin::Offcpu] {
+        if !collect.contains(&b) {
+            collect.push(b);
+        }
+    }
+    collect
 }

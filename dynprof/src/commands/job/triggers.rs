@@ -120,10 +120,8 @@ impl Controller {
             ));
             return;
         }
-        let mut collect = pr.collect.clone().unwrap_or_else(|| self.s.collect.clone());
-        if !collect.contains(&Builtin::Offcpu) {
-            collect.push(Builtin::Offcpu);
-        }
+        let collect =
+            with_job_collectors(pr.collect.clone().unwrap_or_else(|| self.s.collect.clone()));
         let change = pr.change;
         let req = JobRequest {
             plan: pr.plan,

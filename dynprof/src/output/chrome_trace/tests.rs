@@ -21,7 +21,7 @@ pub(crate) fn sample_data() -> WindowData {
                 start_ts_ns: 1_000_100,
                 dur_ns: 5_000,
                 ret: 0,
-                device_wait: false,
+                class: crate::output::model::ApiClass::Call,
             },
             ApiCall {
                 tid: 101,
@@ -29,7 +29,7 @@ pub(crate) fn sample_data() -> WindowData {
                 start_ts_ns: 1_000_200,
                 dur_ns: 5_000,
                 ret: 0,
-                device_wait: false,
+                class: crate::output::model::ApiClass::Call,
             },
             ApiCall {
                 tid: 100,
@@ -37,7 +37,7 @@ pub(crate) fn sample_data() -> WindowData {
                 start_ts_ns: 1_500_000,
                 dur_ns: 400_000,
                 ret: 0,
-                device_wait: true,
+                class: crate::output::model::ApiClass::DeviceWait,
             },
         ],
         samples: vec![CpuSample {

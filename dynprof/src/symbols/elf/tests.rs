@@ -99,6 +99,24 @@ fn finds_a_function_in_the_test_binary() {
     assert!(img.sparse.total < size, "{} of {size}", img.sparse.total);
 }
 
+#[test]
+fn one_pass_for_several_names_finds_what_each_name_finds() {
+    let exe = std::env::current_exe().unwrap();
+    let img = ElfImage::open(&exe).unwrap();
+    let specs = ["main", "no_such_function_anywhere", "main"];
+    let all = img.find_functions(&specs);
+    assert_eq!(all.len(), 3);
+    for (spec, hits) in specs.iter().zip(&all) {
+        let one = img.find_function(spec);
+        assert_eq!(
+            hits.iter().map(|h| h.file_offset).collect::<Vec<_>>(),
+            one.iter().map(|h| h.file_offset).collect::<Vec<_>>(),
+            "{spec}"
+        );
+    }
+    assert_eq!((all[0].len(), all[1].len()), (1, 0));
+}
+
 fn this_binary() -> Vec<u8> {
     std::fs::read(std::env::current_exe().unwrap()).unwrap()
 }
