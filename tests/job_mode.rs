@@ -9,6 +9,8 @@ mod attach_util;
 mod common;
 #[path = "containers_util.rs"]
 mod containers_util;
+#[path = "torch2_util.rs"]
+mod torch2_util;
 
 use std::{
     collections::BTreeMap,
@@ -41,11 +43,16 @@ fn free_port() -> u16 {
 
 /// Starts the ranks and waits until every one has joined the process group.
 fn start_ranks(dir: &Path) -> Vec<Proc> {
+    start_ranks_with(dir, PYTHON3)
+}
+
+/// [`start_ranks`] under another interpreter (PyTorch 2.x's).
+fn start_ranks_with(dir: &Path, python: &str) -> Vec<Proc> {
     let script = workspace_root().join("tests/fixtures/ddp_train.py");
     let port = free_port().to_string();
     let mut procs: Vec<Proc> = (0..WORLD)
         .map(|r| {
-            let mut cmd = Command::new(PYTHON3);
+            let mut cmd = Command::new(python);
             cmd.arg(&script)
                 .arg("--log")
                 .arg(dir.join(format!("rank{r}.log")))
@@ -138,6 +145,26 @@ fn ddp_four_ranks_same_iterations_and_straggler_named() {
     pids.push(stranger.pid.to_string());
     let (job, _) = attach_job(&out, &["--pids", &pids.join(",")], Some(stranger.pid));
     check_job(&dir, &job, true, FROM_C10D_CALLS);
+    drop(ranks);
+}
+
+/// The same job on PyTorch 2.x (PyPI): c10d's waits are found in its
+/// libtorch_cpu too, so the waiting ranks' wait is their time in DDP's
+/// `Reducer::finalize_backward`, as on 1.13.
+#[test]
+fn ddp_torch2_job_waits_in_c10d_calls() {
+    require_privileges!();
+    let Some(py) = torch2_util::torch2_python("ddp_torch2_job_waits_in_c10d_calls") else {
+        return;
+    };
+    torch2_util::check_version(&py);
+    let _one = one_job();
+    let dir = scratch_dir("job_mode-ddp-torch2");
+    let out = dir.join("out");
+    let ranks = start_ranks_with(&dir, &py);
+    let pids: Vec<String> = ranks.iter().map(|p| p.pid.to_string()).collect();
+    let (job, _) = attach_job(&out, &["--pids", &pids.join(",")], None);
+    check_job(&dir, &job, false, FROM_C10D_CALLS);
     drop(ranks);
 }
 
@@ -533,6 +560,9 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool, wait_from: &str) {
         .filter(|r| r["rank"].as_u64() < Some(u64::from(WORLD)))
     {
         assert_eq!(r["collective_wait_from"], wait_from, "{r}");
+        // Each rank's own window complete: its collectors went live before
+        // the window's first step.
+        assert!(r["problem"].is_null(), "{r}");
     }
     if with_stranger {
         let r4 = meta["ranks"]

@@ -8,55 +8,15 @@
 #[path = "attach_util.rs"]
 mod attach_util;
 mod common;
+#[path = "torch2_util.rs"]
+mod torch2_util;
 
 use std::{path::PathBuf, time::Duration};
 
 use attach_util::*;
+use torch2_util::{check_version, torch2_python};
 
 const T: Duration = Duration::from_secs(600);
-
-/// Same default as `TORCH2_VENV_DEFAULT` in xtask/src/setup.rs
-/// (xtask/tests/doc_links.rs checks that they agree).
-const TORCH2_VENV_DEFAULT: &str = "/var/cache/dynprof/venv-torch2";
-
-fn torch2_python(test: &str) -> Option<String> {
-    let py = std::env::var("DYNPROF_TORCH2_PYTHON").unwrap_or_else(|_| {
-        let venv = std::env::var("DYNPROF_TORCH2_VENV")
-            .ok()
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| TORCH2_VENV_DEFAULT.into());
-        format!("{venv}/bin/python")
-    });
-    if PathBuf::from(&py).exists() {
-        return Some(py);
-    }
-    if std::env::var("DYNPROF_REQUIRE_TORCH2").is_ok_and(|v| v == "1") {
-        panic!(
-            "{test}: {py} is missing and DYNPROF_REQUIRE_TORCH2=1 forbids skipping; \
-             `cargo xtask setup` installs it"
-        );
-    }
-    use std::io::Write as _;
-    let _ = writeln!(
-        std::io::stderr(),
-        "\n!!!!!!!! SKIPPED (no PyTorch 2.x venv at {py}; `cargo xtask setup` installs it, see docs/attach.md): {test} !!!!!!!!\n"
-    );
-    None
-}
-
-fn check_version(py: &str) -> String {
-    let out = std::process::Command::new(py)
-        .args(["-c", "import torch; print(torch.__version__)"])
-        .output()
-        .expect("running the torch 2 python");
-    let v = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    assert!(
-        v.starts_with('2'),
-        "{py} has torch {v:?}, not 2.x: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    v
-}
 
 #[test]
 fn pytorch2_auto_sgd_grad_accumulation() {

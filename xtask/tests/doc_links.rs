@@ -274,13 +274,13 @@ fn readme_stays_a_readme() {
     }
 }
 
-/// setup/venvs.rs installs the venv where tests/pytorch2_attach.rs looks
-/// for it.
+/// setup/venvs.rs installs the venv where tests/torch2_util.rs looks for
+/// it.
 #[test]
 fn torch2_venv_default_agrees_between_setup_and_test() {
     let r = root();
     let setup = std::fs::read_to_string(r.join("xtask/src/setup/venvs.rs")).unwrap();
-    let test = std::fs::read_to_string(r.join("tests/pytorch2_attach.rs")).unwrap();
+    let test = std::fs::read_to_string(r.join("tests/torch2_util.rs")).unwrap();
     let default_of = |text: &str, file: &str| -> String {
         let line = text
             .lines()
@@ -293,7 +293,7 @@ fn torch2_venv_default_agrees_between_setup_and_test() {
     };
     assert_eq!(
         default_of(&setup, "setup/venvs.rs"),
-        default_of(&test, "pytorch2_attach.rs")
+        default_of(&test, "torch2_util.rs")
     );
 }
 

@@ -35,6 +35,9 @@ pub struct ApiCollector {
     attached: usize,
     warned_empty: bool,
     drops: DropBase,
+    /// The API sets' symbol lookups, read at attach on a thread of their
+    /// own ([`apis::prefetch`]); taken in at the first arm.
+    prefetch: Option<std::thread::JoinHandle<apis::Lookups>>,
 }
 
 impl ApiCollector {
@@ -48,6 +51,7 @@ impl ApiCollector {
             attached: 0,
             warned_empty: false,
             drops: DropBase::default(),
+            prefetch: None,
         }
     }
 
@@ -62,9 +66,28 @@ impl Collector for ApiCollector {
         Builtin::Api
     }
 
+    fn prepare(&mut self, target: &Target) {
+        let (t, sets) = (target.clone(), self.sets.clone());
+        match std::thread::Builder::new()
+            .name("dynprof-api-syms".into())
+            .spawn(move || apis::prefetch(&t, &sets))
+        {
+            Ok(h) => self.prefetch = Some(h),
+            // The first arm then looks the symbols up itself.
+            Err(e) => log::debug!("api: no prefetch thread: {e}"),
+        }
+    }
+
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
         self.names.set_pid(target.host_pid.0);
         self.drops.arm(kernel);
+        if let Some(h) = self.prefetch.take() {
+            // Waits for the rest of it: the same reads the arm would make.
+            match h.join() {
+                Ok(l) => self.table.absorb(l),
+                Err(_) => log::warn!("api: the symbol prefetch panicked; looking up at arm"),
+            }
+        }
         // Resolved at every arm: a library dlopen'ed since the last window
         // (a CUDA or CANN plugin) is picked up.
         let res = apis::resolve(target, &self.sets, &self.user, &mut self.table)?;

@@ -243,17 +243,36 @@ pub struct ResolvedApi {
     pub file_offset: u64,
 }
 
+/// Symbol lookups by (file, inode, symbol, among the exported ones only).
+pub type Lookups = HashMap<(String, u64, String, bool), Vec<SymbolHit>>;
+
+/// The API sets' lookups in the libraries `target` maps now, for
+/// [`ApiTable::absorb`]: what the first [`resolve`] would do, done ahead of
+/// it. A large library takes long (PyTorch 2.x's libtorch_cpu: 0.13 s, a
+/// 78 MB string table), and the first arm is on the window's critical
+/// path. One prefetch runs at a time in the process, so a job's ranks do
+/// not take a core each away from the job.
+pub fn prefetch(target: &Target, sets: &[ApiSet]) -> Lookups {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut t = ApiTable::default();
+    if let Err(e) = resolve(target, sets, &[], &mut t) {
+        log::debug!("api: prefetch for PID {}: {e:#}", target.host_pid);
+    }
+    t.lookups
+}
+
 /// The collector's API table. Indices are stable for the collector's life:
 /// an event read after re-arming still names the right API.
 #[derive(Default, Debug)]
 pub struct ApiTable {
     entries: Vec<(String, ApiClass)>,
     by_key: HashMap<(String, u64), u32>,
-    /// Symbol lookups by (file, inode, symbol), kept across arms: the
+    /// Symbol lookups, kept across arms: the
     /// table is resolved again at every window, and a search of
     /// libtorch_cpu's symbols takes milliseconds. A file replaced on disk
     /// has a new inode and is searched again.
-    lookups: HashMap<(String, u64, String), Vec<SymbolHit>>,
+    lookups: Lookups,
 }
 
 impl ApiTable {
@@ -284,6 +303,13 @@ impl ApiTable {
             e.0 = format!("{}|{name}", e.0);
         }
         e.1 = e.1.max(class);
+    }
+
+    /// Takes in lookups made elsewhere ([`prefetch`]); its own are kept.
+    pub fn absorb(&mut self, lookups: Lookups) {
+        for (k, v) in lookups {
+            self.lookups.entry(k).or_insert(v);
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -343,32 +369,41 @@ pub fn resolve(
     // Opened on first use only: a file whose lookups are all cached is
     // not read again.
     let mut images: HashMap<String, Option<ElfImage>> = HashMap::new();
-    let mut lookup =
-        |table: &mut ApiTable, m: &Mapping, symbols: &[&str]| -> Option<Vec<Vec<SymbolHit>>> {
-            let key = |s: &str| (m.path.clone(), m.inode, s.to_string());
-            if let Some(all) = symbols
-                .iter()
-                .map(|s| table.lookups.get(&key(s)).cloned())
-                .collect::<Option<Vec<_>>>()
-            {
-                return Some(all);
-            }
-            let img = images
-                .entry(m.path.clone())
-                .or_insert_with(|| match crate::target::mount::open_elf(target, m) {
-                    Ok(i) => Some(i),
-                    Err(e) => {
-                        log::debug!("api: cannot read {}: {e:#}", m.path);
-                        None
-                    }
-                })
-                .as_ref()?;
-            let all = img.find_functions(symbols);
-            for (s, hits) in symbols.iter().zip(&all) {
-                table.lookups.insert(key(s), hits.clone());
-            }
-            Some(all)
+    // `exported`: an API set's functions are the library's exports, so only
+    // its dynamic symbols are searched (a tenth of libtorch_cpu's).
+    let mut lookup = |table: &mut ApiTable,
+                      m: &Mapping,
+                      symbols: &[&str],
+                      exported: bool|
+     -> Option<Vec<Vec<SymbolHit>>> {
+        let key = |s: &str| (m.path.clone(), m.inode, s.to_string(), exported);
+        if let Some(all) = symbols
+            .iter()
+            .map(|s| table.lookups.get(&key(s)).cloned())
+            .collect::<Option<Vec<_>>>()
+        {
+            return Some(all);
+        }
+        let img = images
+            .entry(m.path.clone())
+            .or_insert_with(|| match crate::target::mount::open_elf(target, m) {
+                Ok(i) => Some(i),
+                Err(e) => {
+                    log::debug!("api: cannot read {}: {e:#}", m.path);
+                    None
+                }
+            })
+            .as_ref()?;
+        let all = if exported {
+            img.find_exported_functions(symbols)
+        } else {
+            img.find_functions(symbols)
         };
+        for (s, hits) in symbols.iter().zip(&all) {
+            table.lookups.insert(key(s), hits.clone());
+        }
+        Some(all)
+    };
     // (mapping, label, class, where its symbol was found)
     let mut wanted: Vec<(&Mapping, String, ApiClass, Vec<SymbolHit>)> = Vec::new();
     for set in sets {
@@ -379,7 +414,7 @@ pub fn resolve(
             }
             let names: Vec<&str> = set.apis.iter().map(|a| a.name).collect();
             // One pass over the file's symbols for the whole set.
-            let Some(found) = lookup(table, m, &names) else {
+            let Some(found) = lookup(table, m, &names, true) else {
                 continue;
             };
             res.searched.push(m.path.clone());
@@ -406,7 +441,8 @@ pub fn resolve(
         }
         let mut found = false;
         for m in objs {
-            let Some(hits) = lookup(table, m, &[u.symbol.as_str()]).and_then(|mut v| v.pop())
+            let Some(hits) =
+                lookup(table, m, &[u.symbol.as_str()], false).and_then(|mut v| v.pop())
             else {
                 continue;
             };

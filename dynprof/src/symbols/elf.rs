@@ -613,12 +613,28 @@ impl ElfImage {
     /// specs is demangled once.
     pub fn find_functions(&self, specs: &[&str]) -> Vec<Vec<SymbolHit>> {
         let file = self.file();
+        self.find_in(specs, file.symbols().chain(file.dynamic_symbols()))
+    }
+
+    /// [`Self::find_functions`] among the exported functions only (the
+    /// dynamic symbol table): a library's API. PyTorch 2.x's libtorch_cpu
+    /// exports 75k symbols and has 620k in all; the full look took 80 ms
+    /// (1.1 s in a debug build), this one a tenth.
+    pub fn find_exported_functions(&self, specs: &[&str]) -> Vec<Vec<SymbolHit>> {
+        self.find_in(specs, self.file().dynamic_symbols())
+    }
+
+    fn find_in<'f>(
+        &self,
+        specs: &[&str],
+        symbols: impl Iterator<Item = object::read::Symbol<'f, 'f, &'f Sparse>>,
+    ) -> Vec<Vec<SymbolHit>> {
         let needles: Vec<Vec<String>> = specs.iter().map(|s| mangled_needles(s)).collect();
         // Per spec: (mangled, vaddr, demangled when already known)
         let mut found: Vec<Vec<(&str, u64, Option<String>)>> = vec![Vec::new(); specs.len()];
         // (mangled, vaddr, the specs it may be)
         let mut to_demangle: Vec<(&str, u64, Vec<usize>)> = Vec::new();
-        for sym in file.symbols().chain(file.dynamic_symbols()) {
+        for sym in symbols {
             if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
                 continue;
             }

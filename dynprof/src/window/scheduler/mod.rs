@@ -335,6 +335,9 @@ impl Scheduler {
             return;
         }
         self.prepared = true;
+        for c in &mut self.collectors {
+            c.prepare(target);
+        }
         for h in &mut self.hooks {
             if let Err(e) = h.prepare(target) {
                 log::warn!("hook {}: prepare failed: {e:#}", h.name());
