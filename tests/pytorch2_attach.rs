@@ -11,7 +11,7 @@ mod common;
 #[path = "torch2_util.rs"]
 mod torch2_util;
 
-use std::{path::PathBuf, time::Duration};
+use std::time::Duration;
 
 use attach_util::*;
 use torch2_util::{check_version, torch2_python};
