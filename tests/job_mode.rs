@@ -383,7 +383,7 @@ fn job_args(out: &Path, job: &[&str]) -> Vec<String> {
         "--active",
         &a,
         "--collect",
-        "offcpu",
+        "api", // offcpu is added in job mode
         "--duration",
         "240",
         "-o",
@@ -701,7 +701,7 @@ fn a_rank_that_exits_before_alignment_is_left_out() {
         "--active",
         "3",
         "--collect",
-        "offcpu",
+        "api",
         "--duration",
         "240",
         "-o",

@@ -1,8 +1,11 @@
-//! CPython 3.13 and 3.14 frames in cpu windows, on real interpreters
+//! CPython 3.12, 3.13 and 3.14 frames in cpu windows, on real interpreters
 //! (issue 15, docs/stacks.md): the hot-function-under-caller check of
 //! tests/python_frames.rs, with Debian trixie's python3.13 and sid's
 //! python3.14 run from root filesystems that `cargo xtask setup` builds
-//! under /var/cache/dynprof/python-rootfs (xtask/src/pyroots.rs).
+//! under /var/cache/dynprof/python-rootfs (xtask/src/pyroots.rs), and the
+//! machine image's pyenv CPython 3.12 (shared libpython, so the
+//! interpreter's code and `_PyRuntime` are in `libpython3.12.so`) run on
+//! the host.
 //!
 //! The interpreter runs as `unshare --mount --pid --fork chroot ROOT
 //! python3.X py_hot.py`: a container-like target (own PID namespace, own
@@ -80,39 +83,63 @@ fn def_lines(script: &str, name: &str) -> (u32, u32) {
     (start as u32 + 1, (start + len) as u32)
 }
 
-fn hot_function_under_its_caller(minor: u8) {
-    let Some(root) = rootfs(minor) else { return };
+/// The pyenv CPython 3.12 of the machine image (`DYNPROF_PY312` names
+/// another), or `None` after a LOUD skip line: no registry this project may
+/// use ships a 3.12 (Debian has 3.11 and 3.13).
+fn host_python312() -> Option<PathBuf> {
+    let py = std::env::var_os("DYNPROF_PY312")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/root/.pyenv/versions/3.12.1/bin/python3.12".into());
+    if py.is_file() {
+        return Some(py);
+    }
+    eprintln!(
+        "\n!!!!!!!! SKIPPED (no CPython 3.12 at {}; set DYNPROF_PY312): python312_hot_function_under_its_caller !!!!!!!!\n",
+        py.display()
+    );
+    None
+}
+
+/// Where the interpreter comes from.
+enum Interp {
+    /// A Debian root filesystem's `/usr/bin/python3.MINOR`, chrooted in
+    /// its own PID namespace.
+    Rootfs(u8),
+    /// An interpreter on the host, by path.
+    Host(u8, PathBuf),
+}
+
+fn hot_function_under_its_caller(interp: Interp) {
+    match interp {
+        Interp::Rootfs(minor) => {
+            let Some(root) = rootfs(minor) else { return };
+            hot_in_rootfs(minor, &root)
+        }
+        Interp::Host(minor, py) => hot_on_host(minor, &py),
+    }
+}
+
+fn hot_on_host(minor: u8, py: &Path) {
     let dir = scratch_dir(&format!("python_versions_{minor}"));
-    // The script goes inside the root (the chrooted interpreter sees only
-    // it), in a directory of this test's own.
-    let inside = PathBuf::from(format!("/tmp/dynprof-test-{}-{minor}", std::process::id()));
-    let host_side = root.join(inside.strip_prefix("/").unwrap());
-    std::fs::create_dir_all(&host_side).unwrap();
     let fixture = workspace_root().join("tests/fixtures/py_hot.py");
-    std::fs::copy(&fixture, host_side.join("py_hot.py")).unwrap();
     let script = std::fs::read_to_string(&fixture).unwrap();
+    let mut p = Proc::spawn_ready(Command::new(py).arg(&fixture).args([
+        "--native-step",
+        "--units",
+        "100000",
+    ]));
+    let python = p.host_pid();
+    let o = attach_hot(python, &dir.join("out"));
+    // SAFETY: kill(2) on our own child, still running.
+    unsafe { libc::kill(python as i32, libc::SIGTERM) };
+    let st = p.child.wait().unwrap();
+    assert!(st.success(), "the job: {st}");
+    check_hot(minor, &dir, &script, &o);
+}
 
-    let mut p = Proc::spawn_ready(
-        Command::new("unshare")
-            .args(["--mount", "--pid", "--fork", "--kill-child", "chroot"])
-            .arg(&root)
-            .arg(format!("/usr/bin/python3.{minor}"))
-            .arg(inside.join("py_hot.py"))
-            .args(["--native-step", "--units", "100000"]),
-    );
-    assert_eq!(p.pid, 1, "python is PID 1 of its own namespace");
-    let kids = children(p.host_pid());
-    assert_eq!(kids.len(), 1, "unshare's one child: {kids:?}");
-    let python = kids[0];
-    let exe = std::fs::read_link(format!("/proc/{python}/exe")).unwrap();
-    assert!(
-        exe.ends_with(format!("usr/bin/python3.{minor}")),
-        "{}",
-        exe.display()
-    );
-
-    let out = dir.join("out");
-    let o = Command::new(dynprof_bin())
+/// `dynprof attach` for 40 steps of py_hot.py at 499 Hz.
+fn attach_hot(python: u32, out: &Path) -> std::process::Output {
+    Command::new(dynprof_bin())
         .args([
             "attach",
             "--pid",
@@ -134,9 +161,42 @@ fn hot_function_under_its_caller(minor: u8) {
             "--json",
             "-o",
         ])
-        .arg(&out)
+        .arg(out)
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+fn hot_in_rootfs(minor: u8, root: &Path) {
+    let dir = scratch_dir(&format!("python_versions_{minor}"));
+    // The script goes inside the root (the chrooted interpreter sees only
+    // it), in a directory of this test's own.
+    let inside = PathBuf::from(format!("/tmp/dynprof-test-{}-{minor}", std::process::id()));
+    let host_side = root.join(inside.strip_prefix("/").unwrap());
+    std::fs::create_dir_all(&host_side).unwrap();
+    let fixture = workspace_root().join("tests/fixtures/py_hot.py");
+    std::fs::copy(&fixture, host_side.join("py_hot.py")).unwrap();
+    let script = std::fs::read_to_string(&fixture).unwrap();
+
+    let mut p = Proc::spawn_ready(
+        Command::new("unshare")
+            .args(["--mount", "--pid", "--fork", "--kill-child", "chroot"])
+            .arg(root)
+            .arg(format!("/usr/bin/python3.{minor}"))
+            .arg(inside.join("py_hot.py"))
+            .args(["--native-step", "--units", "100000"]),
+    );
+    assert_eq!(p.pid, 1, "python is PID 1 of its own namespace");
+    let kids = children(p.host_pid());
+    assert_eq!(kids.len(), 1, "unshare's one child: {kids:?}");
+    let python = kids[0];
+    let exe = std::fs::read_link(format!("/proc/{python}/exe")).unwrap();
+    assert!(
+        exe.ends_with(format!("usr/bin/python3.{minor}")),
+        "{}",
+        exe.display()
+    );
+
+    let o = attach_hot(python, &dir.join("out"));
     // unshare --fork ignores SIGTERM while it waits for its child: the
     // interpreter (PID 1 of its namespace, with a SIGTERM handler) is
     // stopped instead, and unshare exits with it.
@@ -145,6 +205,14 @@ fn hot_function_under_its_caller(minor: u8) {
     let st = p.child.wait().unwrap();
     assert!(st.success(), "the job under unshare: {st}");
     let _ = std::fs::remove_dir_all(&host_side);
+    check_hot(minor, &dir, &script, &o);
+}
+
+/// The window's stacks: most samples in `hot` or `cold` under their
+/// caller, named by a line of their own body, joined to the interpreter's
+/// native frames, `hot` with about 80 % (the job's split).
+fn check_hot(minor: u8, dir: &Path, script: &str, o: &std::process::Output) {
+    let out = dir.join("out");
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
     let (_, stacks) = window_folded(&out, "cpu", &stderr);
@@ -154,8 +222,8 @@ fn hot_function_under_its_caller(minor: u8) {
     }
     assert!(total >= 30, "too few samples: {total}");
 
-    let (hot_first, hot_last) = def_lines(&script, "hot");
-    let (cold_first, cold_last) = def_lines(&script, "cold");
+    let (hot_first, hot_last) = def_lines(script, "hot");
+    let (cold_first, cold_last) = def_lines(script, "cold");
     let (mut hot, mut cold, mut joined, mut user_mode) = (0u64, 0u64, 0u64, 0u64);
     for (s, n) in &stacks {
         let py: Vec<(usize, &str)> = s
@@ -230,17 +298,24 @@ fn hot_function_under_its_caller(minor: u8) {
         (0.7..=0.9).contains(&share),
         "hot's share {share:.2}, expected about 0.80"
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn python312_hot_function_under_its_caller() {
+    require_privileges!();
+    let Some(py) = host_python312() else { return };
+    hot_function_under_its_caller(Interp::Host(12, py));
 }
 
 #[test]
 fn python313_hot_function_under_its_caller() {
     require_privileges!();
-    hot_function_under_its_caller(13);
+    hot_function_under_its_caller(Interp::Rootfs(13));
 }
 
 #[test]
 fn python314_hot_function_under_its_caller() {
     require_privileges!();
-    hot_function_under_its_caller(14);
+    hot_function_under_its_caller(Interp::Rootfs(14));
 }

@@ -189,10 +189,15 @@ impl LoadPlan {
 /// slow part, runs afterwards on the ranks' threads.
 pub struct Loader<'a>(EbpfLoader<'a>);
 
-impl<'a> Loader<'a> {
-    #[allow(clippy::new_without_default)]
-    pub fn new() -> Self {
+impl Default for Loader<'_> {
+    fn default() -> Self {
         Self(EbpfLoader::new())
+    }
+}
+
+impl<'a> Loader<'a> {
+    pub fn new() -> Self {
+        Self::default()
     }
 
     /// Creates `plan`'s maps and relocates its programs; none is verified

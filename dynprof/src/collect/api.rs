@@ -26,6 +26,13 @@ use crate::{
     types::Builtin,
 };
 
+/// How long an arm waits for the symbol prefetch to finish before it goes
+/// on without the libraries still being read: long enough for the small
+/// runtime libraries the prefetch reads first (the CANN and CUDA sets come
+/// before c10d's libtorch_cpu), short enough not to hold up a job's other
+/// ranks, whose plans are served by the same thread.
+const PREFETCH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
 pub struct ApiCollector {
     sets: Vec<ApiSet>,
     user: Vec<ApiSpec>,
@@ -35,9 +42,9 @@ pub struct ApiCollector {
     attached: usize,
     warned_empty: bool,
     drops: DropBase,
-    /// The API sets' symbol lookups, read at attach on a thread of their
-    /// own ([`apis::prefetch`]); taken in at the first arm.
-    prefetch: Option<std::thread::JoinHandle<apis::Lookups>>,
+    /// The API sets' symbol lookups, read from attach on a thread of their
+    /// own; taken in at each arm until it is done.
+    prefetch: Option<std::sync::Arc<apis::Prefetch>>,
 }
 
 impl ApiCollector {
@@ -67,32 +74,36 @@ impl Collector for ApiCollector {
     }
 
     fn prepare(&mut self, target: &Target) {
-        let (t, sets) = (target.clone(), self.sets.clone());
-        match std::thread::Builder::new()
-            .name("dynprof-api-syms".into())
-            .spawn(move || apis::prefetch(&t, &sets))
-        {
-            Ok(h) => self.prefetch = Some(h),
-            // The first arm then looks the symbols up itself.
-            Err(e) => log::debug!("api: no prefetch thread: {e}"),
+        // An arm that came first has read the libraries itself.
+        if !self.table.looked_up() {
+            self.prefetch = Some(apis::Prefetch::start(target, &self.sets));
         }
     }
 
     fn arm(&mut self, kernel: &mut Kernel, target: &Target) -> Result<()> {
         self.names.set_pid(target.host_pid.0);
         self.drops.arm(kernel);
-        if let Some(h) = self.prefetch.take() {
-            // Waits for the rest of it: the same reads the arm would make.
-            match h.join() {
-                Ok(l) => self.table.absorb(l),
-                Err(_) => log::warn!("api: the symbol prefetch panicked; looking up at arm"),
+        // Resolved at every arm: a library dlopen'ed since the last window
+        // (a CUDA or CANN plugin) is picked up. Libraries the prefetch is
+        // still reading are left to a later arm rather than waited for.
+        let mut set_lookups = apis::SetLookups::Read;
+        if let Some(p) = &self.prefetch {
+            let (found, done) = p.take(PREFETCH_WAIT);
+            self.table.absorb(found);
+            if done {
+                self.prefetch = None;
+            } else {
+                set_lookups = apis::SetLookups::CachedOnly;
             }
         }
-        // Resolved at every arm: a library dlopen'ed since the last window
-        // (a CUDA or CANN plugin) is picked up.
-        let res = apis::resolve(target, &self.sets, &self.user, &mut self.table)?;
+        let res = apis::resolve(target, &self.sets, &self.user, &mut self.table, set_lookups)?;
         for m in &res.misses {
             log::warn!("api: {m}");
+        }
+        for d in &res.deferred {
+            log::info!(
+                "api: {d}: its symbols are still being read; its APIs are probed from a later window"
+            );
         }
         let mut attached = 0;
         for a in &res.apis {

@@ -246,20 +246,75 @@ pub struct ResolvedApi {
 /// Symbol lookups by (file, inode, symbol, among the exported ones only).
 pub type Lookups = HashMap<(String, u64, String, bool), Vec<SymbolHit>>;
 
-/// The API sets' lookups in the libraries `target` maps now, for
-/// [`ApiTable::absorb`]: what the first [`resolve`] would do, done ahead of
-/// it. A large library takes long (PyTorch 2.x's libtorch_cpu: 0.13 s, a
-/// 78 MB string table), and the first arm is on the window's critical
-/// path. One prefetch runs at a time in the process, so a job's ranks do
-/// not take a core each away from the job.
-pub fn prefetch(target: &Target, sets: &[ApiSet]) -> Lookups {
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let mut t = ApiTable::default();
-    if let Err(e) = resolve(target, sets, &[], &mut t) {
-        log::debug!("api: prefetch for PID {}: {e:#}", target.host_pid);
+/// The API sets' lookups in the libraries a target maps at attach, made
+/// ahead of the first arm on a thread of their own and published file by
+/// file. A large library takes long (PyTorch 2.x's libtorch_cpu: 0.06 s,
+/// 0.15 s in a debug build), and an arm runs on the thread that serves
+/// every rank of a job: a slow one there delays the others' plans past
+/// their start step.
+#[derive(Debug, Default)]
+pub struct Prefetch {
+    /// (the lookups so far, whether the thread is done)
+    state: std::sync::Mutex<(Lookups, bool)>,
+    progress: std::sync::Condvar,
+}
+
+impl Prefetch {
+    /// Starts the lookups of `sets` in what `target` maps now.
+    pub fn start(target: &Target, sets: &[ApiSet]) -> std::sync::Arc<Prefetch> {
+        let p = std::sync::Arc::new(Prefetch::default());
+        let (t, sets, sink) = (target.clone(), sets.to_vec(), p.clone());
+        let spawned = std::thread::Builder::new()
+            .name("dynprof-api-syms".into())
+            .spawn(move || {
+                let mut table = ApiTable {
+                    sink: Some(sink.clone()),
+                    ..ApiTable::default()
+                };
+                if let Err(e) = resolve(&t, &sets, &[], &mut table, SetLookups::Read) {
+                    log::debug!("api: symbol prefetch for PID {}: {e:#}", t.host_pid);
+                }
+                sink.finish();
+            });
+        if let Err(e) = spawned {
+            // The arm then looks the symbols up itself.
+            log::debug!("api: no symbol prefetch thread: {e}");
+            p.finish();
+        }
+        p
     }
-    t.lookups
+
+    fn publish(&self, key: (String, u64, String, bool), hits: Vec<SymbolHit>) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.0.insert(key, hits);
+        self.progress.notify_all();
+    }
+
+    fn finish(&self) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.progress.notify_all();
+    }
+
+    /// What it has found so far, after waiting at most `bound` for it to
+    /// finish, and whether it has.
+    pub fn take(&self, bound: std::time::Duration) -> (Lookups, bool) {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let (mut st, _) = self
+            .progress
+            .wait_timeout_while(st, bound, |st| !st.1)
+            .unwrap_or_else(|e| e.into_inner());
+        (std::mem::take(&mut st.0), st.1)
+    }
+}
+
+/// Whether [`resolve`] may read a set's library whose lookups are not
+/// cached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetLookups {
+    Read,
+    /// No: a [`Prefetch`] is still reading them. Such libraries are left
+    /// for a later arm ([`Resolution::deferred`]).
+    CachedOnly,
 }
 
 /// The collector's API table. Indices are stable for the collector's life:
@@ -273,6 +328,8 @@ pub struct ApiTable {
     /// libtorch_cpu's symbols takes milliseconds. A file replaced on disk
     /// has a new inode and is searched again.
     lookups: Lookups,
+    /// Where a [`Prefetch`]'s thread publishes what it finds.
+    sink: Option<std::sync::Arc<Prefetch>>,
 }
 
 impl ApiTable {
@@ -305,6 +362,11 @@ impl ApiTable {
         e.1 = e.1.max(class);
     }
 
+    /// Whether any library has been searched yet.
+    pub fn looked_up(&self) -> bool {
+        !self.lookups.is_empty()
+    }
+
     /// Takes in lookups made elsewhere ([`prefetch`]); its own are kept.
     pub fn absorb(&mut self, lookups: Lookups) {
         for (k, v) in lookups {
@@ -329,6 +391,8 @@ pub struct Resolution {
     pub searched: Vec<String>,
     /// User APIs that did not resolve, with why.
     pub misses: Vec<String>,
+    /// Set libraries left for a later arm ([`SetLookups::CachedOnly`]).
+    pub deferred: Vec<String>,
 }
 
 fn basename(p: &str) -> &str {
@@ -355,6 +419,7 @@ pub fn resolve(
     sets: &[ApiSet],
     user: &[ApiSpec],
     table: &mut ApiTable,
+    set_lookups: SetLookups,
 ) -> Result<Resolution> {
     let maps = target.maps()?;
     let files = unique_files(&maps);
@@ -400,6 +465,9 @@ pub fn resolve(
             img.find_functions(symbols)
         };
         for (s, hits) in symbols.iter().zip(&all) {
+            if let Some(sink) = &table.sink {
+                sink.publish(key(s), hits.clone());
+            }
             table.lookups.insert(key(s), hits.clone());
         }
         Some(all)
@@ -413,6 +481,16 @@ pub fn resolve(
                 continue;
             }
             let names: Vec<&str> = set.apis.iter().map(|a| a.name).collect();
+            if set_lookups == SetLookups::CachedOnly
+                && !names.iter().all(|n| {
+                    table
+                        .lookups
+                        .contains_key(&(m.path.clone(), m.inode, n.to_string(), true))
+                })
+            {
+                res.deferred.push(m.path.clone());
+                continue;
+            }
             // One pass over the file's symbols for the whole set.
             let Some(found) = lookup(table, m, &names, true) else {
                 continue;
@@ -545,6 +623,30 @@ mod tests {
         // Debian's versioned name and the wheel's plain one.
         assert!(m(&C10D, "libtorch_cpu.so.1.13") && m(&C10D, "libtorch_cpu.so"));
         assert!(!m(&C10D, "libtorch_python.so"));
+    }
+
+    #[test]
+    fn prefetch_hands_over_what_it_has_and_says_when_it_is_done() {
+        let p = std::sync::Arc::new(Prefetch::default());
+        let key = |s: &str| ("/lib/libtorch_cpu.so".to_string(), 7, s.to_string(), true);
+        p.publish(key("c10d::Work::wait"), Vec::new());
+        // Still running: what is there so far, after the bound.
+        let (got, done) = p.take(std::time::Duration::from_millis(1));
+        assert_eq!((got.len(), done), (1, false));
+        // The thread finishing wakes a waiting arm before its bound.
+        let q = p.clone();
+        let finisher = std::thread::spawn(move || {
+            q.publish(key("c10d::Reducer::finalize_backward"), Vec::new());
+            q.finish();
+        });
+        let (got, done) = p.take(std::time::Duration::from_secs(600));
+        finisher.join().unwrap();
+        assert!(done);
+        // Handed over once: an entry taken before is not given again.
+        assert_eq!(
+            got.keys().cloned().collect::<Vec<_>>(),
+            vec![key("c10d::Reducer::finalize_backward")]
+        );
     }
 
     #[test]

@@ -338,12 +338,16 @@ pub fn job_start(requested: i64, now: u64, lead: u64) -> (u64, bool) {
     }
 }
 
-/// Steps of lead for a step period: half a second of steps (the plans are
-/// written after the step events are read, which is up to a tick late)
-/// plus two.
-pub fn lead_steps(period_ns: u64) -> u64 {
-    let per_half_s = 500_000_000u64.div_ceil(period_ns.max(1));
-    per_half_s.min(10_000) + 2
+/// Steps of lead for a step period and a number of ranks: half a second
+/// (the plans are written after the step events are read, which is up to a
+/// tick late) and a tenth of a second per rank, in steps, plus two. The
+/// ranks take their plans one after another on one thread, and a rank
+/// whose window is that close arms its collectors as it takes the plan
+/// (tens of milliseconds with many uprobes into a large library), so the
+/// last rank's plan arrives that much later.
+pub fn lead_steps(period_ns: u64, ranks: usize) -> u64 {
+    let lead_ns = 500_000_000u64.saturating_add(100_000_000u64.saturating_mul(ranks as u64));
+    lead_ns.div_ceil(period_ns.max(1)).min(10_000) + 2
 }
 
 /// The after-the-fact check: each recorded job step's start, per rank.
@@ -593,8 +597,12 @@ mod tests {
         assert_eq!(job_start(50, 10, 5), (50, false));
         assert_eq!(job_start(12, 10, 5), (16, true));
         assert_eq!(job_start(-1, 10, 5), (16, false));
-        assert_eq!(lead_steps(100 * MS), 7);
-        assert_eq!(lead_steps(0), 10_002);
+        // 0.5 s + 0.1 s per rank.
+        assert_eq!(lead_steps(100 * MS, 0), 7);
+        assert_eq!(lead_steps(100 * MS, 1), 8);
+        assert_eq!(lead_steps(100 * MS, 8), 15);
+        assert_eq!(lead_steps(6 * MS, 4), 152);
+        assert_eq!(lead_steps(0, 8), 10_002);
     }
 
     #[test]

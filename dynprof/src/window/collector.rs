@@ -38,9 +38,10 @@ pub trait Collector {
     fn name(&self) -> &'static str {
         self.kind().name()
     }
-    /// Called once when dynprof attaches, before any window: work that
-    /// need not wait for the first arm, started early so that the arm is
-    /// short (the api collector reads symbol tables on a thread of its own).
+    /// Called once when the session starts running (after capabilities
+    /// are dropped; possibly after a first arm): work that need not wait
+    /// for an arm, started early so that arms are short (the api collector
+    /// reads symbol tables on a thread of its own).
     fn prepare(&mut self, _target: &Target) {}
     /// Attaches probes. Called at least one step before the window opens
     /// (or immediately, for a window that opens at the next boundary).

@@ -115,38 +115,40 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
             })
             .collect()
     });
-    let (prepared, plans): (Vec<_>, Vec<_>) = prepared
-        .into_iter()
-        .map(|r| match r {
-            Ok((p, plan)) => (Ok(p), Some(plan)),
-            Err(e) => (Err(e), None),
-        })
-        .unzip();
+    // The ranks whose preparation failed keep their error; the others are
+    // loaded. Each plan is kept beside its rank (the loader borrows it).
+    let mut resolved: Vec<(usize, Result<Resolved>)> = Vec::new();
+    let mut ready: Vec<(usize, Prepared)> = Vec::new();
+    let mut plans: Vec<LoadPlan> = Vec::new();
+    for (i, r) in prepared.into_iter().enumerate() {
+        match r {
+            Ok((p, plan)) => {
+                ready.push((i, p));
+                plans.push(plan);
+            }
+            Err(e) => resolved.push((i, Err(e))),
+        }
+    }
     let loader = std::sync::Mutex::new(Loader::new());
-    let resolved: Vec<Result<Resolved>> = std::thread::scope(|s| {
-        let hs: Vec<_> = members
-            .iter()
-            .zip(prepared)
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ready
+            .into_iter()
             .zip(&plans)
-            .map(|((m, p), plan)| {
-                let (l, c) = (&loader, &collect);
-                s.spawn(move || match (p, plan) {
-                    (Ok(p), Some(plan)) => load_rank(m, p, plan, l, c),
-                    (Err(e), _) => Err(e),
-                    // (Not made: the plan comes with every prepared rank.)
-                    (Ok(_), None) => Err(anyhow::anyhow!("rank {}: no load plan", m.rank)),
-                })
+            .map(|((i, p), plan)| {
+                let (l, c, m) = (&loader, &collect, &members[i]);
+                (i, s.spawn(move || load_rank(m, p, plan, l, c)))
             })
             .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("loading panicked")))
-            })
-            .collect()
+        for (i, h) in hs {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("loading panicked")));
+            resolved.push((i, r));
+        }
     });
+    resolved.sort_by_key(|(i, _)| *i);
     drop(loader);
-    for (m, res) in members.iter().zip(resolved) {
+    for (m, res) in resolved.into_iter().map(|(i, r)| (&members[i], r)) {
         match res.and_then(|res| attach_rank(&args, m, res, &collect)) {
             Ok(a) => {
                 eprintln!("dynprof: rank {}: attached to PID {}", m.rank, m.host_pid);
@@ -318,15 +320,13 @@ pub fn ps_jobs(json_out: bool) -> Result<()> {
     Ok(())
 }
 
-/// The collectors a job window arms: `collect` plus the two that
-/// `job_steps.csv`'s collective wait comes from: `api` (c10d's
-/// collective-wait calls) and `offcpu` (the step thread's off-CPU time,
-/// for ranks that make no such call).
+/// The collectors a job window arms: `collect` plus `offcpu`, which
+/// `job_steps.csv`'s collective wait falls back to for ranks without
+/// c10d's collective-wait calls (those come from `api`, in the default
+/// set; a `--collect` without it means the fallback for every rank).
 fn with_job_collectors(mut collect: Vec<Builtin>) -> Vec<Builtin> {
-    for b in [Builtin::Api, Builtin::Offcpu] {
-        if !collect.contains(&b) {
-            collect.push(b);
-        }
+    if !collect.contains(&Builtin::Offcpu) {
+        collect.push(Builtin::Offcpu);
     }
     collect
 }

@@ -53,7 +53,7 @@ impl Controller {
         let Some(now) = self.job_now() else {
             return PlanOutcome::NotYet(Box::new(req));
         };
-        let lead = align::lead_steps(a.period_ns);
+        let lead = align::lead_steps(a.period_ns, self.live().len());
         let live: Vec<Rank> = self
             .live()
             .iter()
@@ -236,7 +236,7 @@ impl Controller {
         let (Some(a), Some(now)) = (self.alignment.clone(), self.job_now()) else {
             return "error: the ranks are not aligned; the window cannot be ended".into();
         };
-        let lead = align::lead_steps(a.period_ns);
+        let lead = align::lead_steps(a.period_ns, self.live().len());
         let Some(run) = self.running.as_mut() else {
             return "no job window open or pending".into();
         };

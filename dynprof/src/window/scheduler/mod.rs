@@ -170,6 +170,9 @@ pub struct Scheduler {
     window: Option<OpenWindow>,
     written: Vec<WindowRecord>,
     prepared: bool,
+    /// Collectors' [`Collector::prepare`] ran (on the session's first tick
+    /// or event).
+    collectors_prepared: bool,
     last_activity: Instant,
     config: Option<ConfigFileTrigger>,
     printer: Option<NoticePrinter>,
@@ -209,6 +212,7 @@ impl Scheduler {
             window: None,
             written: Vec::new(),
             prepared: false,
+            collectors_prepared: false,
             last_activity: Instant::now(),
             config: None,
             printer: None,
@@ -335,13 +339,24 @@ impl Scheduler {
             return;
         }
         self.prepared = true;
-        for c in &mut self.collectors {
-            c.prepare(target);
-        }
         for h in &mut self.hooks {
             if let Err(e) = h.prepare(target) {
                 log::warn!("hook {}: prepare failed: {e:#}", h.name());
             }
+        }
+    }
+
+    /// Not in [`Self::begin`]: that runs before capabilities are dropped,
+    /// and a collector's prepare may start a thread, which must not exist
+    /// then (the drop reaches the threads that exist; one started in
+    /// between would keep every capability). The session runs after it.
+    fn prepare_collectors(&mut self, target: &Target) {
+        if self.collectors_prepared {
+            return;
+        }
+        self.collectors_prepared = true;
+        for c in &mut self.collectors {
+            c.prepare(target);
         }
     }
 

@@ -124,6 +124,7 @@ impl Observer<SessionCommand> for Scheduler {
     ) -> Result<()> {
         self.remember_target(ctx.target);
         self.prepare_hooks(ctx.target);
+        self.prepare_collectors(ctx.target);
         for (i, c) in self.collectors.iter_mut().enumerate() {
             if self.armed[i].is_some() {
                 c.on_event(ev);
@@ -165,6 +166,7 @@ impl Observer<SessionCommand> for Scheduler {
         self.report_written(false);
         self.remember_target(ctx.target);
         self.prepare_hooks(ctx.target);
+        self.prepare_collectors(ctx.target);
         if let Some(t) = self.opts.idle_timeout
             && !self.state.done()
             && self.state.window().is_none()
