@@ -125,12 +125,20 @@ fn kernel_has_task_pt_regs() -> bool {
     (it.next().unwrap_or(0), it.next().unwrap_or(0)) >= (5, 15)
 }
 
-/// The two windows of the kernel-mode tests, on the running `pid`: one as
-/// the kernel allows (with `bpf_task_pt_regs`, the whole chain in at least
-/// 80 % of the weight `keep` selects; on an older kernel, the fallback,
-/// named in meta.json, and no chain), and one with the fallback forced
-/// (`DYNPROF_KERNEL_FEATURES=no_task_pt_regs`: no chain). Each needs at
-/// least `min_total` of weight. Returns the first window's stacks.
+/// The windows of the kernel-mode tests, on the running `pid`, one per
+/// way dynprof can find the user registers saved at kernel entry:
+///
+/// - as the kernel allows: `bpf_task_pt_regs` from 5.15 (`unwound`), on
+///   an older kernel read at the top of the task's kernel stack
+///   (`unwound_from_task_stack`, the fallback named in meta.json); the
+///   whole chain in at least 80 % of the weight `keep` selects;
+/// - on a 5.15+ kernel, that older kernel's path forced
+///   (`DYNPROF_KERNEL_FEATURES=no_task_pt_regs`): the same share;
+/// - neither (`no_task_pt_regs,no_task_stack_regs`): a frame-pointer walk,
+///   which loses the chain.
+///
+/// Each needs at least `min_total` of weight. Returns the first window's
+/// stacks.
 fn kernel_mode_windows(
     pid: u32,
     dir: &Path,
@@ -140,36 +148,50 @@ fn kernel_mode_windows(
     min_total: u64,
 ) -> Vec<(Vec<String>, u64)> {
     let chain = expected_chain();
-    let (prof, stacks) = window_of(pid, &dir.join("unwound"), collect, &[], args);
-    let (full, total) = chain_share(&stacks, &chain, &keep);
-    eprintln!("{collect}: {full} of {total} show the whole chain");
-    for (s, n) in &stacks {
-        eprintln!("  {n:9} {}", s.join(";"));
-    }
-    assert!(total >= min_total, "too little weight: {stacks:?}");
-    let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap();
-    if kernel_has_task_pt_regs() {
-        assert_eq!(kernel_mode_stacks(&prof), "unwound", "{meta}");
+    let window = |tag: &str, features: Option<&str>| {
+        let env: Vec<(&str, &str)> = features
+            .map(|f| ("DYNPROF_KERNEL_FEATURES", f))
+            .into_iter()
+            .collect();
+        let (prof, stacks) = window_of(pid, &dir.join(tag), collect, &env, args);
+        let (full, total) = chain_share(&stacks, &chain, &keep);
+        eprintln!("{collect} ({tag}): {full} of {total} show the whole chain");
+        for (s, n) in &stacks {
+            eprintln!("  {n:9} {}", s.join(";"));
+        }
+        assert!(total >= min_total, "too little weight: {stacks:?}");
+        let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap();
+        (kernel_mode_stacks(&prof), meta, full, total, stacks)
+    };
+    let whole_chain = |full: u64, total: u64| {
         assert!(
             full as f64 >= 0.8 * total as f64,
             "{full} of {total} show {}",
             chain.join(";")
         );
+    };
+
+    let (how, meta, full, total, stacks) = window("unwound", None);
+    whole_chain(full, total);
+    if kernel_has_task_pt_regs() {
+        assert_eq!(how, "unwound", "{meta}");
+        let (how, meta, full, total, _) = window("task_stack", Some("no_task_pt_regs"));
+        assert_eq!(how, "unwound_from_task_stack", "{meta}");
+        whole_chain(full, total);
     } else {
-        assert_eq!(kernel_mode_stacks(&prof), "frame_pointers", "{meta}");
+        assert_eq!(how, "unwound_from_task_stack", "{meta}");
         assert!(
-            meta.contains("no bpf_task_pt_regs"),
+            meta.contains("no bpf_task_pt_regs") && meta.contains("task_struct.stack + "),
             "fallback not named: {meta}"
         );
-        assert_eq!(full, 0, "frame pointers alone walked the chain");
     }
 
-    let env = [("DYNPROF_KERNEL_FEATURES", "no_task_pt_regs")];
-    let (prof, fallback) = window_of(pid, &dir.join("fallback"), collect, &env, args);
-    let (full, total) = chain_share(&fallback, &chain, &keep);
-    eprintln!("{collect} with the fallback: {full} of {total} show the whole chain");
-    assert_eq!(kernel_mode_stacks(&prof), "frame_pointers");
-    assert!(total >= min_total, "too little weight: {fallback:?}");
+    let (how, meta, full, _, _) = window(
+        "fallback",
+        Some("no_task_pt_regs,no_task_stack_regs"),
+    );
+    assert_eq!(how, "frame_pointers", "{meta}");
+    assert!(meta.contains("turned off"), "fallback not named: {meta}");
     assert_eq!(full, 0, "frame pointers alone walked the chain");
     stacks
 }
@@ -189,10 +211,11 @@ fn chain_share(
 
 /// CPU samples taken in the kernel (here: `read` of /dev/zero, 12 frames
 /// deep in code without frame pointers) get the user stack unwound from
-/// the registers saved at the syscall (`bpf_task_pt_regs`, 5.15+), like
-/// user-mode samples; before, and with the fallback a 5.10 kernel takes
-/// (forced here with `DYNPROF_KERNEL_FEATURES=no_task_pt_regs`), only a
-/// frame-pointer walk, which loses the chain. meta.json says which.
+/// the registers saved at the syscall, like user-mode samples: from
+/// `bpf_task_pt_regs` (5.15+), or before 5.15 (and forced here with
+/// `DYNPROF_KERNEL_FEATURES=no_task_pt_regs`) from the top of the task's
+/// kernel stack. Without either, only a frame-pointer walk, which loses
+/// the chain. meta.json says which.
 #[test]
 fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
     require_privileges!();
@@ -230,7 +253,8 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
 
 /// Off-CPU intervals (here: nanosleep, 12 frames deep without frame
 /// pointers) get their user stack unwound from the stack copied at the
-/// switch-out; with the 5.10 fallback, a frame-pointer walk.
+/// switch-out, from the registers found as in the kernel-mode test above;
+/// without them, a frame-pointer walk.
 #[test]
 fn unwind_native_offcpu_stacks_are_unwound_at_the_switch() {
     require_privileges!();

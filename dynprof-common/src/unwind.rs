@@ -33,6 +33,20 @@ pub const OFFCPU_COPY_EVERY_NS: u64 = 10_000_000;
 /// The smallest copy tried before the sample is sent without one.
 pub const STACK_COPY_MIN: usize = 1024;
 
+/// Where the `cpu` and `offcpu` programs find the user registers of a
+/// sample taken in kernel mode or of a switch-out (the registers saved at
+/// the task's entry into the kernel): the `USER_REGS_FROM_TASK` global.
+pub mod user_regs {
+    /// Nowhere: those stacks keep their frame-pointer walk.
+    pub const NONE: u32 = 0;
+    /// `bpf_task_pt_regs(bpf_get_current_task_btf())`, Linux 5.15+.
+    pub const TASK_PT_REGS: u32 = 1;
+    /// At `task_struct.stack + TASK_REGS_DELTA`, where `task_pt_regs()`
+    /// puts them: the member's offset from the kernel's BTF, the distance
+    /// measured once at load (`dynprof_task_regs`). For kernels before 5.15.
+    pub const TASK_STACK: u32 = 2;
+}
+
 /// Head of a stack-copy record; the Python frames, then `len` bytes of the
 /// user stack from `sp` up, follow it in the ring record.
 #[repr(C)]

@@ -6,12 +6,14 @@
 //! A sample taken in user mode carries the user registers itself. In
 //! kernel mode (a syscall, a page fault) and at a switch-out, the user
 //! registers are the ones saved at kernel entry, `task_pt_regs(current)`,
-//! which `bpf_task_pt_regs` (5.15) returns; user space enables that path
-//! (`USER_REGS_FROM_TASK`) only where the kernel has the helper, and the
-//! verifier drops the branch as dead code elsewhere, so this object still
-//! loads on 5.10 (those stacks then keep their frame-pointer walk).
-//! Other helpers used: `bpf_probe_read_user` (5.5) and
-//! `bpf_ringbuf_output` (5.8).
+//! which `bpf_task_pt_regs` (5.15) returns. Before 5.15 they are read where
+//! that function finds them, at the top of the task's kernel stack: at
+//! `task_struct.stack` (the member's offset from the kernel's BTF) plus a
+//! distance measured once at load by [`dynprof_task_regs`]. User space
+//! chooses the path (`USER_REGS_FROM_TASK`), and the verifier drops the
+//! other branches as dead code, so this object still loads on 5.10.
+//! Other helpers used: `bpf_get_current_task` (4.8),
+//! `bpf_probe_read_user` (5.5) and `bpf_ringbuf_output` (5.8).
 //!
 //! CPython frames are read here too, at the sample, so that they are
 //! exactly those of the sampled instant (read later from user space, the
@@ -21,13 +23,14 @@
 use aya_ebpf::{
     EbpfContext,
     helpers::{bpf_probe_read_kernel, generated},
-    macros::map,
-    maps::{LruHashMap, PerCpuArray},
-    programs::PerfEventContext,
+    macros::{map, raw_tracepoint},
+    maps::{Array, LruHashMap, PerCpuArray},
+    programs::{PerfEventContext, RawTracePointContext},
 };
 use dynprof_common::{
     SampleEvent, THREAD_MAPS_MIN, drop_slot,
     unwind::{
+        user_regs,
         MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_COPY_EVERY_NS, OFFCPU_COPY_MAX, OFFCPU_STACK,
         PY_FRAME_VIA_CFRAME, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX,
         STACK_COPY_OFFSET, StackSample, StackSampleHeader,
@@ -39,12 +42,56 @@ use dynprof_common::{
 #[unsafe(no_mangle)]
 static STACK_COPY_BYTES: u32 = 0;
 
-/// 1 when the kernel has `bpf_get_current_task_btf` and `bpf_task_pt_regs`
-/// (5.15), set by user space at load: user registers are then found for
-/// kernel-mode samples and switch-outs too. 0 makes that code dead, which
-/// the verifier of older kernels prunes before it would reject the helpers.
+/// Where the user registers of kernel-mode samples and switch-outs are
+/// found (`user_regs::*`), set by user space at load. The branches not
+/// chosen are dead code, which the verifier of older kernels prunes before
+/// it would reject `bpf_task_pt_regs`.
 #[unsafe(no_mangle)]
-static USER_REGS_FROM_TASK: u32 = 0;
+static USER_REGS_FROM_TASK: u32 = user_regs::NONE;
+/// Byte offset of `stack` in `struct task_struct`, from the kernel's BTF
+/// (`user_regs::TASK_STACK` and [`dynprof_task_regs`]).
+#[unsafe(no_mangle)]
+static TASK_STACK_OFFSET: u32 = 0;
+/// `task_pt_regs(task) - task->stack`: `THREAD_SIZE - sizeof(pt_regs)`
+/// less any padding, which BTF does not give on every kernel; measured by
+/// [`dynprof_task_regs`] before the object that uses it is loaded.
+#[unsafe(no_mangle)]
+static TASK_REGS_DELTA: u32 = 0;
+/// The thread whose next system call [`dynprof_task_regs`] measures.
+#[unsafe(no_mangle)]
+static CALIBRATE_TID: u32 = 0;
+
+/// What [`dynprof_task_regs`] saw: `[task->stack, regs]`.
+#[map]
+static TASK_REGS_SEEN: Array<[u64; 2]> = Array::with_max_entries(1, 0);
+
+/// Measures where `task_pt_regs()` is on this kernel, once per dynprof
+/// process, in an instance of this object loaded for nothing else: at
+/// `sys_enter`, whose first argument is exactly that pointer, of one
+/// system call that user space makes (`CALIBRATE_TID`), it records the
+/// task's stack base beside it.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn dynprof_task_regs(ctx: RawTracePointContext) -> i32 {
+    let tid = aya_ebpf::helpers::bpf_get_current_pid_tgid() as u32;
+    if tid == 0 || tid != unsafe { core::ptr::read_volatile(&CALIBRATE_TID) } {
+        return 0;
+    }
+    let regs: u64 = ctx.arg(0);
+    let Some(stack) = task_stack() else { return 0 };
+    if let Some(p) = TASK_REGS_SEEN.get_ptr_mut(0) {
+        unsafe { *p = [stack, regs] };
+    }
+    0
+}
+
+/// The current task's `stack` (the base of its kernel stack).
+#[inline(always)]
+fn task_stack() -> Option<u64> {
+    let offset = unsafe { core::ptr::read_volatile(&TASK_STACK_OFFSET) } as u64;
+    let task = unsafe { aya_ebpf::helpers::bpf_get_current_task() };
+    let stack: u64 = unsafe { bpf_probe_read_kernel((task + offset) as *const u64) }.ok()?;
+    (stack != 0).then_some(stack)
+}
 
 /// The target's CPython layout, set by user space at load (all zero: not
 /// a recognised CPython). One program serves every supported version: the
@@ -115,11 +162,15 @@ mod arch {
 /// when the kernel can say (`USER_REGS_FROM_TASK`).
 #[inline(always)]
 fn task_user_regs() -> Option<UserRegs> {
-    if unsafe { core::ptr::read_volatile(&USER_REGS_FROM_TASK) } == 0 {
+    let how = unsafe { core::ptr::read_volatile(&USER_REGS_FROM_TASK) };
+    let regs = if how == user_regs::TASK_PT_REGS {
+        (unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) }) as *const u64
+    } else if how == user_regs::TASK_STACK {
+        let delta = unsafe { core::ptr::read_volatile(&TASK_REGS_DELTA) } as u64;
+        (task_stack()? + delta) as *const u64
+    } else {
         return None;
-    }
-    let regs =
-        unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) } as *const u64;
+    };
     if regs.is_null() {
         return None;
     }

@@ -19,11 +19,11 @@ use aya::{
 };
 use dynprof_common::{
     KernelState, MAX_PROBE_ADDRS, OffCpuStart, PlanConfig, THREAD_MAPS, THREAD_MAPS_MAX,
-    THREAD_MAPS_MIN, drop_slot,
+    THREAD_MAPS_MIN, drop_slot, unwind::user_regs,
 };
 
 use crate::{
-    compat::{self, KernelPaths, ProbeIdentity},
+    compat::{self, KernelModeStacks, KernelPaths, ProbeIdentity, TaskStackRegs},
     output::model::Drops,
     probes::semaphore::{self, Ledger, Repaired, SemaphoreOwner},
     sys::uprobe::{self as sys_uprobe, PerfAttachment},
@@ -49,6 +49,7 @@ pub const SEMAPHORE_ENV: &str = "DYNPROF_USDT_SEMAPHORE";
 
 mod markers;
 mod preflight;
+mod task_regs;
 pub use preflight::preflight;
 
 /// Per-marker hook state kept for detach: the perf event with the program
@@ -134,7 +135,10 @@ pub struct LoadPlan {
     ring_bytes: u32,
     wake_bytes: u64,
     stack_copy: u32,
+    /// `user_regs::*`, and with `TASK_STACK`, where (see `bpf/task_regs.rs`).
     user_regs_from_task: u32,
+    task_stack_offset: u32,
+    task_regs_delta: u32,
     python: dynprof_common::unwind::PyOffsets,
     thread_maps: u32,
     paths: KernelPaths,
@@ -152,6 +156,9 @@ impl LoadPlan {
             Ok(v) => compat::apply_override(&mut features, &v)?,
             Err(_) => None,
         };
+        if !features.task_pt_regs && features.task_stack_regs == TaskStackRegs::NotMeasured {
+            features.task_stack_regs = task_regs::task_stack_regs();
+        }
         let mut paths = compat::choose(&features)?;
         paths.fallbacks.extend(forced);
         for f in &paths.fallbacks {
@@ -161,10 +168,20 @@ impl LoadPlan {
         if stack_copy == 0 {
             // No copy to unwind (turned off, or a ring too small for it):
             // frame pointers in kernel mode too, whatever the kernel offers.
-            paths.kernel_mode_stacks = compat::KernelModeStacks::FramePointers;
+            paths.kernel_mode_stacks = KernelModeStacks::FramePointers;
         }
-        let user_regs_from_task =
-            u32::from(paths.kernel_mode_stacks == compat::KernelModeStacks::Unwound);
+        let user_regs_from_task = match paths.kernel_mode_stacks {
+            KernelModeStacks::Unwound => user_regs::TASK_PT_REGS,
+            KernelModeStacks::UnwoundFromTaskStack => user_regs::TASK_STACK,
+            KernelModeStacks::FramePointers => user_regs::NONE,
+        };
+        let (task_stack_offset, task_regs_delta) = match features.task_stack_regs {
+            TaskStackRegs::Found {
+                stack_offset,
+                regs_delta,
+            } => (stack_offset, regs_delta),
+            _ => (0, 0),
+        };
         let python = crate::symbols::python::detect(pid.0)
             .map(|i| i.offsets)
             .unwrap_or_default();
@@ -175,6 +192,8 @@ impl LoadPlan {
             wake_bytes,
             stack_copy,
             user_regs_from_task,
+            task_stack_offset,
+            task_regs_delta,
             python,
             thread_maps: thread_map_entries(thread_count(pid)),
             paths,
@@ -209,6 +228,8 @@ impl<'a> Loader<'a> {
             .override_global("WAKE_BYTES", &plan.wake_bytes, true)
             .override_global("STACK_COPY_BYTES", &plan.stack_copy, true)
             .override_global("USER_REGS_FROM_TASK", &plan.user_regs_from_task, true)
+            .override_global("TASK_STACK_OFFSET", &plan.task_stack_offset, true)
+            .override_global("TASK_REGS_DELTA", &plan.task_regs_delta, true)
             .override_global("PY", &plan.python, true)
             .map_max_entries("EVENTS", plan.ring_bytes)
             .map_max_entries(THREAD_MAPS[0], plan.thread_maps)

@@ -37,6 +37,51 @@ pub struct KernelFeatures {
     /// `bpf_get_current_task_btf` (5.11) and `bpf_task_pt_regs` (5.15):
     /// the user registers saved at kernel entry.
     pub task_pt_regs: bool,
+    /// Without `task_pt_regs`: where those registers are found instead.
+    /// Not probed with the rest (it loads a program): `NotMeasured` until
+    /// the loader measures it, only on kernels that need it.
+    pub task_stack_regs: TaskStackRegs,
+}
+
+/// The user registers at the top of a task's kernel stack, where
+/// `task_pt_regs()` puts them, for kernels without `bpf_task_pt_regs`.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskStackRegs {
+    /// Not looked for (the kernel has `bpf_task_pt_regs`).
+    #[default]
+    NotMeasured,
+    /// Turned off by `DYNPROF_KERNEL_FEATURES=no_task_stack_regs`.
+    Disabled,
+    /// At `task_struct.stack` (byte `stack_offset`, from BTF) +
+    /// `regs_delta` (measured at a system call of dynprof's own).
+    Found { stack_offset: u32, regs_delta: u32 },
+    /// Looked for and not found: why.
+    Failed(String),
+}
+
+/// The largest distance from a task's stack base to its saved user
+/// registers that is believed: `THREAD_SIZE` is 16 KiB on x86-64 and
+/// arm64 (32 KiB with KASAN, 64 KiB with arm64's 64 KiB pages).
+pub const MAX_REGS_DELTA: u64 = 256 * 1024;
+
+/// The measured distance from `task->stack` to `task_pt_regs(task)`, or
+/// why it is not believed (a wrong `task_struct.stack` offset reads some
+/// other pointer).
+pub fn regs_delta(stack: u64, regs: u64) -> Result<u32> {
+    if stack == 0 || regs == 0 {
+        bail!("the measuring program saw no system call (stack {stack:#x}, regs {regs:#x})");
+    }
+    let Some(delta) = regs.checked_sub(stack).filter(|d| *d > 0 && *d < MAX_REGS_DELTA) else {
+        bail!(
+            "the saved registers ({regs:#x}) are not within {} KiB above task_struct.stack ({stack:#x})",
+            MAX_REGS_DELTA / 1024
+        );
+    };
+    if delta % 8 != 0 {
+        bail!("the saved registers are at an unaligned distance ({delta}) from the task's stack");
+    }
+    Ok(delta as u32)
 }
 
 /// One kernel feature dynprof uses: the row of docs/portability.md's table.
@@ -92,8 +137,10 @@ pub const ATTACH_COOKIE: Requirement = Requirement {
 pub const TASK_PT_REGS: Requirement = Requirement {
     what: "bpf_task_pt_regs (the user registers saved at kernel entry)",
     since: "5.15",
-    without: "user stacks of CPU samples taken in the kernel and of off-CPU intervals are \
-              frame-pointer walks only (no .eh_frame unwinding); Python frames are kept",
+    without: "reads those registers at the top of the task's kernel stack (task_struct.stack \
+              from BTF, the distance measured at load); where that fails, user stacks of CPU \
+              samples taken in the kernel and of off-CPU intervals are frame-pointer walks only \
+              (no .eh_frame unwinding); Python frames are kept",
 };
 
 /// How the user stack of a CPU sample taken in kernel mode (a syscall, a
@@ -102,8 +149,11 @@ pub const TASK_PT_REGS: Requirement = Requirement {
 #[serde(rename_all = "snake_case")]
 pub enum KernelModeStacks {
     /// Unwound from the user registers saved at kernel entry, like user-mode
-    /// samples.
+    /// samples (`bpf_task_pt_regs`).
     Unwound,
+    /// The same, with the registers read at the top of the task's kernel
+    /// stack ([`TaskStackRegs::Found`]), before 5.15.
+    UnwoundFromTaskStack,
     /// The frame-pointer walk of `bpf_get_stackid` alone.
     FramePointers,
 }
@@ -147,7 +197,9 @@ pub struct KernelPaths {
 pub const FEATURES_ENV: &str = "DYNPROF_KERNEL_FEATURES";
 
 /// Applies [`FEATURES_ENV`]: a comma-separated list of `no_attach_cookie`,
-/// `no_ref_ctr_offset` and `no_task_pt_regs`. Returns the note for `KernelPaths::fallbacks`.
+/// `no_ref_ctr_offset`, `no_task_pt_regs` (the registers are then read
+/// from the task's stack, as before 5.15) and `no_task_stack_regs` (not
+/// that either: frame pointers). Returns the note for `KernelPaths::fallbacks`.
 pub fn apply_override(f: &mut KernelFeatures, value: &str) -> Result<Option<String>> {
     let mut forced = Vec::new();
     for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -155,8 +207,9 @@ pub fn apply_override(f: &mut KernelFeatures, value: &str) -> Result<Option<Stri
             "no_attach_cookie" => f.attach_cookie = false,
             "no_ref_ctr_offset" => f.ref_ctr_offset = false,
             "no_task_pt_regs" => f.task_pt_regs = false,
+            "no_task_stack_regs" => f.task_stack_regs = TaskStackRegs::Disabled,
             other => bail!(
-                "{FEATURES_ENV}: unknown item {other:?} (hint: use no_attach_cookie, no_ref_ctr_offset, no_task_pt_regs)"
+                "{FEATURES_ENV}: unknown item {other:?} (hint: use no_attach_cookie, no_ref_ctr_offset, no_task_pt_regs, no_task_stack_regs)"
             ),
         }
         forced.push(item);
@@ -234,15 +287,31 @@ pub fn choose(f: &KernelFeatures) -> Result<KernelPaths> {
             "cannot run"
         ));
     }
-    let kernel_mode_stacks = if f.task_pt_regs {
-        KernelModeStacks::Unwound
-    } else {
-        fallbacks.push(format!(
-            "no {}: {}",
-            line(&TASK_PT_REGS),
-            TASK_PT_REGS.without
-        ));
-        KernelModeStacks::FramePointers
+    let kernel_mode_stacks = match (&f.task_pt_regs, &f.task_stack_regs) {
+        (true, _) => KernelModeStacks::Unwound,
+        (false, TaskStackRegs::Found { stack_offset, regs_delta }) => {
+            fallbacks.push(format!(
+                "no {}: the user registers of kernel-mode samples and off-CPU switch-outs are \
+                 read at task_struct.stack + {regs_delta} (the member at byte {stack_offset} \
+                 from BTF, the distance measured at load)",
+                line(&TASK_PT_REGS)
+            ));
+            KernelModeStacks::UnwoundFromTaskStack
+        }
+        (false, other) => {
+            let why = match other {
+                TaskStackRegs::Failed(why) => format!(" (not found on the task's stack: {why})"),
+                TaskStackRegs::Disabled => " (reading them from the task's stack turned off)".into(),
+                _ => String::new(),
+            };
+            fallbacks.push(format!(
+                "no {}{why}: user stacks of CPU samples taken in the kernel and of off-CPU \
+                 intervals are frame-pointer walks only (no .eh_frame unwinding); Python frames \
+                 are kept",
+                line(&TASK_PT_REGS)
+            ));
+            KernelModeStacks::FramePointers
+        }
     };
     Ok(KernelPaths {
         release: f.release.clone(),
@@ -271,6 +340,7 @@ mod tests {
             attach_cookie: true,
             perf_link: true,
             task_pt_regs: true,
+            task_stack_regs: TaskStackRegs::NotMeasured,
         }
     }
 
@@ -324,6 +394,80 @@ mod tests {
             f.contains("bpf_task_pt_regs") && f.contains("5.15") && f.contains("frame-pointer"),
             "{f}"
         );
+    }
+
+    /// Debian's 5.10 once the loader has found the registers on the task's
+    /// stack (x86-64: 16 KiB stacks, 168-byte pt_regs).
+    #[test]
+    fn linux_5_10_reads_user_registers_from_the_task_stack_and_says_where() {
+        let p = choose(&KernelFeatures {
+            task_stack_regs: TaskStackRegs::Found {
+                stack_offset: 24,
+                regs_delta: 16384 - 168,
+            },
+            ..linux_5_10()
+        })
+        .unwrap();
+        assert_eq!(p.kernel_mode_stacks, KernelModeStacks::UnwoundFromTaskStack);
+        let f = &p.fallbacks[1];
+        assert!(
+            f.contains("bpf_task_pt_regs")
+                && f.contains("task_struct.stack + 16216")
+                && f.contains("byte 24")
+                && !f.contains("frame-pointer"),
+            "{f}"
+        );
+        // A kernel with the helper never uses the measurement.
+        let p = choose(&KernelFeatures {
+            task_stack_regs: TaskStackRegs::Found {
+                stack_offset: 24,
+                regs_delta: 16216,
+            },
+            ..linux_6_1()
+        })
+        .unwrap();
+        assert_eq!(p.kernel_mode_stacks, KernelModeStacks::Unwound);
+        assert!(p.fallbacks.is_empty(), "{:?}", p.fallbacks);
+    }
+
+    #[test]
+    fn a_failed_or_disabled_measurement_falls_back_to_frame_pointers_and_says_why() {
+        for (how, says) in [
+            (TaskStackRegs::Failed("no struct task_struct".into()), "no struct task_struct"),
+            (TaskStackRegs::Disabled, "turned off"),
+        ] {
+            let p = choose(&KernelFeatures {
+                task_stack_regs: how,
+                ..linux_5_10()
+            })
+            .unwrap();
+            assert_eq!(p.kernel_mode_stacks, KernelModeStacks::FramePointers);
+            let f = &p.fallbacks[1];
+            assert!(f.contains(says) && f.contains("frame-pointer"), "{f}");
+        }
+        let mut f = linux_6_1();
+        apply_override(&mut f, "no_task_pt_regs,no_task_stack_regs").unwrap();
+        assert!(!f.task_pt_regs);
+        assert_eq!(f.task_stack_regs, TaskStackRegs::Disabled);
+    }
+
+    #[test]
+    fn only_a_plausible_register_distance_is_believed() {
+        let base = 0xffff_c900_0010_0000u64;
+        assert_eq!(regs_delta(base, base + 16384 - 168).unwrap(), 16216);
+        // arm64, 64 KiB pages.
+        assert_eq!(regs_delta(base, base + 65536 - 336).unwrap(), 65200);
+        for (stack, regs, says) in [
+            (0, base, "no system call"),
+            (base, 0, "no system call"),
+            (base, base - 8, "not within"),
+            (base, base, "not within"),
+            (base, base + MAX_REGS_DELTA, "not within"),
+            (base, base + 16383, "unaligned"),
+        ] {
+            let e = regs_delta(stack, regs).unwrap_err().to_string();
+            assert!(e.contains(says), "{stack:#x} {regs:#x}: {e}");
+        }
     }
 
     #[test]

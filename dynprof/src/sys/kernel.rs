@@ -37,6 +37,8 @@ pub fn probe() -> KernelFeatures {
         perf_link: f.bpf_perf_link(),
         task_pt_regs: helper(BpfHelper::BPF_FUNC_get_current_task_btf)
             && helper(BpfHelper::BPF_FUNC_task_pt_regs),
+        // Measured by the loader where needed (it loads a program).
+        task_stack_regs: crate::compat::TaskStackRegs::NotMeasured,
     };
     log::debug!("kernel features: {features:?}");
     features

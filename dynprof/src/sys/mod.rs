@@ -20,6 +20,7 @@
 //! | `signal` | SIGTERM to dynprof's own children (the agent's captures) |
 //! | `configmap` | read a `--config-dir` file, plain or through a ConfigMap's root-owned `..data` links |
 //! | `unixsock` | the agent's root-only unix socket: checked parent, stale-socket replacement |
+pub mod btf;
 pub mod caps;
 pub mod clock;
 pub mod configmap;
