@@ -171,25 +171,30 @@ fn kernel_mode_windows(
         );
     };
 
+    // The verdict first: a chain lost because the registers were not found
+    // says so, not just "0 of N".
     let (how, meta, full, total, stacks) = window("unwound", None);
-    whole_chain(full, total);
     if kernel_has_task_pt_regs() {
         assert_eq!(how, "unwound", "{meta}");
-        let (how, meta, full, total, _) = window("task_stack", Some("no_task_pt_regs"));
-        assert_eq!(how, "unwound_from_task_stack", "{meta}");
         whole_chain(full, total);
+        // Not in the 6.1 VM (`cargo xtask vm-test`): a 6.1 guest under TCG
+        // locked up once in this test (docs/portability.md); the 5.10
+        // guests take this path for real.
+        if std::env::var_os("DYNPROF_TEST_EMULATED").is_none() {
+            let (how, meta, full, total, _) = window("task_stack", Some("no_task_pt_regs"));
+            assert_eq!(how, "unwound_from_task_stack", "{meta}");
+            whole_chain(full, total);
+        }
     } else {
         assert_eq!(how, "unwound_from_task_stack", "{meta}");
         assert!(
             meta.contains("no bpf_task_pt_regs") && meta.contains("task_struct.stack + "),
             "fallback not named: {meta}"
         );
+        whole_chain(full, total);
     }
 
-    let (how, meta, full, _, _) = window(
-        "fallback",
-        Some("no_task_pt_regs,no_task_stack_regs"),
-    );
+    let (how, meta, full, _, _) = window("fallback", Some("no_task_pt_regs,no_task_stack_regs"));
     assert_eq!(how, "frame_pointers", "{meta}");
     assert!(meta.contains("turned off"), "fallback not named: {meta}");
     assert_eq!(full, 0, "frame pointers alone walked the chain");

@@ -30,10 +30,9 @@ use aya_ebpf::{
 use dynprof_common::{
     SampleEvent, THREAD_MAPS_MIN, drop_slot,
     unwind::{
-        user_regs,
         MAX_PY_FRAMES, MAX_PY_THREADS, OFFCPU_COPY_EVERY_NS, OFFCPU_COPY_MAX, OFFCPU_STACK,
         PY_FRAME_VIA_CFRAME, PyFrameRaw, PyOffsets, SAMPLE_STACK, STACK_COPY_MAX,
-        STACK_COPY_OFFSET, StackSample, StackSampleHeader,
+        STACK_COPY_OFFSET, StackSample, StackSampleHeader, user_regs,
     },
 };
 
@@ -61,9 +60,12 @@ static TASK_REGS_DELTA: u32 = 0;
 #[unsafe(no_mangle)]
 static CALIBRATE_TID: u32 = 0;
 
-/// What [`dynprof_task_regs`] saw: `[task->stack, regs]`.
+/// What [`dynprof_task_regs`] saw: `[task->stack, regs, runs, all]`, the
+/// counts of its runs at `CALIBRATE_TID`'s system calls and at anyone's
+/// (so that user space can tell a program that never ran from one that
+/// missed its thread or failed to read).
 #[map]
-static TASK_REGS_SEEN: Array<[u64; 2]> = Array::with_max_entries(1, 0);
+static TASK_REGS_SEEN: Array<[u64; 4]> = Array::with_max_entries(1, 0);
 
 /// Measures where `task_pt_regs()` is on this kernel, once per dynprof
 /// process, in an instance of this object loaded for nothing else: at
@@ -73,13 +75,20 @@ static TASK_REGS_SEEN: Array<[u64; 2]> = Array::with_max_entries(1, 0);
 #[raw_tracepoint(tracepoint = "sys_enter")]
 pub fn dynprof_task_regs(ctx: RawTracePointContext) -> i32 {
     let tid = aya_ebpf::helpers::bpf_get_current_pid_tgid() as u32;
+    let Some(p) = TASK_REGS_SEEN.get_ptr_mut(0) else {
+        return 0;
+    };
+    unsafe { (*p)[3] += 1 };
     if tid == 0 || tid != unsafe { core::ptr::read_volatile(&CALIBRATE_TID) } {
         return 0;
     }
+    unsafe { (*p)[2] += 1 };
     let regs: u64 = ctx.arg(0);
-    let Some(stack) = task_stack() else { return 0 };
-    if let Some(p) = TASK_REGS_SEEN.get_ptr_mut(0) {
-        unsafe { *p = [stack, regs] };
+    if let Some(stack) = task_stack() {
+        unsafe {
+            (*p)[0] = stack;
+            (*p)[1] = regs;
+        }
     }
     0
 }
@@ -164,7 +173,8 @@ mod arch {
 fn task_user_regs() -> Option<UserRegs> {
     let how = unsafe { core::ptr::read_volatile(&USER_REGS_FROM_TASK) };
     let regs = if how == user_regs::TASK_PT_REGS {
-        (unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) }) as *const u64
+        (unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) })
+            as *const u64
     } else if how == user_regs::TASK_STACK {
         let delta = unsafe { core::ptr::read_volatile(&TASK_REGS_DELTA) } as u64;
         (task_stack()? + delta) as *const u64

@@ -70,9 +70,14 @@ pub const MAX_REGS_DELTA: u64 = 256 * 1024;
 /// other pointer).
 pub fn regs_delta(stack: u64, regs: u64) -> Result<u32> {
     if stack == 0 || regs == 0 {
-        bail!("the measuring program saw no system call (stack {stack:#x}, regs {regs:#x})");
+        bail!(
+            "the measuring program read no stack base or registers (stack {stack:#x}, regs {regs:#x})"
+        );
     }
-    let Some(delta) = regs.checked_sub(stack).filter(|d| *d > 0 && *d < MAX_REGS_DELTA) else {
+    let Some(delta) = regs
+        .checked_sub(stack)
+        .filter(|d| *d > 0 && *d < MAX_REGS_DELTA)
+    else {
         bail!(
             "the saved registers ({regs:#x}) are not within {} KiB above task_struct.stack ({stack:#x})",
             MAX_REGS_DELTA / 1024
@@ -289,7 +294,13 @@ pub fn choose(f: &KernelFeatures) -> Result<KernelPaths> {
     }
     let kernel_mode_stacks = match (&f.task_pt_regs, &f.task_stack_regs) {
         (true, _) => KernelModeStacks::Unwound,
-        (false, TaskStackRegs::Found { stack_offset, regs_delta }) => {
+        (
+            false,
+            TaskStackRegs::Found {
+                stack_offset,
+                regs_delta,
+            },
+        ) => {
             fallbacks.push(format!(
                 "no {}: the user registers of kernel-mode samples and off-CPU switch-outs are \
                  read at task_struct.stack + {regs_delta} (the member at byte {stack_offset} \
@@ -301,7 +312,9 @@ pub fn choose(f: &KernelFeatures) -> Result<KernelPaths> {
         (false, other) => {
             let why = match other {
                 TaskStackRegs::Failed(why) => format!(" (not found on the task's stack: {why})"),
-                TaskStackRegs::Disabled => " (reading them from the task's stack turned off)".into(),
+                TaskStackRegs::Disabled => {
+                    " (reading them from the task's stack turned off)".into()
+                }
                 _ => String::new(),
             };
             fallbacks.push(format!(
@@ -433,7 +446,10 @@ mod tests {
     #[test]
     fn a_failed_or_disabled_measurement_falls_back_to_frame_pointers_and_says_why() {
         for (how, says) in [
-            (TaskStackRegs::Failed("no struct task_struct".into()), "no struct task_struct"),
+            (
+                TaskStackRegs::Failed("no struct task_struct".into()),
+                "no struct task_struct",
+            ),
             (TaskStackRegs::Disabled, "turned off"),
         ] {
             let p = choose(&KernelFeatures {
@@ -458,8 +474,8 @@ mod tests {
         // arm64, 64 KiB pages.
         assert_eq!(regs_delta(base, base + 65536 - 336).unwrap(), 65200);
         for (stack, regs, says) in [
-            (0, base, "no system call"),
-            (base, 0, "no system call"),
+            (0, base, "read no stack base"),
+            (base, 0, "read no stack base"),
             (base, base - 8, "not within"),
             (base, base, "not within"),
             (base, base + MAX_REGS_DELTA, "not within"),

@@ -33,10 +33,7 @@ pub fn member_offset(data: &[u8], strukt: &str, member: &str) -> Result<u32> {
     let types = hdr_len + type_off as usize..hdr_len + type_off as usize + type_len as usize;
     let strings = hdr_len + str_off as usize..hdr_len + str_off as usize + str_len as usize;
     if types.end > data.len() || strings.end > data.len() {
-        bail!(
-            "BTF sections run past the data ({} bytes)",
-            data.len()
-        );
+        bail!("BTF sections run past the data ({} bytes)", data.len());
     }
     let name = |off: u32| -> Option<&[u8]> {
         let s = data.get(strings.start + off as usize..strings.end)?;
@@ -123,12 +120,32 @@ mod tests {
     fn kernel_like(kind_flag: bool, stack_bits: u32) -> Vec<u8> {
         blob(
             &[
-                1, info(1, 0, false), 8, 64, // [1] INT "int", 8 bytes
-                0, info(6, 2, false), 4, 37, 0, 37, 1, // [2] ENUM, 2 values
-                29, info(4, 1, false), 8, 37, 1, 0, // [3] STRUCT pt_regs { x }
-                5, info(4, 2, kind_flag), 24, // [4] STRUCT task_struct
-                17, 1, 0, // state: int at bit 0
-                23, 1, stack_bits, // stack
+                1,
+                info(1, 0, false),
+                8,
+                64, // [1] INT "int", 8 bytes
+                0,
+                info(6, 2, false),
+                4,
+                37,
+                0,
+                37,
+                1, // [2] ENUM, 2 values
+                29,
+                info(4, 1, false),
+                8,
+                37,
+                1,
+                0, // [3] STRUCT pt_regs { x }
+                5,
+                info(4, 2, kind_flag),
+                24, // [4] STRUCT task_struct
+                17,
+                1,
+                0, // state: int at bit 0
+                23,
+                1,
+                stack_bits, // stack
             ],
             STRINGS,
         )
@@ -189,6 +206,6 @@ mod tests {
             return;
         }
         let off = kernel_member_offset("task_struct", "stack").unwrap();
-        assert!(off > 0 && off % 8 == 0 && off < 4096, "{off}");
+        assert!(off > 0 && off.is_multiple_of(8) && off < 4096, "{off}");
     }
 }
