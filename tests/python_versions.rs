@@ -1,7 +1,7 @@
-//! CPython 3.12, 3.13 and 3.14 frames in cpu windows, on real interpreters
-//! (issue 15, docs/stacks.md): the hot-function-under-caller check of
-//! tests/python_frames.rs, with Debian trixie's python3.13 and sid's
-//! python3.14 run from root filesystems that `cargo xtask setup` builds
+//! CPython 3.12, 3.13 and 3.14 frames in cpu and offcpu windows, on real
+//! interpreters (issue 15, docs/stacks.md): the hot-function-under-caller
+//! and queue-wait checks of tests/python_frames.rs, with Debian trixie's
+//! python3.13 and sid's python3.14 run from root filesystems that `cargo xtask setup` builds
 //! under /var/cache/dynprof/python-rootfs (xtask/src/pyroots.rs), and the
 //! machine image's pyenv CPython 3.12 (shared libpython, so the
 //! interpreter's code and `_PyRuntime` are in `libpython3.12.so`) run on
@@ -94,7 +94,7 @@ fn host_python312() -> Option<PathBuf> {
         return Some(py);
     }
     eprintln!(
-        "\n!!!!!!!! SKIPPED (no CPython 3.12 at {}; set DYNPROF_PY312): python312_hot_function_under_its_caller !!!!!!!!\n",
+        "\n!!!!!!!! SKIPPED (no CPython 3.12 at {}; set DYNPROF_PY312): a python312 test !!!!!!!!\n",
         py.display()
     );
     None
@@ -109,36 +109,104 @@ enum Interp {
     Host(u8, PathBuf),
 }
 
-fn hot_function_under_its_caller(interp: Interp) {
-    match interp {
-        Interp::Rootfs(minor) => {
-            let Some(root) = rootfs(minor) else { return };
-            hot_in_rootfs(minor, &root)
+/// py_hot.py running under an interpreter, ready.
+struct Job {
+    /// Our child: the interpreter, or `unshare` above it.
+    proc: Proc,
+    /// The interpreter's host PID.
+    python: u32,
+    /// The script's copy inside a root filesystem, removed at the end.
+    copy: Option<PathBuf>,
+}
+
+impl Job {
+    /// Starts py_hot.py with `args` under `interp`; `None` when the
+    /// interpreter is missing (after the skip line).
+    fn start(interp: &Interp, args: &[&str]) -> Option<Job> {
+        let fixture = workspace_root().join("tests/fixtures/py_hot.py");
+        match interp {
+            Interp::Host(_, py) => {
+                let proc = Proc::spawn_ready(Command::new(py).arg(&fixture).args(args));
+                let python = proc.host_pid();
+                Some(Job {
+                    proc,
+                    python,
+                    copy: None,
+                })
+            }
+            Interp::Rootfs(minor) => {
+                let root = rootfs(*minor)?;
+                // The script goes inside the root (the chrooted interpreter
+                // sees only it), in a directory of this test's own.
+                let inside =
+                    PathBuf::from(format!("/tmp/dynprof-test-{}-{minor}", std::process::id()));
+                let host_side = root.join(inside.strip_prefix("/").unwrap());
+                std::fs::create_dir_all(&host_side).unwrap();
+                std::fs::copy(&fixture, host_side.join("py_hot.py")).unwrap();
+                let proc = Proc::spawn_ready(
+                    Command::new("unshare")
+                        .args(["--mount", "--pid", "--fork", "--kill-child", "chroot"])
+                        .arg(&root)
+                        .arg(format!("/usr/bin/python3.{minor}"))
+                        .arg(inside.join("py_hot.py"))
+                        .args(args),
+                );
+                assert_eq!(proc.pid, 1, "python is PID 1 of its own namespace");
+                let kids = children(proc.host_pid());
+                assert_eq!(kids.len(), 1, "unshare's one child: {kids:?}");
+                let python = kids[0];
+                let exe = std::fs::read_link(format!("/proc/{python}/exe")).unwrap();
+                assert!(
+                    exe.ends_with(format!("usr/bin/python3.{minor}")),
+                    "{}",
+                    exe.display()
+                );
+                Some(Job {
+                    proc,
+                    python,
+                    copy: Some(host_side),
+                })
+            }
         }
-        Interp::Host(minor, py) => hot_on_host(minor, &py),
+    }
+
+    /// Stops the interpreter with SIGTERM (its handler ends the loop) and
+    /// checks that it exited cleanly. `unshare --fork` ignores SIGTERM
+    /// while it waits for its child: the interpreter is stopped instead,
+    /// and unshare exits with it.
+    fn stop(mut self) {
+        // SAFETY: kill(2) on a process of our own child's tree, still running.
+        unsafe { libc::kill(self.python as i32, libc::SIGTERM) };
+        let st = self.proc.child.wait().unwrap();
+        assert!(st.success(), "the job: {st}");
+        if let Some(copy) = self.copy.take() {
+            let _ = std::fs::remove_dir_all(copy);
+        }
     }
 }
 
-fn hot_on_host(minor: u8, py: &Path) {
+fn minor(interp: &Interp) -> u8 {
+    match interp {
+        Interp::Rootfs(m) | Interp::Host(m, _) => *m,
+    }
+}
+
+fn hot_function_under_its_caller(interp: Interp) {
+    let minor = minor(&interp);
     let dir = scratch_dir(&format!("python_versions_{minor}"));
-    let fixture = workspace_root().join("tests/fixtures/py_hot.py");
-    let script = std::fs::read_to_string(&fixture).unwrap();
-    let mut p = Proc::spawn_ready(Command::new(py).arg(&fixture).args([
-        "--native-step",
-        "--units",
-        "100000",
-    ]));
-    let python = p.host_pid();
-    let o = attach_hot(python, &dir.join("out"));
-    // SAFETY: kill(2) on our own child, still running.
-    unsafe { libc::kill(python as i32, libc::SIGTERM) };
-    let st = p.child.wait().unwrap();
-    assert!(st.success(), "the job: {st}");
+    let script =
+        std::fs::read_to_string(workspace_root().join("tests/fixtures/py_hot.py")).unwrap();
+    let Some(job) = Job::start(&interp, &["--native-step", "--units", "100000"]) else {
+        return;
+    };
+    let o = attach_py_hot(job.python, &dir.join("out"), "cpu");
+    job.stop();
     check_hot(minor, &dir, &script, &o);
 }
 
-/// `dynprof attach` for 40 steps of py_hot.py at 499 Hz.
-fn attach_hot(python: u32, out: &Path) -> std::process::Output {
+/// `dynprof attach` with collector `collect` for 40 steps of py_hot.py at
+/// 499 Hz.
+fn attach_py_hot(python: u32, out: &Path, collect: &str) -> std::process::Output {
     Command::new(dynprof_bin())
         .args([
             "attach",
@@ -149,7 +217,7 @@ fn attach_hot(python: u32, out: &Path) -> std::process::Output {
             "--marker",
             "libc.so.6:getppid",
             "--collect",
-            "cpu",
+            collect,
             "--cpu-hz",
             "499",
             "--start-step",
@@ -166,46 +234,61 @@ fn attach_hot(python: u32, out: &Path) -> std::process::Output {
         .unwrap()
 }
 
-fn hot_in_rootfs(minor: u8, root: &Path) {
-    let dir = scratch_dir(&format!("python_versions_{minor}"));
-    // The script goes inside the root (the chrooted interpreter sees only
-    // it), in a directory of this test's own.
-    let inside = PathBuf::from(format!("/tmp/dynprof-test-{}-{minor}", std::process::id()));
-    let host_side = root.join(inside.strip_prefix("/").unwrap());
-    std::fs::create_dir_all(&host_side).unwrap();
-    let fixture = workspace_root().join("tests/fixtures/py_hot.py");
-    std::fs::copy(&fixture, host_side.join("py_hot.py")).unwrap();
-    let script = std::fs::read_to_string(&fixture).unwrap();
-
-    let mut p = Proc::spawn_ready(
-        Command::new("unshare")
-            .args(["--mount", "--pid", "--fork", "--kill-child", "chroot"])
-            .arg(root)
-            .arg(format!("/usr/bin/python3.{minor}"))
-            .arg(inside.join("py_hot.py"))
-            .args(["--native-step", "--units", "100000"]),
+/// An offcpu window on py_hot.py --queue: the training thread waits in
+/// `wait_for_batch` -> `Queue.get` for what a `producer` thread puts every
+/// 10 ms; both blocked most of the time, found by their Python frames at
+/// each switch-out (the producer's from the interpreter's thread list, as
+/// it does not hold the GIL while it sleeps).
+fn offcpu_queue_wait(interp: Interp) {
+    let minor = minor(&interp);
+    let dir = scratch_dir(&format!("python_versions_offcpu_{minor}"));
+    let Some(job) = Job::start(&interp, &["--native-step", "--units", "1000", "--queue"]) else {
+        return;
+    };
+    let o = attach_py_hot(job.python, &dir.join("out"), "offcpu");
+    job.stop();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "dynprof attach failed: {stderr}");
+    let (_, stacks) = window_folded(&dir.join("out"), "offcpu", &stderr);
+    for (s, n) in &stacks {
+        eprintln!("  {n:8} {}", s.join(";"));
+    }
+    let total: u64 = stacks.iter().map(|s| s.1).sum();
+    let py_names = |s: &[String]| -> Vec<String> {
+        s.iter()
+            .filter_map(|f| py_fn(f))
+            .map(str::to_string)
+            .collect()
+    };
+    let waiting: u64 = stacks
+        .iter()
+        .filter(|(s, _)| {
+            py_names(s)
+                .windows(3)
+                .any(|w| w == ["train_step", "wait_for_batch", "Queue.get"])
+        })
+        .map(|s| s.1)
+        .sum();
+    let producing: u64 = stacks
+        .iter()
+        .filter(|(s, _)| py_names(s).iter().any(|f| f == "producer"))
+        .map(|s| s.1)
+        .sum();
+    eprintln!(
+        "python3.{minor}: off-CPU µs: {total} in all, {waiting} waiting for a batch, \
+         {producing} in producer"
     );
-    assert_eq!(p.pid, 1, "python is PID 1 of its own namespace");
-    let kids = children(p.host_pid());
-    assert_eq!(kids.len(), 1, "unshare's one child: {kids:?}");
-    let python = kids[0];
-    let exe = std::fs::read_link(format!("/proc/{python}/exe")).unwrap();
+    // 40 steps of ~10 ms each, both threads blocked most of the time.
+    assert!(total >= 200_000, "only {total} µs off-CPU");
     assert!(
-        exe.ends_with(format!("usr/bin/python3.{minor}")),
-        "{}",
-        exe.display()
+        waiting as f64 >= 0.3 * total as f64,
+        "{waiting} of {total} µs waiting for a batch"
     );
-
-    let o = attach_hot(python, &dir.join("out"));
-    // unshare --fork ignores SIGTERM while it waits for its child: the
-    // interpreter (PID 1 of its namespace, with a SIGTERM handler) is
-    // stopped instead, and unshare exits with it.
-    // SAFETY: kill(2) on a process of our own child's tree, still running.
-    unsafe { libc::kill(python as i32, libc::SIGTERM) };
-    let st = p.child.wait().unwrap();
-    assert!(st.success(), "the job under unshare: {st}");
-    let _ = std::fs::remove_dir_all(&host_side);
-    check_hot(minor, &dir, &script, &o);
+    assert!(
+        producing as f64 >= 0.3 * total as f64,
+        "{producing} of {total} µs in producer"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The window's stacks: most samples in `hot` or `cold` under their
@@ -318,4 +401,23 @@ fn python313_hot_function_under_its_caller() {
 fn python314_hot_function_under_its_caller() {
     require_privileges!();
     hot_function_under_its_caller(Interp::Rootfs(14));
+}
+
+#[test]
+fn python312_offcpu_queue_wait() {
+    require_privileges!();
+    let Some(py) = host_python312() else { return };
+    offcpu_queue_wait(Interp::Host(12, py));
+}
+
+#[test]
+fn python313_offcpu_queue_wait() {
+    require_privileges!();
+    offcpu_queue_wait(Interp::Rootfs(13));
+}
+
+#[test]
+fn python314_offcpu_queue_wait() {
+    require_privileges!();
+    offcpu_queue_wait(Interp::Rootfs(14));
 }
