@@ -451,6 +451,68 @@ fn unwind_native_through_jit_code() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The vDSO has no file behind it: its tables and names come from
+/// dynprof's own image of it (the kernel maps the same one into every
+/// process). `deepstack --clock` reads the clock in a loop, so most
+/// samples are in the vDSO's `clock_gettime`, called from libc's.
+///
+/// Not in the VM set: under QEMU TCG the vDSO has no usable clocksource
+/// and `clock_gettime` is a system call.
+#[test]
+fn unwind_native_through_the_vdso() {
+    require_privileges!();
+    let (dir, mut p) = start_deepstack("unwind_native_through_the_vdso", &["--clock"]);
+    let chain = expected_chain();
+    let unwound = cpu_window(p.pid, &dir.join("unwound"), None);
+    p.terminate();
+    for (s, n) in &unwound {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
+    let user: Vec<&(Vec<String>, u64)> = unwound.iter().filter(|(s, _)| in_user(s)).collect();
+    let total: u64 = user.iter().map(|s| s.1).sum();
+    let leaf_in_vdso = |s: &[String]| s.last().is_some_and(|f| f.ends_with(" [vdso]"));
+    let in_vdso: u64 = user
+        .iter()
+        .filter(|(s, _)| leaf_in_vdso(s))
+        .map(|s| s.1)
+        .sum();
+    // The chain, then libc's clock_gettime, then the vDSO's: nothing
+    // lost or guessed in between.
+    let full: u64 = user
+        .iter()
+        .filter(|(s, _)| {
+            let n = s.len();
+            leaf_in_vdso(s)
+                && n >= chain.len() + 2
+                && s[n - chain.len() - 2..n - 2] == chain[..]
+                && s[n - 2].contains("clock_gettime")
+                && s[n - 1].contains("clock_gettime")
+        })
+        .map(|s| s.1)
+        .sum();
+    eprintln!(
+        "{in_vdso} of {total} user-mode samples in the vDSO, {full} under libc's clock_gettime and the whole chain"
+    );
+    assert!(total >= 40, "too few user-mode samples: {unwound:?}");
+    assert!(
+        in_vdso as f64 >= 0.5 * total as f64,
+        "{in_vdso} of {total} samples end in a named vDSO frame"
+    );
+    assert!(
+        full as f64 >= 0.95 * in_vdso as f64,
+        "{full} of {in_vdso} vDSO samples show {};clock_gettime;… [vdso]",
+        chain.join(";")
+    );
+    let unnamed: Vec<&String> = unwound
+        .iter()
+        .flat_map(|(s, _)| s)
+        .filter(|f| f.contains("[unknown] [vdso]"))
+        .collect();
+    assert!(unnamed.is_empty(), "vDSO frames not named: {unnamed:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Runs `cmd` in `dir` through `sh -c`, failing the test on error.
 fn sh(dir: &Path, cmd: &str) {
     let o = Command::new("sh")

@@ -49,6 +49,12 @@ const DEFAULT_DEBUG_DIR: &str = "/usr/lib/debug";
 /// The frame name of code in anonymous executable memory.
 pub const JIT_FRAME: &str = "[jit]";
 
+/// The maps name of the vDSO (a file's name there starts with `/`).
+const VDSO: &str = "[vdso]";
+
+/// What a frame named from the vDSO ends with.
+pub const VDSO_SUFFIX: &str = " [vdso]";
+
 /// One executable mapping of the target, kept so that an address blazesym
 /// cannot name can still be reported as `[unknown] module+0xoffset`, and so
 /// that this still works once the process has exited.
@@ -280,7 +286,13 @@ impl Symbolizer {
                 Ok(results) => {
                     for ((a, _), r) in group.iter().zip(results.iter()) {
                         if let Symbolized::Sym(sym) = r {
-                            self.user_cache.insert(*a, sym_frames(sym));
+                            let mut frames = sym_frames(sym);
+                            if key == VDSO {
+                                // `clock_gettime [vdso]`, as JIT code is
+                                // `NAME [jit]`: not libc's of the same name.
+                                frames.iter_mut().for_each(|f| f.push_str(VDSO_SUFFIX));
+                            }
+                            self.user_cache.insert(*a, frames);
                         }
                     }
                 }
@@ -316,8 +328,8 @@ impl Symbolizer {
         let Some(m) = self.mapping(addr).cloned() else {
             return Lookup::Nothing;
         };
-        if !m.module.starts_with('/') {
-            // JIT code, [vdso]: no file, so no tables (see `snapshot`).
+        if !m.module.starts_with('/') && m.module != VDSO {
+            // JIT code: no file, so no tables (see `snapshot`).
             return Lookup::Anonymous(m.start..m.end);
         }
         self.ensure_snapshot(&m.file_key);
@@ -349,35 +361,13 @@ impl Symbolizer {
             return None;
         }
         let m = self.maps.iter().find(|m| m.file_key == key)?;
-        if !m.module.starts_with('/') || key.ends_with(" 0") {
-            // Anonymous code (JIT), [vdso]: no file to read.
+        let img = if m.module == VDSO {
+            self.vdso_image(m)?
+        } else if !m.module.starts_with('/') || key.ends_with(" 0") {
+            // Anonymous code (JIT): no file to read.
             return None;
-        }
-        let by_map = PathBuf::from(format!(
-            "/proc/{}/map_files/{:x}-{:x}",
-            self.pid, m.start, m.end
-        ));
-        let img = ElfImage::open(&by_map).or_else(|e| {
-            // map_files needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE: the
-            // name inside the target's root, if it is still the same file.
-            let (pid, name) = (self.pid, m.module.clone());
-            let inode: Option<u64> = key.split_once(' ').and_then(|(_, i)| i.parse().ok());
-            ElfImage::read_bounded(Path::new(&m.module), move || {
-                let root = TargetRoot::open(&PathBuf::from(format!("/proc/{pid}/root")))?;
-                let f = root.open_regular(&name)?;
-                if inode.is_some_and(|ino| ino != f.ino) {
-                    anyhow::bail!("{name} was replaced since it was mapped");
-                }
-                Ok(f)
-            })
-            .map_err(|e2| e.context(format!("{e2:#}")))
-        });
-        let img = match img {
-            Ok(i) => i,
-            Err(e) => {
-                log::debug!("symbolize: {}: {e:#}", m.module);
-                return None;
-            }
+        } else {
+            self.mapped_image(m, key)?
         };
         let tables = img.unwind_sections();
         // A stripped file (no .symtab): its separate debug file, by build
@@ -412,6 +402,54 @@ impl Symbolizer {
             },
             tables,
         ))
+    }
+
+    /// The target's `[vdso]`: dynprof's own image (`sys::vdso`), when the
+    /// target's mapping is as long (a 32-bit target's is another image).
+    fn vdso_image(&self, m: &Mapping) -> Option<ElfImage> {
+        let own = crate::sys::vdso::own_image()?;
+        if own.len() as u64 != m.end - m.start || m.offset != 0 {
+            log::debug!(
+                "symbolize: the target's [vdso] is {} bytes, dynprof's {}: not read",
+                m.end - m.start,
+                own.len()
+            );
+            return None;
+        }
+        ElfImage::from_bytes(Path::new(VDSO), own)
+            .map_err(|e| log::debug!("symbolize: [vdso]: {e:#}"))
+            .ok()
+    }
+
+    /// The file behind an executable mapping, read through
+    /// `/proc/PID/map_files` (or inside the target's root).
+    fn mapped_image(&self, m: &Mapping, key: &str) -> Option<ElfImage> {
+        let by_map = PathBuf::from(format!(
+            "/proc/{}/map_files/{:x}-{:x}",
+            self.pid, m.start, m.end
+        ));
+        let img = ElfImage::open(&by_map).or_else(|e| {
+            // map_files needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE: the
+            // name inside the target's root, if it is still the same file.
+            let (pid, name) = (self.pid, m.module.clone());
+            let inode: Option<u64> = key.split_once(' ').and_then(|(_, i)| i.parse().ok());
+            ElfImage::read_bounded(Path::new(&m.module), move || {
+                let root = TargetRoot::open(&PathBuf::from(format!("/proc/{pid}/root")))?;
+                let f = root.open_regular(&name)?;
+                if inode.is_some_and(|ino| ino != f.ino) {
+                    anyhow::bail!("{name} was replaced since it was mapped");
+                }
+                Ok(f)
+            })
+            .map_err(|e2| e.context(format!("{e2:#}")))
+        });
+        match img {
+            Ok(i) => Some(i),
+            Err(e) => {
+                log::debug!("symbolize: {}: {e:#}", m.module);
+                None
+            }
+        }
     }
 
     /// The separate debug file of build id `id` with its `.symtab`: in each
@@ -612,8 +650,14 @@ fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
         let (Some(dev), Some(inode)) = (it.next(), it.next()) else {
             continue;
         };
-        let file_key = format!("{dev} {inode}");
         let module = it.collect::<Vec<_>>().join(" ");
+        // The vDSO shares "00:00 0" with anonymous (JIT) memory, but has
+        // tables and names of its own (`snapshot`).
+        let file_key = if module == VDSO {
+            VDSO.to_string()
+        } else {
+            format!("{dev} {inode}")
+        };
         let Some((s, e)) = range.split_once('-') else {
             continue;
         };

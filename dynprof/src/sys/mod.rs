@@ -20,6 +20,8 @@
 //! | `signal` | SIGTERM to dynprof's own children (the agent's captures) |
 //! | `configmap` | read a `--config-dir` file, plain or through a ConfigMap's root-owned `..data` links |
 //! | `unixsock` | the agent's root-only unix socket: checked parent, stale-socket replacement |
+//! | `btf` | member offsets from the kernel's BTF (`task_struct.stack`) |
+//! | `vdso` | dynprof's own vDSO image, the target's `[vdso]` frames' tables and names |
 pub mod btf;
 pub mod caps;
 pub mod clock;
@@ -37,3 +39,4 @@ pub mod signal;
 pub mod targetdir;
 pub mod unixsock;
 pub mod uprobe;
+pub mod vdso;
