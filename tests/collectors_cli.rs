@@ -8,6 +8,7 @@ mod common;
 
 use std::{
     collections::BTreeMap,
+    os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::Command,
 };
@@ -328,4 +329,114 @@ fn collectors_cuda_tables_and_user_api() {
         // 2 ms synchronize + 0.5 ms user wait, both slept for at least that.
         assert!(rows[i]["device_wait_ns"] >= 2_500_000, "{:?}", rows[i]);
     }
+}
+
+/// Off-CPU time of one window of `deepstack` (`pid`), from `trace.json`'s
+/// off-CPU slices: (µs while runnable, µs while blocked).
+fn offcpu_split(pid: u32, out: &Path) -> (f64, f64) {
+    let o = Command::new(dynprof_bin())
+        .args([
+            "attach",
+            "--pid",
+            &pid.to_string(),
+            "--marker",
+            "exe:step_marker",
+            "--collect",
+            "offcpu",
+            "--start-step",
+            "3",
+            "--warmup",
+            "0",
+            "--active",
+            "25",
+            "--json",
+            "-o",
+        ])
+        .arg(out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "dynprof attach failed: {stderr}");
+    let prof = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("PROF_")
+        })
+        .unwrap_or_else(|| panic!("no window: {stderr}"));
+    let trace = json_file(&prof.join("trace.json"));
+    let (mut runnable, mut blocked) = (0.0, 0.0);
+    for e in trace["traceEvents"].as_array().unwrap() {
+        if e["cat"] != "offcpu" {
+            continue;
+        }
+        let dur = e["dur"].as_f64().unwrap();
+        match e["args"]["runnable"].as_bool() {
+            Some(true) => runnable += dur,
+            Some(false) => blocked += dur,
+            None => panic!("an off-CPU slice without args.runnable: {e}"),
+        }
+    }
+    (runnable, blocked)
+}
+
+/// The offcpu collector tells a thread that was preempted (still runnable)
+/// from one that blocked: `deepstack` burning CPU on a CPU it shares with
+/// another one leaves it only runnable; `deepstack --sleep` leaves it to
+/// sleep. Job mode counts only blocked time as a rank's wait.
+#[test]
+fn collectors_offcpu_tells_preempted_from_blocked() {
+    require_privileges!();
+    let _g = serial();
+    let dir = scratch_dir("collectors_offcpu_tells_preempted_from_blocked");
+    let deepstack = fixtures().deepstack.clone();
+    // Two burners pinned to CPU 0 take turns on it. (Pinned in the child
+    // before exec, not by taskset: the arm64 VM runs the host's x86-64
+    // binaries' root.)
+    let pinned = || {
+        let mut cmd = Command::new(&deepstack);
+        cmd.args(["--step-ms", "20"]);
+        // SAFETY: sched_setaffinity is a plain system call, safe between
+        // fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(0, &mut set);
+                if libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        };
+        Proc::spawn_ready(&mut cmd)
+    };
+    let mut burner = pinned();
+    let mut rival = pinned();
+    let (runnable, blocked) = offcpu_split(burner.pid, &dir.join("burner"));
+    burner.terminate();
+    rival.terminate();
+    eprintln!("burner: {runnable:.0} µs off-CPU runnable, {blocked:.0} µs blocked");
+    // 25 steps of 20 ms of CPU at half a CPU: about 500 ms runnable.
+    assert!(runnable >= 100_000.0, "only {runnable:.0} µs runnable");
+    assert!(
+        blocked <= 0.02 * (runnable + blocked),
+        "a thread that never blocks was blocked {blocked:.0} of {:.0} µs",
+        runnable + blocked
+    );
+
+    let mut sleeper =
+        Proc::spawn_ready(Command::new(&deepstack).args(["--step-ms", "20", "--sleep"]));
+    let (runnable, blocked) = offcpu_split(sleeper.pid, &dir.join("sleeper"));
+    sleeper.terminate();
+    eprintln!("sleeper: {runnable:.0} µs off-CPU runnable, {blocked:.0} µs blocked");
+    assert!(blocked >= 200_000.0, "only {blocked:.0} µs blocked");
+    assert!(
+        runnable <= 0.1 * (runnable + blocked),
+        "a sleeping thread was runnable {runnable:.0} of {:.0} µs",
+        runnable + blocked
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -354,6 +354,11 @@ pub struct OffCpuEvent {
     pub dur_ns: u64,
     pub user_stack: i32,
     pub kernel_stack: i32,
+    /// 1: the thread was still runnable when it left the CPU (preempted,
+    /// or it yielded): it waited for a CPU, it did not block. sched_switch
+    /// reports that state as `R` or `R+`.
+    pub runnable: u32,
+    pub _pad: u32,
 }
 
 /// Key of in-flight API calls: a thread may be inside several distinct APIs
@@ -396,7 +401,8 @@ pub struct OffCpuStart {
     /// 1: at the same place as the thread's last copied switch-out (see
     /// [`kind::OFFCPU_REPEAT`]).
     pub repeat: u32,
-    pub _pad: u32,
+    /// 1: still runnable at the switch-out ([`OffCpuEvent::runnable`]).
+    pub runnable: u32,
 }
 
 #[cfg(feature = "user")]

@@ -5,7 +5,12 @@ use super::*;
 // Offsets in the sched/sched_switch tracepoint record (stable ABI, see
 // /sys/kernel/tracing/events/sched/sched_switch/format).
 const PREV_PID: usize = 24;
+const PREV_STATE: usize = 32;
 const NEXT_PID: usize = 56;
+/// The task-state bits of `prev_state` (`TASK_REPORT`, and the idle bit
+/// above it): none set is the `R` (runnable) the tracepoint prints, and
+/// preemption adds `TASK_REPORT_MAX` (`R+`) above them.
+const STATE_BITS: i64 = 0xff;
 
 /// Off-CPU time: remember when a target thread leaves the CPU (with its
 /// stacks, taken while it is still `current`), emit when it comes back.
@@ -15,6 +20,7 @@ pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
     if let Some(tid) = target_tid() {
         let prev: i32 = unsafe { ctx.read_at(PREV_PID) }.unwrap_or(-1);
         if prev as u32 == tid && tid != 0 && gate_open() {
+            let state: i64 = unsafe { ctx.read_at(PREV_STATE) }.unwrap_or(-1);
             let user_stack = stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::OFFCPU_STACK);
             let kernel_stack = stack_id(&ctx, 0, drop_slot::OFFCPU_STACK);
             // The stacks first: whether this switch-out repeats the last
@@ -25,7 +31,7 @@ pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
                 user_stack,
                 kernel_stack,
                 repeat: u32::from(matches!(copy, stack_copy::OffCpuCopy::Repeat)),
-                _pad: 0,
+                runnable: u32::from(state & STATE_BITS == 0),
             };
             if OFFCPU_START.insert(tid, rec, 0).is_err() {
                 count_drop(drop_slot::OFFCPU);
@@ -53,6 +59,8 @@ pub fn dynprof_sched_switch(ctx: TracePointContext) -> u32 {
                 dur_ns: now.saturating_sub(start.ts_ns),
                 user_stack: start.user_stack,
                 kernel_stack: start.kernel_stack,
+                runnable: start.runnable,
+                _pad: 0,
             },
             drop_slot::OFFCPU,
             batched(),

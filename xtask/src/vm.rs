@@ -183,10 +183,17 @@ const VM_TESTS: &[(&str, &[&str])] = &[
 /// guest now panics with every CPU's backtrace on a soft lockup
 /// (`softlockup_panic`), so a lockup will at least leave a trace. On 6.1
 /// the test runs on the host instead.
-const VM_TESTS_BEFORE_5_15: &[(&str, &[&str])] = &[(
-    "unwind_native",
-    &["unwind_native_offcpu_stacks_are_unwound_at_the_switch"],
-)];
+const VM_TESTS_BEFORE_5_15: &[(&str, &[&str])] = &[
+    (
+        "unwind_native",
+        &["unwind_native_offcpu_stacks_are_unwound_at_the_switch"],
+    ),
+    // sched_switch's prev_state: preempted (runnable) against blocked.
+    (
+        "collectors_cli",
+        &["collectors_offcpu_tells_preempted_from_blocked"],
+    ),
+];
 
 /// Does Debian kernel ABI `version` (`5.10.0-30`) predate 5.15?
 fn before_5_15(version: &str) -> bool {

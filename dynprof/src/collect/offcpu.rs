@@ -173,6 +173,8 @@ impl Collector for OffCpuCollector {
                             dur_ns: end_ts_ns - rec.ts_ns,
                             user_stack: rec.user_stack,
                             kernel_stack: rec.kernel_stack,
+                            runnable: rec.runnable,
+                            _pad: 0,
                         };
                         // Kept: the interval's own event comes later.
                         let id = self.unwound.get(&(tid, rec.ts_ns)).copied().or_else(|| {
@@ -241,6 +243,7 @@ impl Collector for OffCpuCollector {
                     ts_ns: e.hdr.ts_ns,
                     dur_ns,
                     stack,
+                    runnable: e.runnable != 0,
                 });
             }
         }

@@ -193,12 +193,13 @@ fn hdr_decode(b: &[u8]) -> EventHeader {
 }
 
 impl Record for OffCpuEvent {
-    const SIZE: usize = 32;
+    const SIZE: usize = 36;
     fn encode(&self, out: &mut Vec<u8>) {
         hdr_encode(&self.hdr, out);
         out.extend_from_slice(&self.dur_ns.to_le_bytes());
         out.extend_from_slice(&self.user_stack.to_le_bytes());
         out.extend_from_slice(&self.kernel_stack.to_le_bytes());
+        out.extend_from_slice(&self.runnable.to_le_bytes());
     }
     fn decode(b: &[u8]) -> Self {
         Self {
@@ -206,6 +207,8 @@ impl Record for OffCpuEvent {
             dur_ns: u64_at(b, 16),
             user_stack: u32_at(b, 24) as i32,
             kernel_stack: u32_at(b, 28) as i32,
+            runnable: u32_at(b, 32),
+            _pad: 0,
         }
     }
     fn ts_ns(&self) -> u64 {
@@ -430,6 +433,8 @@ mod tests {
             dur_ns: ts * 3,
             user_stack: -14,
             kernel_stack: tid as i32,
+            runnable: tid & 1,
+            _pad: 0,
         }
     }
 
@@ -485,9 +490,10 @@ mod tests {
                 back.hdr.tid,
                 back.dur_ns,
                 back.user_stack,
-                back.kernel_stack
+                back.kernel_stack,
+                back.runnable
             ),
-            (123_456_789_012, 77, 370_370_367_036, -14, 77)
+            (123_456_789_012, 77, 370_370_367_036, -14, 77, 1)
         );
         let s = SampleEvent {
             hdr: o.hdr,

@@ -38,8 +38,9 @@ pub enum WaitSource {
     /// `Work::wait`), less device wait. Blocking elsewhere (a data loader
     /// queue, I/O) and preemption during compute are not counted.
     CollectiveCalls,
-    /// Off-CPU time of the step thread inside the step, less device wait:
-    /// no collective-wait call was seen, so any blocking counts.
+    /// Off-CPU time of the step thread inside the step, blocked (not
+    /// preempted: runnable intervals are left out), less device wait: no
+    /// collective-wait call was seen, so any blocking counts.
     StepThreadOffCpu,
 }
 
@@ -54,7 +55,8 @@ impl WaitSource {
     }
 }
 
-/// One off-CPU interval of one thread.
+/// One off-CPU interval of one thread, in which it blocked (intervals in
+/// which it was runnable, preempted, are not collected for the job).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OffCpu {
     pub tid: u32,

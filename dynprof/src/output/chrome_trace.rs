@@ -132,6 +132,8 @@ struct ApiArgs {
 struct OffCpuArgs<'a> {
     stack: Joined<'a>,
     dur_ns: u64,
+    /// Preempted (or yielded), not blocked.
+    runnable: bool,
 }
 
 #[derive(Serialize)]
@@ -293,6 +295,7 @@ pub fn write_trace_json<W: Write>(w: W, data: &WindowData) -> Result<()> {
                     args: OffCpuArgs {
                         stack: Joined(&o.stack),
                         dur_ns: o.dur_ns,
+                        runnable: o.runnable,
                     },
                 })?;
             }

@@ -281,18 +281,21 @@ mod tests {
 
         let spans = vec![
             OffCpuSpan {
+                runnable: false,
                 tid: 1,
                 ts_ns: 0,
                 dur_ns: 1500,
                 stack: st(&["main", "sync"]),
             },
             OffCpuSpan {
+                runnable: false,
                 tid: 1,
                 ts_ns: 0,
                 dur_ns: 600,
                 stack: st(&["main", "sync"]),
             },
             OffCpuSpan {
+                runnable: false,
                 tid: 1,
                 ts_ns: 0,
                 dur_ns: 999,

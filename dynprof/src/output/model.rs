@@ -77,6 +77,10 @@ pub struct OffCpuSpan {
     pub ts_ns: u64,
     pub dur_ns: u64,
     pub stack: Stack,
+    /// Still runnable when it left the CPU (preempted, or it yielded):
+    /// the interval is a wait for a CPU, not a block.
+    #[serde(default)]
+    pub runnable: bool,
 }
 
 /// Per-collector losses, from the kernel's DROPS map over the window.

@@ -53,6 +53,7 @@ fn window(wait_ns: u64, hot: &str) -> WindowData {
             class: crate::output::model::ApiClass::DeviceWait,
         });
         d.offcpu.push(OffCpuSpan {
+            runnable: false,
             tid: 777,
             ts_ns: sync_start + 500,
             dur_ns: wait_ns - 1_000,

@@ -40,7 +40,10 @@ impl<C> Observer<C> for StepTap {
                     d.step_tids.push(s.hdr.tid);
                 }
             }
-            Decoded::OffCpu(o) if d.step_tids.contains(&o.hdr.tid) => {
+            // Blocked intervals only: a step thread preempted while it
+            // computes (ranks sharing cores with each other or with other
+            // jobs) is not waiting for its peers.
+            Decoded::OffCpu(o) if o.runnable == 0 && d.step_tids.contains(&o.hdr.tid) => {
                 if d.offcpu.len() < MAX_OFFCPU {
                     d.offcpu.push(OffCpu {
                         tid: o.hdr.tid,

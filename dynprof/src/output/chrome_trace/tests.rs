@@ -47,6 +47,7 @@ pub(crate) fn sample_data() -> WindowData {
         }],
         offcpu: vec![
             OffCpuSpan {
+                runnable: false,
                 tid: 100,
                 ts_ns: 1_500_100,
                 dur_ns: 399_800,
@@ -54,6 +55,7 @@ pub(crate) fn sample_data() -> WindowData {
             },
             // Ends 50 ns after the sync call returned: must be trimmed.
             OffCpuSpan {
+                runnable: false,
                 tid: 100,
                 ts_ns: 1_899_950,
                 dur_ns: 100,
