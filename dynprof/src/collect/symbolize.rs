@@ -52,6 +52,10 @@ pub const JIT_FRAME: &str = "[jit]";
 /// The maps name of the vDSO (a file's name there starts with `/`).
 const VDSO: &str = "[vdso]";
 
+/// The frame name of a PLT stub (the jump to a function in another
+/// object).
+pub const PLT_FRAME: &str = "[plt]";
+
 /// What a frame named from the vDSO ends with.
 pub const VDSO_SUFFIX: &str = " [vdso]";
 
@@ -80,6 +84,8 @@ struct Snapshot {
     /// The mapped file's build id and loadable segments, for `modules.json`.
     build_id: Option<String>,
     load_segments: Vec<(u64, u64, u64)>,
+    /// The mapped file's PLT sections, by file offset.
+    plt: Vec<std::ops::Range<u64>>,
 }
 
 pub struct Symbolizer {
@@ -284,8 +290,19 @@ impl Symbolizer {
             };
             match result {
                 Ok(results) => {
-                    for ((a, _), r) in group.iter().zip(results.iter()) {
+                    for ((a, off), r) in group.iter().zip(results.iter()) {
+                        // A PLT stub has no symbol of its own; the one
+                        // before it (`_init`) would be named instead.
+                        if snap.plt.iter().any(|p| p.contains(off)) {
+                            self.user_cache.insert(*a, vec![PLT_FRAME.to_string()]);
+                            continue;
+                        }
                         if let Symbolized::Sym(sym) = r {
+                            // Past the end of the symbol found: not in it
+                            // (padding, code no symbol covers).
+                            if sym.size.is_some_and(|n| n > 0 && sym.offset >= n) {
+                                continue;
+                            }
                             let mut frames = sym_frames(sym);
                             if key == VDSO {
                                 // `clock_gettime [vdso]`, as JIT code is
@@ -399,6 +416,7 @@ impl Symbolizer {
                 segments,
                 build_id: img.build_id(),
                 load_segments: img.load_segments(),
+                plt: img.plt_ranges(),
             },
             tables,
         ))

@@ -555,6 +555,20 @@ impl ElfImage {
         self.file().symbols().next().is_some()
     }
 
+    /// File offset ranges of the PLT sections (`.plt`, `.plt.sec`,
+    /// `.plt.got`, `.iplt`): stubs that no symbol covers, which symbolizers
+    /// otherwise name after the symbol before them (`_init`).
+    pub fn plt_ranges(&self) -> Vec<std::ops::Range<u64>> {
+        self.file()
+            .sections()
+            .filter(|s| matches!(s.name(), Ok(".plt" | ".plt.sec" | ".plt.got" | ".iplt")))
+            .filter_map(|s| {
+                let (off, size) = s.file_range()?;
+                Some(off..off.checked_add(size)?)
+            })
+            .collect()
+    }
+
     /// (file offset, file size, virtual address) of each loadable segment.
     pub fn load_segments(&self) -> Vec<(u64, u64, u64)> {
         self.file()

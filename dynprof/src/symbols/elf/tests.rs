@@ -237,3 +237,37 @@ fn minidebuginfo_over_the_cap_is_refused() {
     );
     assert!(super::debugdata::fits(b"not xz", 4 << 20).is_err());
 }
+
+/// The PLT sections found are the ones readelf lists, by file offset.
+#[test]
+fn plt_ranges_match_readelf() {
+    let exe = std::env::current_exe().unwrap();
+    let img = ElfImage::open(&exe).unwrap();
+    let out = std::process::Command::new("readelf")
+        .arg("-SW")
+        .arg(&exe)
+        .output()
+        .expect("readelf (binutils)");
+    let text = String::from_utf8(out.stdout).unwrap();
+    // `[13] .plt  PROGBITS  000000000000b020 00b020 000560 10 AX 0 0 16`
+    let mut want: Vec<std::ops::Range<u64>> = text
+        .lines()
+        .filter_map(|l| {
+            let l = l.split_once(']')?.1;
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let name = *f.first()?;
+            [".plt", ".plt.sec", ".plt.got", ".iplt"]
+                .contains(&name)
+                .then(|| {
+                    let off = u64::from_str_radix(f[3], 16).unwrap();
+                    let size = u64::from_str_radix(f[4], 16).unwrap();
+                    off..off + size
+                })
+        })
+        .collect();
+    assert!(!want.is_empty(), "readelf lists no PLT section:\n{text}");
+    let mut got = img.plt_ranges();
+    want.sort_by_key(|r| r.start);
+    got.sort_by_key(|r| r.start);
+    assert_eq!(got, want);
+}
