@@ -731,6 +731,78 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A stripped executable with no build id whose symbols are in a separate
+/// debug file named by its `.gnu_debuglink` and placed next to it (as
+/// `objcopy --only-keep-debug` / `--add-gnu-debuglink` leave a custom
+/// build): the samples name the whole chain. The same name holding another
+/// build's debug file (its CRC differs from the link's) is not used.
+#[test]
+fn unwind_native_names_from_a_debug_file_by_debuglink() {
+    require_privileges!();
+    let dir = scratch_dir("unwind_native_names_from_a_debug_file_by_debuglink");
+    let src = workspace_root().join("tests/fixtures/deepstack.c");
+    let inc = workspace_root().join("tests/fixtures");
+    let gcc = |extra: &str, out: &str| {
+        format!(
+            "gcc -O2 -g -fomit-frame-pointer -Wl,--build-id=none {extra} -I '{}' \
+             -Wl,--export-dynamic-symbol=step_marker -o {out} '{}'",
+            inc.display(),
+            src.display()
+        )
+    };
+    sh(&dir, &gcc("", "full"));
+    // Another build: its debug file has the same symbols at other
+    // addresses, and another CRC.
+    sh(&dir, &gcc("-DDYNPROF_OTHER_BUILD -O1", "other"));
+    sh(
+        &dir,
+        "objcopy --only-keep-debug full stripped.debug
+         objcopy --only-keep-debug other other.debug
+         strip --strip-all -R .comment full -o stripped
+         objcopy --add-gnu-debuglink=stripped.debug stripped
+         ! readelf -n stripped | grep -q 'Build ID'
+         readelf -S stripped | grep -q .gnu_debuglink
+         ! nm stripped 2>/dev/null | grep -q chain_07",
+    );
+    let chain = expected_chain();
+    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
+    let mut p = Proc::spawn_ready(Command::new(dir.join("stripped")).args(["--step-ms", "20"]));
+    let args = [
+        "--marker",
+        "exe:step_marker",
+        "--cpu-hz",
+        "499",
+        "--active",
+        "50",
+    ];
+    let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).1;
+    // The other build's debug file under the linked name.
+    std::fs::copy(dir.join("other.debug"), dir.join("stripped.debug")).unwrap();
+    let wrong = window_of(p.pid, &dir.join("wrong"), "cpu", &[], &args).1;
+    p.terminate();
+    let (full, total) = chain_share(&with, &chain, in_user);
+    eprintln!("debug link: {full} of {total} user-mode samples show the whole chain");
+    for (s, n) in with.iter().take(5) {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    assert!(total >= 40, "too few user-mode samples: {with:?}");
+    assert!(
+        full as f64 >= 0.8 * total as f64,
+        "{full} of {total} user-mode samples show {}",
+        chain.join(";")
+    );
+    let named: u64 = wrong
+        .iter()
+        .filter(|(s, _)| s.iter().any(|f| f.starts_with("chain_")))
+        .map(|s| s.1)
+        .sum();
+    let total_wrong: u64 = wrong.iter().map(|s| s.1).sum();
+    eprintln!("another build's debug file: {named} of {total_wrong} samples name a chain frame");
+    assert!(total_wrong >= 40, "{wrong:?}");
+    assert_eq!(named, 0, "a debug file whose CRC differs was used");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// JIT code that the runtime names in `/tmp/perf-PID.map` (oneDNN with
 /// `ONEDNN_JIT_PROFILE=1`, CPython 3.12+ with `-X perf`): the leaf is that
 /// name, `jit_conv_kernel [jit]`, under the whole chain. (Without the map

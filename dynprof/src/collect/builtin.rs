@@ -48,10 +48,13 @@ pub struct CollectArgs {
     pub memory_budget: MemoryBudget,
 
     /// Also look for separate debug files here (repeatable), by build id:
-    /// DIR/.build-id/ab/cdef….debug, as GDB installs them. Stripped
-    /// libraries and executables get their full symbol tables from them.
-    /// Always searched after these: /usr/lib/debug inside the target's
-    /// root, then on the host.
+    /// DIR/.build-id/ab/cdef….debug, as GDB installs them; else by the
+    /// name in the file's .gnu_debuglink (DIR/NAME, DIR/FILE-DIR/NAME).
+    /// Stripped libraries and executables get their full symbol tables
+    /// from them. By build id, always searched after these: /usr/lib/debug
+    /// inside the target's root, then on the host. By debug link, searched
+    /// after the file's own directory, its .debug/ and
+    /// /usr/lib/debug/FILE-DIR/ inside the target's root, as GDB does.
     #[arg(long = "debug-dir", value_name = "DIR")]
     pub debug_dirs: Vec<std::path::PathBuf>,
 }

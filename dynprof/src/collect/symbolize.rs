@@ -389,9 +389,12 @@ impl Symbolizer {
         let tables = img.unwind_sections();
         // A stripped file (no .symtab): its separate debug file, by build
         // id, names what .dynsym does not (static functions).
-        let debug = match img.build_id() {
-            Some(id) if !img.has_symtab() => self.debug_file(&id),
-            _ => None,
+        let debug = if img.has_symtab() {
+            None
+        } else {
+            img.build_id()
+                .and_then(|id| self.debug_file(&id))
+                .or_else(|| self.debuglink_file(&img, &m.module))
         };
         let segments = debug.as_ref().map(|_| img.load_segments());
         let named = debug.as_ref().unwrap_or(&img);
@@ -506,6 +509,77 @@ impl Symbolizer {
         }
         if in_root.exists() {
             return ElfImage::open(&in_root).ok().and_then(usable);
+        }
+        None
+    }
+
+    /// The separate debug file that the mapped file's `.gnu_debuglink`
+    /// names, where GDB looks for it: next to the file, in its `.debug/`,
+    /// and under `/usr/lib/debug/DIR/` (all inside the target's root, never
+    /// following a link out), then in each `--debug-dir` (by name, and
+    /// under the file's directory). Used only when it has a `.symtab` and
+    /// is that file's: the same build id where both have one, else the
+    /// CRC-32 of its content that the link records.
+    fn debuglink_file(&self, img: &ElfImage, module: &str) -> Option<ElfImage> {
+        use std::path::Component;
+        let (name, crc) = img.debuglink()?;
+        // The maps name is absolute and canonical; any other is not joined
+        // to a directory (the name itself is a plain file name).
+        let dir = Path::new(module).parent()?;
+        let canonical = dir.is_absolute()
+            && dir
+                .components()
+                .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+        if !canonical {
+            return None;
+        }
+        let rel_dir = dir.strip_prefix("/").ok()?;
+        let mut candidates: Vec<(PathBuf, bool)> = Vec::new();
+        if !self.exited {
+            candidates.push((dir.join(&name), true));
+            candidates.push((dir.join(".debug").join(&name), true));
+            candidates.push((Path::new(DEFAULT_DEBUG_DIR).join(rel_dir).join(&name), true));
+        }
+        for d in &self.debug_dirs {
+            candidates.push((d.join(&name), false));
+            candidates.push((d.join(rel_dir).join(&name), false));
+        }
+        let id = img.build_id();
+        let pid = self.pid;
+        for (path, in_root) in candidates {
+            if !in_root && !path.exists() {
+                continue;
+            }
+            let open = move |p: PathBuf| -> Result<rootfs::RegularFile> {
+                if in_root {
+                    let root = TargetRoot::open(&PathBuf::from(format!("/proc/{pid}/root")))?;
+                    Ok(root.open_regular(&p.to_string_lossy())?)
+                } else {
+                    Ok(rootfs::open_regular(&p)?)
+                }
+            };
+            let p = path.clone();
+            let Ok(candidate) = ElfImage::read_bounded(&path, move || open(p)) else {
+                continue;
+            };
+            if !candidate.has_symtab() {
+                continue;
+            }
+            let same = match (&id, candidate.build_id()) {
+                (Some(a), Some(b)) => *a == b,
+                _ => {
+                    let p = path.clone();
+                    crc32_of(move || open(p)) == Some(crc)
+                }
+            };
+            if same {
+                log::debug!("symbolize: {module}: debug link {}", path.display());
+                return Some(candidate);
+            }
+            log::debug!(
+                "symbolize: {}: not the debug file of {module} (build id or CRC differs)",
+                path.display()
+            );
         }
         None
     }
@@ -651,6 +725,41 @@ fn sym_frames(sym: &Sym<'_>) -> Vec<String> {
     let mut v = vec![demangle::frame(&sym.name)];
     v.extend(sym.inlined.iter().map(|f| demangle::frame(&f.name)));
     v
+}
+
+/// The CRC-32 of a whole file (what `.gnu_debuglink` records), read within
+/// the file deadline; `None` when it cannot be read or is larger than
+/// [`elf::limits::DEBUGLINK_CRC_READ`].
+fn crc32_of(open: impl FnOnce() -> Result<rootfs::RegularFile> + Send + 'static) -> Option<u32> {
+    use std::os::unix::fs::FileExt as _;
+    let read = move || -> Result<u32> {
+        let f = open()?;
+        let cap = elf::limits::DEBUGLINK_CRC_READ;
+        anyhow::ensure!(f.size <= cap, "{} bytes, over {cap}", f.size);
+        let mut crc = flate2::Crc::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut off = 0u64;
+        loop {
+            let n = f.file.read_at(&mut buf, off)?;
+            if n == 0 {
+                return Ok(crc.sum());
+            }
+            crc.update(&buf[..n]);
+            off += n as u64;
+            anyhow::ensure!(off <= cap, "grew past {cap} bytes while read");
+        }
+    };
+    match rootfs::within(rootfs::FILE_DEADLINE, "reading a debug file's CRC", read) {
+        Ok(Ok(crc)) => Some(crc),
+        Ok(Err(e)) => {
+            log::debug!("symbolize: debug link CRC: {e:#}");
+            None
+        }
+        Err(e) => {
+            log::debug!("symbolize: debug link CRC: {e}");
+            None
+        }
+    }
 }
 
 fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {

@@ -55,6 +55,12 @@ pub mod limits {
     /// What `.gnu_debugdata` may decompress to. Checked by decompressing
     /// it once before blazesym does, so an xz bomb is refused, not expanded.
     pub const DEBUGDATA_OUT: u64 = 256 << 20;
+    /// `.gnu_debuglink` (a file name, padding and a CRC).
+    pub const DEBUGLINK: u64 = 4 << 10;
+    /// A separate debug file found by `.gnu_debuglink` is checked by the
+    /// CRC of its whole content when neither file has a build id: one
+    /// larger than this is not read for that, and not used.
+    pub const DEBUGLINK_CRC_READ: u64 = 1 << 30;
     /// Everything read from one file.
     pub const TOTAL: u64 = 512 << 20;
     /// Demangling while looking names up in one file.
@@ -314,6 +320,9 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
         if (name == b".eh_frame" || name == b".eh_frame_hdr") && size <= limits::EH_FRAME {
             wanted.push(("unwind table", off, size, limits::EH_FRAME));
         }
+        if name == b".gnu_debuglink" && size <= limits::DEBUGLINK {
+            wanted.push((".gnu_debuglink section", off, size, limits::DEBUGLINK));
+        }
         if name == b".gnu_debugdata" {
             debugdata = Some((
                 off,
@@ -384,6 +393,30 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
         *base = stapsdt_base;
     }
     Ok(stapsdt)
+}
+
+/// `.gnu_debuglink`'s content: a NUL-terminated file name, padding to 4
+/// bytes, and the CRC-32 (in the file's byte order) of the debug file.
+fn parse_debuglink(data: &[u8], little_endian: bool) -> Option<(String, u32)> {
+    let nul = data.iter().position(|b| *b == 0)?;
+    let name = std::str::from_utf8(&data[..nul]).ok()?;
+    let plain = !name.is_empty()
+        && name.len() <= 255
+        && name != "."
+        && name != ".."
+        && !name.contains('/')
+        && !name.chars().any(char::is_control);
+    if !plain {
+        return None;
+    }
+    let at = (nul + 1).next_multiple_of(4);
+    let crc: [u8; 4] = data.get(at..at + 4)?.try_into().ok()?;
+    let crc = if little_endian {
+        u32::from_le_bytes(crc)
+    } else {
+        u32::from_be_bytes(crc)
+    };
+    Some((name.to_string(), crc))
 }
 
 /// What unwinding through one file needs: its unwind tables at their
@@ -548,6 +581,16 @@ impl ElfImage {
 
     pub fn build_id(&self) -> Option<String> {
         self.build_id.clone()
+    }
+
+    /// `.gnu_debuglink`: the file name of the separate debug file and the
+    /// CRC-32 of its content. `None` when there is none, or when the name
+    /// is not a plain file name (it comes from the target's file: no `/`,
+    /// `.`, `..`, control characters, or more than 255 bytes).
+    pub fn debuglink(&self) -> Option<(String, u32)> {
+        let file = self.file();
+        let data = file.section_by_name(".gnu_debuglink")?.data().ok()?;
+        parse_debuglink(data, file.is_little_endian())
     }
 
     /// Does the file have a `.symtab` with symbols (not stripped)?

@@ -271,3 +271,46 @@ fn plt_ranges_match_readelf() {
     got.sort_by_key(|r| r.start);
     assert_eq!(got, want);
 }
+
+#[test]
+fn debuglinks_are_plain_names_with_their_crc() {
+    let link = |name: &[u8], crc: [u8; 4]| {
+        let mut v = name.to_vec();
+        v.push(0);
+        while !v.len().is_multiple_of(4) {
+            v.push(0);
+        }
+        v.extend_from_slice(&crc);
+        v
+    };
+    assert_eq!(
+        parse_debuglink(&link(b"libfoo.so.debug", [0x78, 0x56, 0x34, 0x12]), true),
+        Some(("libfoo.so.debug".to_string(), 0x1234_5678))
+    );
+    // Four bytes of name: a whole word of padding after the NUL.
+    assert_eq!(
+        parse_debuglink(&link(b"abcd", [0x12, 0x34, 0x56, 0x78]), false),
+        Some(("abcd".to_string(), 0x1234_5678))
+    );
+    for bad in [
+        &b"../../etc/shadow"[..],
+        b"a/b.debug",
+        b"..",
+        b".",
+        b"",
+        b"x\nb",
+    ] {
+        assert_eq!(
+            parse_debuglink(&link(bad, [1, 2, 3, 4]), true),
+            None,
+            "{bad:?}"
+        );
+    }
+    assert_eq!(
+        parse_debuglink(&link(&[b'a'; 256], [1, 2, 3, 4]), true),
+        None
+    );
+    // No NUL, or no room for the CRC.
+    assert_eq!(parse_debuglink(b"name.debug", true), None);
+    assert_eq!(parse_debuglink(b"ab\0\0\x01\x02", true), None);
+}
