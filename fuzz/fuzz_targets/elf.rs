@@ -48,6 +48,10 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let _ = img.build_id();
+    // What symbolization reads of the target's files besides symbols.
+    let _ = img.debuglink();
+    let _ = img.plt_ranges();
+    let _ = img.unwind_sections();
     // A C name, a demangled C++ name (the needle pre-filter and the
     // demangler) and a mangled one.
     for spec in ["main", "torch::autograd::Engine::execute", "_Z3foov"] {
