@@ -26,10 +26,10 @@ pub const MAX_APIS: u32 = 512;
 /// Runtime probe addresses (markers and APIs, each) the no-cookie program
 /// variants can tell apart; a library mapped twice counts twice.
 pub const MAX_PROBE_ADDRS: u32 = 4096;
-/// API calls in flight per thread that the no-cookie API programs record.
+/// API calls in flight per thread that the API programs record.
 pub const API_STACK_DEPTH: usize = 8;
-/// Entries of the maps keyed by a thread of the target (`API_START`,
-/// `API_STACK`, `OFFCPU_START`, `OFFCPU_LAST_COPY`) as built: user space
+/// Entries of the maps keyed by a thread of the target (`API_STACK`,
+/// `OFFCPU_START`, `OFFCPU_LAST_COPY`) as built: user space
 /// sizes them at load from the target's thread count (4 per thread, a
 /// power of two, at least this, at most [`THREAD_MAPS_MAX`]). Hash maps
 /// are preallocated, so their size is kernel memory and attach time for
@@ -37,7 +37,7 @@ pub const API_STACK_DEPTH: usize = 8;
 pub const THREAD_MAPS_MIN: u32 = 4096;
 pub const THREAD_MAPS_MAX: u32 = 65536;
 /// The maps sized by [`THREAD_MAPS_MIN`]'s rule.
-pub const THREAD_MAPS: [&str; 4] = ["API_START", "API_STACK", "OFFCPU_START", "OFFCPU_LAST_COPY"];
+pub const THREAD_MAPS: [&str; 3] = ["API_STACK", "OFFCPU_START", "OFFCPU_LAST_COPY"];
 /// Longest string-argument prefix the kernel compares.
 pub const PREFIX_LEN: usize = 64;
 
@@ -361,15 +361,6 @@ pub struct OffCpuEvent {
     pub _pad: u32,
 }
 
-/// Key of in-flight API calls: a thread may be inside several distinct APIs
-/// at once (a memcpy that synchronizes), but not the same one twice.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ApiKey {
-    pub tid: u32,
-    pub api: u32,
-}
-
 /// One API call in flight ([`ApiStack`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -380,9 +371,11 @@ pub struct ApiFrame {
     pub ts_ns: u64,
 }
 
-/// A thread's API calls in flight, for kernels without attach cookies.
-/// `depth` may exceed [`API_STACK_DEPTH`]: the calls beyond it are not
-/// stored but still counted, so returns keep matching their entries.
+/// A thread's API calls in flight (several at once: a memcpy that
+/// synchronizes). Without attach cookies, `depth` may exceed
+/// [`API_STACK_DEPTH`]: the calls beyond it are not stored but still
+/// counted, so returns keep matching their entries; with cookies, a call
+/// beyond it is not recorded (an `api_nesting` drop).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ApiStack {

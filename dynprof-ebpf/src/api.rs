@@ -2,7 +2,24 @@
 //! per call with its exact duration (cookie or, before 5.15, address).
 use super::*;
 
-/// Entry of a traced runtime API; the cookie is the API index.
+/// The thread's [`ApiStack`], created (zeroed) on its first call.
+#[inline(always)]
+fn thread_stack(tid: u32) -> Option<*mut ApiStack> {
+    if let Some(p) = API_STACK.get_ptr_mut(&tid) {
+        return Some(p);
+    }
+    let zero = ZERO_STACK.get(0)?;
+    if API_STACK.insert(&tid, zero, 0).is_err() {
+        count_drop(drop_slot::API_NESTING);
+        return None;
+    }
+    API_STACK.get_ptr_mut(&tid)
+}
+
+/// Entry of a traced runtime API; the cookie is the API index. A call that
+/// begins in the window is pushed on the thread's [`ApiStack`]: one lookup
+/// of the thread's slot, where a hash entry per call cost an insert and a
+/// delete (bench section 2).
 #[uprobe]
 pub fn dynprof_api_enter(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
@@ -14,23 +31,61 @@ pub fn dynprof_api_enter(ctx: ProbeContext) -> u32 {
         return 0;
     }
     let ts = unsafe { bpf_ktime_get_ns() };
-    if API_START.insert(ApiKey { tid, api }, ts, 0).is_err() {
+    let Some(st) = thread_stack(tid) else {
+        return 0;
+    };
+    let depth = unsafe { (*st).depth };
+    if depth as usize >= API_STACK_DEPTH {
         count_drop(drop_slot::API_NESTING);
+        return 0;
+    }
+    // SAFETY: depth < API_STACK_DEPTH, the length of `frames`.
+    let f = unsafe { (*st).frames.as_mut_ptr().add(depth as usize) };
+    unsafe {
+        (*f).api = api;
+        (*f).in_window = 1;
+        (*f).ts_ns = ts;
+        (*st).depth = depth + 1;
     }
     0
 }
 
 /// Return of a traced runtime API: one event with the exact duration.
+/// Its frame is the innermost one of this API on the thread's stack,
+/// normally the top; frames above it are calls whose return was never
+/// seen (a C++ exception or longjmp unwound through them), dropped with
+/// it so that the stack does not fill with them.
 #[uretprobe]
 pub fn dynprof_api_exit(ctx: RetProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let api = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
-    let key = ApiKey { tid, api };
-    // Only calls that began inside the window have a start record.
-    let Some(start) = (unsafe { API_START.get(&key) }).copied() else {
+    // Only calls that began inside the window have a frame.
+    let Some(st) = API_STACK.get_ptr_mut(&tid) else {
         return 0;
     };
-    let _ = API_START.remove(&key);
+    let depth = unsafe { (*st).depth } as usize;
+    // Scanned upwards, keeping the last match: an index that only grows
+    // from 0 is what the verifier can bound (walking down from the top,
+    // the compiler's pointer arithmetic went below the map value).
+    // Only the index is carried out of the loop, and the frame read again
+    // after it: a frame carried in registers was not provably set on every
+    // path the verifier walks.
+    let mut found = API_STACK_DEPTH;
+    for i in 0..API_STACK_DEPTH {
+        if i >= depth {
+            break;
+        }
+        // SAFETY: i < API_STACK_DEPTH, the length of `frames`.
+        if unsafe { (*(*st).frames.as_ptr().add(i)).api } == api {
+            found = i;
+        }
+    }
+    if found >= API_STACK_DEPTH {
+        return 0;
+    }
+    // SAFETY: found < API_STACK_DEPTH, the length of `frames`.
+    let f = unsafe { *(*st).frames.as_ptr().add(found) };
+    unsafe { (*st).depth = found as u32 };
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i64 = ctx.ret();
     emit(
@@ -38,11 +93,11 @@ pub fn dynprof_api_exit(ctx: RetProbeContext) -> u32 {
             hdr: EventHeader {
                 kind: kind::API,
                 tid,
-                ts_ns: start,
+                ts_ns: f.ts_ns,
             },
             api,
             _pad: 0,
-            dur_ns: now.saturating_sub(start),
+            dur_ns: now.saturating_sub(f.ts_ns),
             ret,
         },
         drop_slot::API,
@@ -67,21 +122,8 @@ pub fn dynprof_api_enter_ip(ctx: ProbeContext) -> u32 {
     };
     let in_window = gate_open();
     let ts = unsafe { bpf_ktime_get_ns() };
-    let st = match API_STACK.get_ptr_mut(&tid) {
-        Some(p) => p,
-        None => {
-            let Some(zero) = ZERO_STACK.get(0) else {
-                return 0;
-            };
-            if API_STACK.insert(&tid, zero, 0).is_err() {
-                count_drop(drop_slot::API_NESTING);
-                return 0;
-            }
-            match API_STACK.get_ptr_mut(&tid) {
-                Some(p) => p,
-                None => return 0,
-            }
-        }
+    let Some(st) = thread_stack(tid) else {
+        return 0;
     };
     let depth = unsafe { (*st).depth };
     // Deeper calls than the stack holds are counted, not stored, so that

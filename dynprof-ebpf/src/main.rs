@@ -36,7 +36,7 @@ use aya_ebpf::{
     },
 };
 use dynprof_common::{
-    API_STACK_DEPTH, ApiEvent, ApiKey, ApiStack, EventHeader, KernelState, MAX_APIS, MAX_MARKERS,
+    API_STACK_DEPTH, ApiEvent, ApiStack, EventHeader, KernelState, MAX_APIS, MAX_MARKERS,
     MAX_PROBE_ADDRS, MarkerConfig, OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY,
     SampleEvent, StepEvent, THREAD_MAPS_MIN, arg_mode, drop_slot, kind, reg, ringbuf, role,
 };
@@ -68,8 +68,6 @@ pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 #[map]
 static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
 #[map]
-static API_START: HashMap<ApiKey, u64> = HashMap::with_max_entries(THREAD_MAPS_MIN, 0);
-#[map]
 static OFFCPU_START: HashMap<u32, OffCpuStart> = HashMap::with_max_entries(THREAD_MAPS_MIN, 0);
 
 // Kernels without attach cookies (bpf_get_attach_cookie and perf links
@@ -84,10 +82,10 @@ static MARKER_BY_IP: HashMap<u64, u32> = HashMap::with_max_entries(MAX_PROBE_ADD
 /// Runtime probe address -> API index.
 #[map]
 static API_BY_IP: HashMap<u64, u32> = HashMap::with_max_entries(MAX_PROBE_ADDRS, 0);
-/// Per-thread stack of API calls in flight, for the return probe, which
-/// sees the caller's return address instead of the API's: returns come
-/// back in the reverse order of entries, so the top frame is the call that
-/// returns.
+/// Per-thread stack of API calls in flight, for the return probe. Without
+/// cookies it sees the caller's return address instead of the API's:
+/// returns come back in the reverse order of entries, so the top frame is
+/// the call that returns. With cookies it finds the frame by its API.
 #[map]
 static API_STACK: HashMap<u32, ApiStack> = HashMap::with_max_entries(THREAD_MAPS_MIN, 0);
 /// One all-zero `ApiStack`, never written: the initial value of a thread's

@@ -235,7 +235,6 @@ impl<'a> Loader<'a> {
             .map_max_entries(THREAD_MAPS[0], plan.thread_maps)
             .map_max_entries(THREAD_MAPS[1], plan.thread_maps)
             .map_max_entries(THREAD_MAPS[2], plan.thread_maps)
-            .map_max_entries(THREAD_MAPS[3], plan.thread_maps)
             .load(OBJECT)
             .map_err(|e| anyhow!("loading dynprof's eBPF programs: {e:#}"))?;
         let paths = plan.paths.clone();
@@ -429,25 +428,24 @@ impl Kernel {
         // Returns after this see no probe; stacks left by calls in flight
         // are emptied so that the next window starts clean.
         self.api_attachments.clear();
-        if !self.api_addrs.is_empty() {
-            if let Some(Ok(mut m)) = self
+        if !self.api_addrs.is_empty()
+            && let Some(Ok(mut m)) = self
                 .ebpf
                 .map_mut("API_BY_IP")
                 .map(BpfHashMap::<_, u64, u32>::try_from)
-            {
-                for a in std::mem::take(&mut self.api_addrs) {
-                    let _ = m.remove(&a);
-                }
+        {
+            for a in std::mem::take(&mut self.api_addrs) {
+                let _ = m.remove(&a);
             }
-            if let Some(Ok(mut m)) = self
-                .ebpf
-                .map_mut("API_STACK")
-                .map(BpfHashMap::<_, u32, dynprof_common::ApiStack>::try_from)
-            {
-                let tids: Vec<u32> = m.keys().filter_map(|k| k.ok()).collect();
-                for t in tids {
-                    let _ = m.remove(&t);
-                }
+        }
+        if let Some(Ok(mut m)) = self
+            .ebpf
+            .map_mut("API_STACK")
+            .map(BpfHashMap::<_, u32, dynprof_common::ApiStack>::try_from)
+        {
+            let tids: Vec<u32> = m.keys().filter_map(|k| k.ok()).collect();
+            for t in tids {
+                let _ = m.remove(&t);
             }
         }
         for (ret, link) in std::mem::take(&mut self.api_links) {
