@@ -20,16 +20,22 @@ use dynprof::{
     output::chrome_trace::validate_trace,
 };
 
-/// Runs `dynprof attach` on `pid` with `args` (plus `-o out`) to completion
-/// and returns the one PROF directory it wrote.
+/// Runs `dynprof attach` on `pid` at the trainer's `optimizer_step` with
+/// `args` (plus `-o out`) to completion and returns the one PROF directory
+/// it wrote.
 fn cli_window(pid: u32, out: &Path, args: &[&str]) -> PathBuf {
+    cli_window_at(pid, out, "exe:optimizer_step", args)
+}
+
+/// [`cli_window`] at another step marker.
+fn cli_window_at(pid: u32, out: &Path, marker: &str, args: &[&str]) -> PathBuf {
     let o = Command::new(dynprof_bin())
         .args([
             "attach",
             "--pid",
             &pid.to_string(),
             "--marker",
-            "exe:optimizer_step",
+            marker,
             "--json",
             "-o",
         ])
@@ -334,13 +340,11 @@ fn collectors_cuda_tables_and_user_api() {
 /// Off-CPU time of one window of `deepstack` (`pid`), from `trace.json`'s
 /// off-CPU slices: (µs while runnable, µs while blocked).
 fn offcpu_split(pid: u32, out: &Path) -> (f64, f64) {
-    let o = Command::new(dynprof_bin())
-        .args([
-            "attach",
-            "--pid",
-            &pid.to_string(),
-            "--marker",
-            "exe:step_marker",
+    let prof = cli_window_at(
+        pid,
+        out,
+        "exe:step_marker",
+        &[
             "--collect",
             "offcpu",
             "--start-step",
@@ -349,24 +353,8 @@ fn offcpu_split(pid: u32, out: &Path) -> (f64, f64) {
             "0",
             "--active",
             "25",
-            "--json",
-            "-o",
-        ])
-        .arg(out)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "dynprof attach failed: {stderr}");
-    let prof = std::fs::read_dir(out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("PROF_")
-        })
-        .unwrap_or_else(|| panic!("no window: {stderr}"));
+        ],
+    );
     let trace = json_file(&prof.join("trace.json"));
     let (mut runnable, mut blocked) = (0.0, 0.0);
     for e in trace["traceEvents"].as_array().unwrap() {

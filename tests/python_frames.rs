@@ -352,40 +352,6 @@ fn python_frames_offcpu_queue_wait() {
     );
     let (_, stacks) = window(p.pid, &dir.join("out"), "offcpu");
     p.terminate();
-    for (s, n) in &stacks {
-        eprintln!("  {n:8} {}", s.join(";"));
-    }
-    let total: u64 = stacks.iter().map(|s| s.1).sum();
-    let py_names = |s: &[String]| -> Vec<String> {
-        s.iter()
-            .filter_map(|f| py_fn(f))
-            .map(str::to_string)
-            .collect()
-    };
-    let waiting: u64 = stacks
-        .iter()
-        .filter(|(s, _)| {
-            py_names(s)
-                .windows(3)
-                .any(|w| w == ["train_step", "wait_for_batch", "Queue.get"])
-        })
-        .map(|s| s.1)
-        .sum();
-    let producing: u64 = stacks
-        .iter()
-        .filter(|(s, _)| py_names(s).iter().any(|f| f == "producer"))
-        .map(|s| s.1)
-        .sum();
-    eprintln!("off-CPU µs: {total} in all, {waiting} waiting for a batch, {producing} in producer");
-    // 40 steps of ~10 ms each, both threads blocked most of the time.
-    assert!(total >= 200_000, "only {total} µs off-CPU");
-    assert!(
-        waiting as f64 >= 0.3 * total as f64,
-        "{waiting} of {total} µs"
-    );
-    assert!(
-        producing as f64 >= 0.3 * total as f64,
-        "{producing} of {total} µs"
-    );
+    check_offcpu_queue_wait(&stacks, "python3.11");
     let _ = std::fs::remove_dir_all(&dir);
 }

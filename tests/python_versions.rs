@@ -250,44 +250,7 @@ fn offcpu_queue_wait(interp: Interp) {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
     let (_, stacks) = window_folded(&dir.join("out"), "offcpu", &stderr);
-    for (s, n) in &stacks {
-        eprintln!("  {n:8} {}", s.join(";"));
-    }
-    let total: u64 = stacks.iter().map(|s| s.1).sum();
-    let py_names = |s: &[String]| -> Vec<String> {
-        s.iter()
-            .filter_map(|f| py_fn(f))
-            .map(str::to_string)
-            .collect()
-    };
-    let waiting: u64 = stacks
-        .iter()
-        .filter(|(s, _)| {
-            py_names(s)
-                .windows(3)
-                .any(|w| w == ["train_step", "wait_for_batch", "Queue.get"])
-        })
-        .map(|s| s.1)
-        .sum();
-    let producing: u64 = stacks
-        .iter()
-        .filter(|(s, _)| py_names(s).iter().any(|f| f == "producer"))
-        .map(|s| s.1)
-        .sum();
-    eprintln!(
-        "python3.{minor}: off-CPU µs: {total} in all, {waiting} waiting for a batch, \
-         {producing} in producer"
-    );
-    // 40 steps of ~10 ms each, both threads blocked most of the time.
-    assert!(total >= 200_000, "only {total} µs off-CPU");
-    assert!(
-        waiting as f64 >= 0.3 * total as f64,
-        "{waiting} of {total} µs waiting for a batch"
-    );
-    assert!(
-        producing as f64 >= 0.3 * total as f64,
-        "{producing} of {total} µs in producer"
-    );
+    check_offcpu_queue_wait(&stacks, &format!("python3.{minor}"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

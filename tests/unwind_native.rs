@@ -469,28 +469,26 @@ fn unwind_native_through_the_vdso() {
         eprintln!("  {n:5} {}", s.join(";"));
     }
     let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
-    let user: Vec<&(Vec<String>, u64)> = unwound.iter().filter(|(s, _)| in_user(s)).collect();
-    let total: u64 = user.iter().map(|s| s.1).sum();
     let leaf_in_vdso = |s: &[String]| s.last().is_some_and(|f| f.ends_with(" [vdso]"));
-    let in_vdso: u64 = user
-        .iter()
-        .filter(|(s, _)| leaf_in_vdso(s))
-        .map(|s| s.1)
-        .sum();
+    let weight = |keep: &dyn Fn(&[String]) -> bool| -> u64 {
+        unwound
+            .iter()
+            .filter(|(s, _)| in_user(s) && keep(s))
+            .map(|s| s.1)
+            .sum()
+    };
+    let total = weight(&|_| true);
+    let in_vdso = weight(&leaf_in_vdso);
     // The chain, then libc's clock_gettime, then the vDSO's: nothing
     // lost or guessed in between.
-    let full: u64 = user
-        .iter()
-        .filter(|(s, _)| {
-            let n = s.len();
-            leaf_in_vdso(s)
-                && n >= chain.len() + 2
-                && s[n - chain.len() - 2..n - 2] == chain[..]
-                && s[n - 2].contains("clock_gettime")
-                && s[n - 1].contains("clock_gettime")
-        })
-        .map(|s| s.1)
-        .sum();
+    let full = weight(&|s| {
+        let n = s.len();
+        leaf_in_vdso(s)
+            && n >= chain.len() + 2
+            && s[n - chain.len() - 2..n - 2] == chain[..]
+            && s[n - 2].contains("clock_gettime")
+            && s[n - 1].contains("clock_gettime")
+    });
     eprintln!(
         "{in_vdso} of {total} user-mode samples in the vDSO, {full} under libc's clock_gettime and the whole chain"
     );
@@ -519,6 +517,38 @@ fn unwind_native_through_the_vdso() {
         .collect();
     assert!(misnamed.is_empty(), "PLT stubs named _init: {misnamed:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Checks that a window of a stripped `deepstack` whose debug file was
+/// found names the whole chain in at least 80 % of its user-mode samples.
+fn assert_chain_named(stacks: &[(Vec<String>, u64)], how: &str) {
+    let chain = expected_chain();
+    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
+    let (full, total) = chain_share(stacks, &chain, in_user);
+    eprintln!("{how}: {full} of {total} user-mode samples show the whole chain");
+    for (s, n) in stacks.iter().take(5) {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    assert!(total >= 40, "too few user-mode samples: {stacks:?}");
+    assert!(
+        full as f64 >= 0.8 * total as f64,
+        "{full} of {total} user-mode samples show {}",
+        chain.join(";")
+    );
+}
+
+/// Checks that a window of a stripped `deepstack` whose debug file was not
+/// used names no chain frame at all.
+fn assert_no_chain_frame(stacks: &[(Vec<String>, u64)], why: &str) {
+    let named: u64 = stacks
+        .iter()
+        .filter(|(s, _)| s.iter().any(|f| f.starts_with("chain_")))
+        .map(|s| s.1)
+        .sum();
+    let total: u64 = stacks.iter().map(|s| s.1).sum();
+    eprintln!("{why}: {named} of {total} samples name a chain frame");
+    assert!(total >= 40, "too few samples: {stacks:?}");
+    assert_eq!(named, 0, "{why}: a chain frame was named");
 }
 
 /// Runs `cmd` in `dir` through `sh -c`, failing the test on error.
@@ -659,30 +689,8 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
     args.extend(["--debug-dir", debug_dir.to_str().unwrap()]);
     let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).1;
     p.terminate();
-    let (full, total) = chain_share(&with, &chain, in_user);
-    eprintln!("with --debug-dir: {full} of {total} user-mode samples show the whole chain");
-    for (s, n) in with.iter().take(5) {
-        eprintln!("  {n:5} {}", s.join(";"));
-    }
-    assert!(total >= 40, "too few user-mode samples: {with:?}");
-    assert!(
-        full as f64 >= 0.8 * total as f64,
-        "{full} of {total} user-mode samples show {}",
-        chain.join(";")
-    );
-    let named: u64 = without
-        .iter()
-        .filter(|(s, _)| s.iter().any(|f| f.starts_with("chain_")))
-        .map(|s| s.1)
-        .sum();
-    assert!(
-        without.iter().map(|s| s.1).sum::<u64>() >= 40,
-        "{without:?}"
-    );
-    assert_eq!(
-        named, 0,
-        "without the debug file, no chain frame can be named"
-    );
+    assert_chain_named(&with, "with --debug-dir");
+    assert_no_chain_frame(&without, "without the debug file");
 
     // Offline, later: the window names the file and its build id, and
     // `report --symbolize` names its frames from the debug file.
@@ -764,8 +772,6 @@ fn unwind_native_names_from_a_debug_file_by_debuglink() {
          readelf -S stripped | grep -q .gnu_debuglink
          ! nm stripped 2>/dev/null | grep -q chain_07",
     );
-    let chain = expected_chain();
-    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
     let mut p = Proc::spawn_ready(Command::new(dir.join("stripped")).args(["--step-ms", "20"]));
     let args = [
         "--marker",
@@ -780,26 +786,8 @@ fn unwind_native_names_from_a_debug_file_by_debuglink() {
     std::fs::copy(dir.join("other.debug"), dir.join("stripped.debug")).unwrap();
     let wrong = window_of(p.pid, &dir.join("wrong"), "cpu", &[], &args).1;
     p.terminate();
-    let (full, total) = chain_share(&with, &chain, in_user);
-    eprintln!("debug link: {full} of {total} user-mode samples show the whole chain");
-    for (s, n) in with.iter().take(5) {
-        eprintln!("  {n:5} {}", s.join(";"));
-    }
-    assert!(total >= 40, "too few user-mode samples: {with:?}");
-    assert!(
-        full as f64 >= 0.8 * total as f64,
-        "{full} of {total} user-mode samples show {}",
-        chain.join(";")
-    );
-    let named: u64 = wrong
-        .iter()
-        .filter(|(s, _)| s.iter().any(|f| f.starts_with("chain_")))
-        .map(|s| s.1)
-        .sum();
-    let total_wrong: u64 = wrong.iter().map(|s| s.1).sum();
-    eprintln!("another build's debug file: {named} of {total_wrong} samples name a chain frame");
-    assert!(total_wrong >= 40, "{wrong:?}");
-    assert_eq!(named, 0, "a debug file whose CRC differs was used");
+    assert_chain_named(&with, "debug link");
+    assert_no_chain_frame(&wrong, "another build's debug file (another CRC)");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -598,12 +598,11 @@ pub fn iteration_at(log: &[LogLine], ts: u64, what: &str) -> u64 {
     hits[0].index
 }
 
-/// The one `PROF_*` window in `out` and the stacks of its `NAME.folded`
-/// (frames root first, sample count). A missing file panics with the
-/// window's meta.json and dynprof's `stderr`, which say why.
-pub fn window_folded(out: &Path, name: &str, stderr: &str) -> (PathBuf, Vec<(Vec<String>, u64)>) {
-    let prof = std::fs::read_dir(out)
-        .unwrap()
+/// The one `PROF_*` window directory in `out` (`stderr`: dynprof's, for
+/// the message when there is none).
+pub fn prof_dir(out: &Path, stderr: &str) -> PathBuf {
+    std::fs::read_dir(out)
+        .unwrap_or_else(|e| panic!("{}: {e}: {stderr}", out.display()))
         .map(|e| e.unwrap().path())
         .find(|p| {
             p.file_name()
@@ -611,7 +610,61 @@ pub fn window_folded(out: &Path, name: &str, stderr: &str) -> (PathBuf, Vec<(Vec
                 .to_string_lossy()
                 .starts_with("PROF_")
         })
-        .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()));
+        .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()))
+}
+
+/// The offcpu check of `py_hot.py --queue` (tests/python_frames.rs,
+/// tests/python_versions.rs), 40 steps: the training thread waits in
+/// `train_step -> wait_for_batch -> Queue.get` for what a `producer`
+/// thread puts every 10 ms. At least 200 ms off-CPU in all, and at least
+/// 30 % of it under each of the two, by their `[py]` frames.
+pub fn check_offcpu_queue_wait(stacks: &[(Vec<String>, u64)], label: &str) {
+    for (s, n) in stacks {
+        eprintln!("  {n:8} {}", s.join(";"));
+    }
+    let py_names = |s: &[String]| -> Vec<String> {
+        s.iter()
+            .filter_map(|f| {
+                let rest = f.strip_prefix("[py] ")?;
+                Some(rest.split_once(" (").map_or(rest, |(n, _)| n).to_string())
+            })
+            .collect()
+    };
+    let total: u64 = stacks.iter().map(|s| s.1).sum();
+    let waiting: u64 = stacks
+        .iter()
+        .filter(|(s, _)| {
+            py_names(s)
+                .windows(3)
+                .any(|w| w == ["train_step", "wait_for_batch", "Queue.get"])
+        })
+        .map(|s| s.1)
+        .sum();
+    let producing: u64 = stacks
+        .iter()
+        .filter(|(s, _)| py_names(s).iter().any(|f| f == "producer"))
+        .map(|s| s.1)
+        .sum();
+    eprintln!(
+        "{label}: off-CPU µs: {total} in all, {waiting} waiting for a batch, {producing} in producer"
+    );
+    // 40 steps of ~10 ms each, both threads blocked most of the time.
+    assert!(total >= 200_000, "{label}: only {total} µs off-CPU");
+    assert!(
+        waiting as f64 >= 0.3 * total as f64,
+        "{label}: {waiting} of {total} µs waiting for a batch"
+    );
+    assert!(
+        producing as f64 >= 0.3 * total as f64,
+        "{label}: {producing} of {total} µs in producer"
+    );
+}
+
+/// The one `PROF_*` window in `out` and the stacks of its `NAME.folded`
+/// (frames root first, sample count). A missing file panics with the
+/// window's meta.json and dynprof's `stderr`, which say why.
+pub fn window_folded(out: &Path, name: &str, stderr: &str) -> (PathBuf, Vec<(Vec<String>, u64)>) {
+    let prof = prof_dir(out, stderr);
     let stacks = std::fs::read_to_string(prof.join(format!("{name}.folded")))
         .unwrap_or_else(|e| {
             let meta = std::fs::read_to_string(prof.join("meta.json")).unwrap_or_default();
