@@ -31,6 +31,8 @@ use blazesym::MaybeDefault;
 use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
 
+mod debug_files;
+
 use crate::output::model::ModuleRef;
 use crate::symbols::perfmap::{self, PerfMap};
 use crate::symbols::{
@@ -392,9 +394,14 @@ impl Symbolizer {
         let debug = if img.has_symtab() {
             None
         } else {
+            let search = debug_files::Search {
+                pid: self.pid,
+                exited: self.exited,
+                dirs: &self.debug_dirs,
+            };
             img.build_id()
-                .and_then(|id| self.debug_file(&id))
-                .or_else(|| self.debuglink_file(&img, &m.module))
+                .and_then(|id| search.by_build_id(&id))
+                .or_else(|| search.by_debuglink(&img, &m.module))
         };
         let segments = debug.as_ref().map(|_| img.load_segments());
         let named = debug.as_ref().unwrap_or(&img);
@@ -471,117 +478,6 @@ impl Symbolizer {
                 None
             }
         }
-    }
-
-    /// The separate debug file of build id `id` with its `.symtab`: in each
-    /// `--debug-dir`, then under `/usr/lib/debug` inside the target's root
-    /// (opened there, never following a link out), then on the host. A
-    /// file whose own build id differs is not used.
-    fn debug_file(&self, id: &str) -> Option<ElfImage> {
-        let rel = crate::symbols::build_id_path(id)?;
-        let usable = |img: ElfImage| {
-            (img.build_id().as_deref() == Some(id) && img.has_symtab()).then_some(img)
-        };
-        for dir in &self.debug_dirs {
-            let path = dir.join(&rel);
-            if path.exists()
-                && let Some(img) = ElfImage::open(&path).ok().and_then(usable)
-            {
-                log::debug!("symbolize: build id {id}: {}", path.display());
-                return Some(img);
-            }
-        }
-        let in_root = Path::new(DEFAULT_DEBUG_DIR).join(&rel);
-        if !self.exited {
-            let pid = self.pid;
-            let name = in_root.clone();
-            let img = ElfImage::read_bounded(&in_root, move || {
-                let root = TargetRoot::open(&PathBuf::from(format!("/proc/{pid}/root")))?;
-                Ok(root.open_regular(&name.to_string_lossy())?)
-            });
-            if let Some(img) = img.ok().and_then(usable) {
-                log::debug!(
-                    "symbolize: build id {id}: {} in the target",
-                    in_root.display()
-                );
-                return Some(img);
-            }
-        }
-        if in_root.exists() {
-            return ElfImage::open(&in_root).ok().and_then(usable);
-        }
-        None
-    }
-
-    /// The separate debug file that the mapped file's `.gnu_debuglink`
-    /// names, where GDB looks for it: next to the file, in its `.debug/`,
-    /// and under `/usr/lib/debug/DIR/` (all inside the target's root, never
-    /// following a link out), then in each `--debug-dir` (by name, and
-    /// under the file's directory). Used only when it has a `.symtab` and
-    /// is that file's: the same build id where both have one, else the
-    /// CRC-32 of its content that the link records.
-    fn debuglink_file(&self, img: &ElfImage, module: &str) -> Option<ElfImage> {
-        use std::path::Component;
-        let (name, crc) = img.debuglink()?;
-        // The maps name is absolute and canonical; any other is not joined
-        // to a directory (the name itself is a plain file name).
-        let dir = Path::new(module).parent()?;
-        let canonical = dir.is_absolute()
-            && dir
-                .components()
-                .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
-        if !canonical {
-            return None;
-        }
-        let rel_dir = dir.strip_prefix("/").ok()?;
-        let mut candidates: Vec<(PathBuf, bool)> = Vec::new();
-        if !self.exited {
-            candidates.push((dir.join(&name), true));
-            candidates.push((dir.join(".debug").join(&name), true));
-            candidates.push((Path::new(DEFAULT_DEBUG_DIR).join(rel_dir).join(&name), true));
-        }
-        for d in &self.debug_dirs {
-            candidates.push((d.join(&name), false));
-            candidates.push((d.join(rel_dir).join(&name), false));
-        }
-        let id = img.build_id();
-        let pid = self.pid;
-        for (path, in_root) in candidates {
-            if !in_root && !path.exists() {
-                continue;
-            }
-            let open = move |p: PathBuf| -> Result<rootfs::RegularFile> {
-                if in_root {
-                    let root = TargetRoot::open(&PathBuf::from(format!("/proc/{pid}/root")))?;
-                    Ok(root.open_regular(&p.to_string_lossy())?)
-                } else {
-                    Ok(rootfs::open_regular(&p)?)
-                }
-            };
-            let p = path.clone();
-            let Ok(candidate) = ElfImage::read_bounded(&path, move || open(p)) else {
-                continue;
-            };
-            if !candidate.has_symtab() {
-                continue;
-            }
-            let same = match (&id, candidate.build_id()) {
-                (Some(a), Some(b)) => *a == b,
-                _ => {
-                    let p = path.clone();
-                    crc32_of(move || open(p)) == Some(crc)
-                }
-            };
-            if same {
-                log::debug!("symbolize: {module}: debug link {}", path.display());
-                return Some(candidate);
-            }
-            log::debug!(
-                "symbolize: {}: not the debug file of {module} (build id or CRC differs)",
-                path.display()
-            );
-        }
-        None
     }
 
     /// The mapping holding `addr`; `maps` is sorted by start (as
@@ -725,41 +621,6 @@ fn sym_frames(sym: &Sym<'_>) -> Vec<String> {
     let mut v = vec![demangle::frame(&sym.name)];
     v.extend(sym.inlined.iter().map(|f| demangle::frame(&f.name)));
     v
-}
-
-/// The CRC-32 of a whole file (what `.gnu_debuglink` records), read within
-/// the file deadline; `None` when it cannot be read or is larger than
-/// [`elf::limits::DEBUGLINK_CRC_READ`].
-fn crc32_of(open: impl FnOnce() -> Result<rootfs::RegularFile> + Send + 'static) -> Option<u32> {
-    use std::os::unix::fs::FileExt as _;
-    let read = move || -> Result<u32> {
-        let f = open()?;
-        let cap = elf::limits::DEBUGLINK_CRC_READ;
-        anyhow::ensure!(f.size <= cap, "{} bytes, over {cap}", f.size);
-        let mut crc = flate2::Crc::new();
-        let mut buf = vec![0u8; 1 << 20];
-        let mut off = 0u64;
-        loop {
-            let n = f.file.read_at(&mut buf, off)?;
-            if n == 0 {
-                return Ok(crc.sum());
-            }
-            crc.update(&buf[..n]);
-            off += n as u64;
-            anyhow::ensure!(off <= cap, "grew past {cap} bytes while read");
-        }
-    };
-    match rootfs::within(rootfs::FILE_DEADLINE, "reading a debug file's CRC", read) {
-        Ok(Ok(crc)) => Some(crc),
-        Ok(Err(e)) => {
-            log::debug!("symbolize: debug link CRC: {e:#}");
-            None
-        }
-        Err(e) => {
-            log::debug!("symbolize: debug link CRC: {e}");
-            None
-        }
-    }
 }
 
 fn read_maps(pid: u32) -> std::io::Result<Vec<Mapping>> {
