@@ -117,35 +117,17 @@ mod tests {
 
     /// int; an enum before the struct (its values must be skipped);
     /// struct pt_regs { x }; struct task_struct { state; stack at byte 16 }.
+    // One BTF type record per line, as the kernel lays them out.
+    #[rustfmt::skip]
     fn kernel_like(kind_flag: bool, stack_bits: u32) -> Vec<u8> {
         blob(
             &[
-                1,
-                info(1, 0, false),
-                8,
-                64, // [1] INT "int", 8 bytes
-                0,
-                info(6, 2, false),
-                4,
-                37,
-                0,
-                37,
-                1, // [2] ENUM, 2 values
-                29,
-                info(4, 1, false),
-                8,
-                37,
-                1,
-                0, // [3] STRUCT pt_regs { x }
-                5,
-                info(4, 2, kind_flag),
-                24, // [4] STRUCT task_struct
-                17,
-                1,
-                0, // state: int at bit 0
-                23,
-                1,
-                stack_bits, // stack
+                1, info(1, 0, false), 8, 64, // [1] INT "int", 8 bytes
+                0, info(6, 2, false), 4, 37, 0, 37, 1, // [2] ENUM, 2 values
+                29, info(4, 1, false), 8, 37, 1, 0, // [3] STRUCT pt_regs { x }
+                5, info(4, 2, kind_flag), 24, // [4] STRUCT task_struct
+                17, 1, 0, // state: int at bit 0
+                23, 1, stack_bits, // stack
             ],
             STRINGS,
         )
