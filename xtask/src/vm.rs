@@ -188,11 +188,15 @@ const VM_TESTS_BEFORE_5_15: &[(&str, &[&str])] = &[
         "unwind_native",
         &["unwind_native_offcpu_stacks_are_unwound_at_the_switch"],
     ),
-    // sched_switch's prev_state: preempted (runnable) against blocked.
-    (
-        "collectors_cli",
-        &["collectors_offcpu_tells_preempted_from_blocked"],
-    ),
+    // Not `collectors_offcpu_tells_preempted_from_blocked`: with two
+    // burners pinned to one vCPU making clock system calls (TCG has no
+    // vDSO clock), the x86-64 5.10 guest locked up in it once
+    // (2026-12-04): CPU 0 spinning in syscall_trace_enter while CPU 1 took
+    // the int3 of text patching there, i.e. the sys_enter tracepoint's
+    // static branch being rewritten as dynprof attached or detached its
+    // measuring program (bpf/task_regs.rs). It passed in the run before,
+    // and on arm64. Cross-modified kernel text under TCG is the suspect;
+    // the test runs on the host.
 ];
 
 /// Does Debian kernel ABI `version` (`5.10.0-30`) predate 5.15?
