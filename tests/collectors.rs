@@ -20,7 +20,7 @@ use collectors_util::*;
 use common::*;
 use dynprof::{
     collect::{CollectorOptions, parse_collect},
-    output::{Collectors, model::Drops},
+    output::Collectors,
     probes::MarkerArg,
     report::{self, Bound},
 };
@@ -80,10 +80,24 @@ fn collectors_acl_device_bound() {
     let a = report::analyze(&run.dir).unwrap();
     assert_eq!(a.verdict.bound, Bound::DeviceBound, "{}", a.verdict.text);
     eprintln!("verdict: {}", a.verdict.text);
+    // Nothing lost from a 4 MiB ring.
     assert_eq!(
-        d.drops,
-        Drops::default(),
-        "no losses expected with a 4 MiB ring"
+        (d.drops.step, d.drops.api, d.drops.cpu, d.drops.offcpu),
+        (0, 0, 0, 0),
+        "no ring losses expected with a 4 MiB ring: {:?}",
+        d.drops
+    );
+    assert_eq!(d.drops.api_nesting, 0);
+    // A stack whose bucket in the kernel's stack map holds another stack
+    // is lost (-EEXIST) and counted; with a few dozen distinct stacks in
+    // 16,384 buckets that happens now and then (one in a CI run of
+    // 2026-12-04, in the x86-64 5.10 guest), never to more than a few.
+    let asked = 2 * (d.samples.len() + d.offcpu.len());
+    let lost = d.drops.cpu_stack + d.drops.offcpu_stack;
+    assert!(
+        lost * 20 <= asked as u64,
+        "{lost} of {asked} stacks lost: {:?}",
+        d.drops
     );
 }
 

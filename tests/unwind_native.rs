@@ -551,8 +551,9 @@ fn assert_no_chain_frame(stacks: &[(Vec<String>, u64)], why: &str) {
     assert_eq!(named, 0, "{why}: a chain frame was named");
 }
 
-/// Runs `cmd` in `dir` through `sh -c`, failing the test on error.
-fn sh(dir: &Path, cmd: &str) {
+/// Runs `cmd` in `dir` through `sh -c`, failing the test on error; its
+/// standard output, trimmed.
+fn sh(dir: &Path, cmd: &str) -> String {
     let o = Command::new("sh")
         .args(["-ec", cmd])
         .current_dir(dir)
@@ -563,6 +564,7 @@ fn sh(dir: &Path, cmd: &str) {
         "{cmd}: {}",
         String::from_utf8_lossy(&o.stderr)
     );
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
 }
 
 /// Fedora, openEuler and CentOS strip their binaries' `.symtab` and keep
@@ -717,16 +719,7 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
             .any(|m| m["name"] == "stripped" && m["build_id"] == id.as_str()),
         "build id {id} not in {modules}"
     );
-    let o = Command::new(dynprof_bin())
-        .args(["report", "--symbolize", "--debug-dir"])
-        .arg(&debug_dir)
-        .arg(&without_dir)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "report --symbolize failed: {stderr}");
-    assert!(stderr.contains("named "), "{stderr}");
-    let later = window_folded(&dir.join("without"), "cpu", &stderr).1;
+    let (stderr, later) = symbolize_offline(&dir.join("without"), &without_dir, &debug_dir);
     let (full, total) = chain_share(&later, &chain, in_user);
     eprintln!("report --symbolize: {full} of {total} user-mode samples show the whole chain");
     assert!(
@@ -782,13 +775,67 @@ fn unwind_native_names_from_a_debug_file_by_debuglink() {
         "50",
     ];
     let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).1;
-    // The other build's debug file under the linked name.
-    std::fs::copy(dir.join("other.debug"), dir.join("stripped.debug")).unwrap();
-    let wrong = window_of(p.pid, &dir.join("wrong"), "cpu", &[], &args).1;
+    // The other build's debug file under the linked name; the right one
+    // kept elsewhere, for later.
+    sh(
+        &dir,
+        "mkdir right-debug other-debug
+         cp stripped.debug right-debug/
+         cp other.debug other-debug/stripped.debug
+         cp other.debug stripped.debug",
+    );
+    let (wrong_dir, wrong) = window_of(p.pid, &dir.join("wrong"), "cpu", &[], &args);
     p.terminate();
     assert_chain_named(&with, "debug link");
     assert_no_chain_frame(&wrong, "another build's debug file (another CRC)");
+
+    // Offline, later: the window recorded the link, and `report
+    // --symbolize` follows it into a --debug-dir, checking the CRC there
+    // too.
+    let modules = std::fs::read_to_string(wrong_dir.join("modules.json")).unwrap();
+    let modules: serde_json::Value = serde_json::from_str(&modules).unwrap();
+    let crc = sh(
+        &dir,
+        "objcopy --dump-section .gnu_debuglink=link.bin stripped /dev/null
+         tail -c 4 link.bin | od -An -tu4",
+    )
+    .parse::<u64>()
+    .expect("the CRC in .gnu_debuglink");
+    assert!(
+        modules["modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["name"] == "stripped"
+                && m["debuglink"]["name"] == "stripped.debug"
+                && m["debuglink"]["crc"] == crc),
+        "debug link stripped.debug with CRC {crc} not in {modules}"
+    );
+    let (_, still) = symbolize_offline(&dir.join("wrong"), &wrong_dir, &dir.join("other-debug"));
+    assert_no_chain_frame(&still, "report --symbolize with another build's debug file");
+    let (_, later) = symbolize_offline(&dir.join("wrong"), &wrong_dir, &dir.join("right-debug"));
+    assert_chain_named(&later, "report --symbolize by debug link");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `dynprof report --symbolize --debug-dir DEBUG PROF` (PROF, the window
+/// written under OUT): its stderr, and the window's CPU stacks after.
+fn symbolize_offline(
+    out: &Path,
+    prof: &Path,
+    debug_dir: &Path,
+) -> (String, Vec<(Vec<String>, u64)>) {
+    let o = Command::new(dynprof_bin())
+        .args(["report", "--symbolize", "--debug-dir"])
+        .arg(debug_dir)
+        .arg(prof)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "report --symbolize failed: {stderr}");
+    assert!(stderr.contains("named "), "{stderr}");
+    let stacks = window_folded(out, "cpu", &stderr).1;
+    (stderr, stacks)
 }
 
 /// JIT code that the runtime names in `/tmp/perf-PID.map` (oneDNN with

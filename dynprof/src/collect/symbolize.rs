@@ -32,11 +32,12 @@ use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
 
 mod debug_files;
+pub use debug_files::offline as debug_file_offline;
 
 use crate::output::model::ModuleRef;
 use crate::symbols::perfmap::{self, PerfMap};
 use crate::symbols::{
-    ElfImage, demangle, elf,
+    DebugLink, ElfImage, demangle, elf,
     elf::UnwindSections,
     unwind::{self, Lookup},
 };
@@ -83,9 +84,11 @@ struct Snapshot {
     /// loadable segments, to turn its file offsets into the virtual
     /// addresses both files share.
     segments: Option<Vec<(u64, u64, u64)>>,
-    /// The mapped file's build id and loadable segments, for `modules.json`.
+    /// The mapped file's build id, loadable segments and debug link, for
+    /// `modules.json`.
     build_id: Option<String>,
     load_segments: Vec<(u64, u64, u64)>,
+    debuglink: Option<DebugLink>,
     /// The mapped file's PLT sections, by file offset.
     plt: Vec<std::ops::Range<u64>>,
 }
@@ -399,9 +402,14 @@ impl Symbolizer {
                 exited: self.exited,
                 dirs: &self.debug_dirs,
             };
-            img.build_id()
-                .and_then(|id| search.by_build_id(&id))
-                .or_else(|| search.by_debuglink(&img, &m.module))
+            let id = img.build_id();
+            id.as_deref()
+                .and_then(|id| search.by_build_id(id))
+                .or_else(|| {
+                    let link = img.debuglink()?;
+                    search.by_debuglink(&link, id.as_deref(), &m.module)
+                })
+                .map(|(debug, _)| debug)
         };
         let segments = debug.as_ref().map(|_| img.load_segments());
         let named = debug.as_ref().unwrap_or(&img);
@@ -426,6 +434,7 @@ impl Symbolizer {
                 segments,
                 build_id: img.build_id(),
                 load_segments: img.load_segments(),
+                debuglink: img.debuglink(),
                 plt: img.plt_ranges(),
             },
             tables,
@@ -504,6 +513,7 @@ impl Symbolizer {
             path: m.module.clone(),
             build_id: snap.and_then(|s| s.build_id.clone()),
             segments: snap.map(|s| s.load_segments.clone()).unwrap_or_default(),
+            debuglink: snap.and_then(|s| s.debuglink.clone()),
         };
         self.unresolved.insert(name, module);
     }

@@ -155,6 +155,10 @@ pub struct ModuleRef {
     /// a frame's offset is a file offset, debug files are addressed by
     /// virtual address.
     pub segments: Vec<(u64, u64, u64)>,
+    /// Its `.gnu_debuglink`, when it has one: how a debug file without a
+    /// build id (or one of a file without) is found and checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub debuglink: Option<crate::symbols::DebugLink>,
 }
 
 impl ModuleRef {

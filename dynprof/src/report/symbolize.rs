@@ -3,10 +3,12 @@
 //! as `[unknown] FILE+0xOFFSET` (a stripped library whose debug file was
 //! not installed where the job ran).
 //!
-//! The window's `modules.json` gives each such file's build id and
-//! loadable segments. Its separate debug file is looked for by build id
-//! (`DIR/.build-id/ab/cdef….debug`) in each `--debug-dir`, then in
-//! `/usr/lib/debug`; one whose own build id differs is not used. The
+//! The window's `modules.json` gives each such file's build id,
+//! `.gnu_debuglink` and loadable segments. Its separate debug file is looked
+//! for by build id (`DIR/.build-id/ab/cdef….debug`) in each `--debug-dir`,
+//! then in `/usr/lib/debug`, then by its debug link
+//! (`collect::symbolize::debug_file_offline`); one whose own build id (or,
+//! without one, the CRC-32 the link records) differs is not used. The
 //! folded stacks (and their flame graphs), `trace.json` and
 //! `summary.json` are rewritten in place, each atomically, and meta.json
 //! records what was done under `symbolized`.
@@ -26,7 +28,7 @@ use crate::{
         model::ModuleRef,
         write_atomic,
     },
-    symbols::{ElfImage, build_id_path, elf},
+    symbols::{build_id_path, elf},
     window::meta::META_FILE,
 };
 
@@ -135,17 +137,13 @@ pub fn symbolize_dir(dir: &Path, debug_dirs: &[PathBuf]) -> Result<Symbolized> {
         done.unknown_frames += frames.len();
         let why = match modules.iter().find(|m| m.name == file) {
             None => "not in modules.json".to_string(),
-            Some(ModuleRef { build_id: None, .. }) => "no build id recorded".to_string(),
-            Some(m) => match find_debug_file(m, debug_dirs) {
-                None => format!(
-                    "no debug file for build id {} (looked for {} in --debug-dir and {SYSTEM_DEBUG_DIR})",
-                    m.build_id.as_deref().unwrap_or("?"),
-                    m.build_id
-                        .as_deref()
-                        .and_then(build_id_path)
-                        .unwrap_or_default()
-                        .display()
-                ),
+            Some(ModuleRef {
+                build_id: None,
+                debuglink: None,
+                ..
+            }) => "no build id or debug link recorded".to_string(),
+            Some(m) => match crate::collect::symbolize::debug_file_offline(m, debug_dirs) {
+                None => not_found(m),
                 Some(path) => {
                     let vaddrs: Vec<u64> = frames
                         .iter()
@@ -189,20 +187,30 @@ pub fn symbolize_dir(dir: &Path, debug_dirs: &[PathBuf]) -> Result<Symbolized> {
     Ok(done)
 }
 
-/// The debug file of `m`'s build id with a `.symtab`, if one is found.
-fn find_debug_file(m: &ModuleRef, debug_dirs: &[PathBuf]) -> Option<PathBuf> {
-    let id = m.build_id.as_deref()?;
-    let rel = build_id_path(id)?;
-    debug_dirs
-        .iter()
-        .map(PathBuf::as_path)
-        .chain([Path::new(SYSTEM_DEBUG_DIR)])
-        .map(|d| d.join(&rel))
-        .find(|p| {
-            p.is_file()
-                && ElfImage::open(p)
-                    .is_ok_and(|img| img.build_id().as_deref() == Some(id) && img.has_symtab())
-        })
+/// Why no debug file of `m` was used: where it was looked for.
+fn not_found(m: &ModuleRef) -> String {
+    let mut looked = Vec::new();
+    if let Some(id) = &m.build_id {
+        looked.push(format!(
+            "build id {id} as {}",
+            build_id_path(id).unwrap_or_default().display()
+        ));
+    }
+    if let Some(link) = &m.debuglink {
+        looked.push(format!(
+            "debug link {} (CRC {:08x}) by name and under {}",
+            link.name,
+            link.crc,
+            Path::new(&m.path)
+                .parent()
+                .unwrap_or(Path::new("/"))
+                .display()
+        ));
+    }
+    format!(
+        "no debug file with a symbol table: looked for {} in each --debug-dir and {SYSTEM_DEBUG_DIR}",
+        looked.join(", and ")
+    )
 }
 
 /// Reads `path` as JSON (if it exists), edits it, writes it back atomically.

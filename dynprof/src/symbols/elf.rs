@@ -395,20 +395,34 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
     Ok(stapsdt)
 }
 
+/// A `.gnu_debuglink`: the separate debug file's name (a plain file name,
+/// never a path) and the CRC-32 of that file's content.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DebugLink {
+    pub name: String,
+    pub crc: u32,
+}
+
+impl DebugLink {
+    /// Is the name one file name (no `/`, not `.` or `..`, no control
+    /// characters)? It comes from a target's file, or from a
+    /// `modules.json`, and is joined to directories.
+    pub fn is_plain(&self) -> bool {
+        let name = &self.name;
+        !name.is_empty()
+            && name.len() <= 255
+            && name != "."
+            && name != ".."
+            && !name.contains('/')
+            && !name.chars().any(char::is_control)
+    }
+}
+
 /// `.gnu_debuglink`'s content: a NUL-terminated file name, padding to 4
 /// bytes, and the CRC-32 (in the file's byte order) of the debug file.
-fn parse_debuglink(data: &[u8], little_endian: bool) -> Option<(String, u32)> {
+fn parse_debuglink(data: &[u8], little_endian: bool) -> Option<DebugLink> {
     let nul = data.iter().position(|b| *b == 0)?;
     let name = std::str::from_utf8(&data[..nul]).ok()?;
-    let plain = !name.is_empty()
-        && name.len() <= 255
-        && name != "."
-        && name != ".."
-        && !name.contains('/')
-        && !name.chars().any(char::is_control);
-    if !plain {
-        return None;
-    }
     let at = (nul + 1).next_multiple_of(4);
     let crc: [u8; 4] = data.get(at..at + 4)?.try_into().ok()?;
     let crc = if little_endian {
@@ -416,7 +430,11 @@ fn parse_debuglink(data: &[u8], little_endian: bool) -> Option<(String, u32)> {
     } else {
         u32::from_be_bytes(crc)
     };
-    Some((name.to_string(), crc))
+    let link = DebugLink {
+        name: name.to_string(),
+        crc,
+    };
+    link.is_plain().then_some(link)
 }
 
 /// What unwinding through one file needs: its unwind tables at their
@@ -587,7 +605,7 @@ impl ElfImage {
     /// CRC-32 of its content. `None` when there is none, or when the name
     /// is not a plain file name (it comes from the target's file: no `/`,
     /// `.`, `..`, control characters, or more than 255 bytes).
-    pub fn debuglink(&self) -> Option<(String, u32)> {
+    pub fn debuglink(&self) -> Option<DebugLink> {
         let file = self.file();
         let data = file.section_by_name(".gnu_debuglink")?.data().ok()?;
         parse_debuglink(data, file.is_little_endian())

@@ -7,7 +7,7 @@ pub mod python;
 pub mod unwind;
 pub mod usdt;
 
-pub use elf::{ElfImage, SymbolHit};
+pub use elf::{DebugLink, ElfImage, SymbolHit};
 
 /// Where a separate debug file of build id `id` is, relative to a debug
 /// directory (`/usr/lib/debug` or `--debug-dir`): `.build-id/ab/cdef….debug`,

@@ -42,14 +42,6 @@ fn suites_of_kernel_versions() {
 }
 
 #[test]
-fn kernels_before_5_15_are_told_apart() {
-    assert!(before_5_15("5.10.0-30"));
-    assert!(before_5_15("4.19.0-27"));
-    assert!(!before_5_15("6.1.0-50"));
-    assert!(!before_5_15("5.15.0-1"));
-}
-
-#[test]
 fn script_runs_each_binary_with_its_exact_names() {
     let s = script(
         &[

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 
 use super::DEFAULT_DEBUG_DIR;
-use crate::symbols::{ElfImage, elf};
+use crate::output::model::ModuleRef;
+use crate::symbols::{DebugLink, ElfImage, elf};
 use crate::sys::rootfs::{self, TargetRoot};
 
 /// Where to look, for one target.
@@ -25,7 +26,9 @@ impl Search<'_> {
     /// `--debug-dir`, then under `/usr/lib/debug` inside the target's root
     /// (opened there, never following a link out), then on the host. A
     /// file whose own build id differs is not used.
-    pub(super) fn by_build_id(&self, id: &str) -> Option<ElfImage> {
+    /// Returns it with its path (inside the target's root when found
+    /// there).
+    pub(super) fn by_build_id(&self, id: &str) -> Option<(ElfImage, PathBuf)> {
         let rel = crate::symbols::build_id_path(id)?;
         let usable = |img: ElfImage| {
             (img.build_id().as_deref() == Some(id) && img.has_symtab()).then_some(img)
@@ -36,7 +39,7 @@ impl Search<'_> {
                 && let Some(img) = ElfImage::open(&path).ok().and_then(usable)
             {
                 log::debug!("symbolize: build id {id}: {}", path.display());
-                return Some(img);
+                return Some((img, path));
             }
         }
         let in_root = Path::new(DEFAULT_DEBUG_DIR).join(&rel);
@@ -52,25 +55,38 @@ impl Search<'_> {
                     "symbolize: build id {id}: {} in the target",
                     in_root.display()
                 );
-                return Some(img);
+                return Some((img, in_root));
             }
         }
         if in_root.exists() {
-            return ElfImage::open(&in_root).ok().and_then(usable);
+            return ElfImage::open(&in_root)
+                .ok()
+                .and_then(usable)
+                .map(|img| (img, in_root));
         }
         None
     }
 
-    /// The separate debug file that the mapped file's `.gnu_debuglink`
+    /// The separate debug file that a mapped file's `.gnu_debuglink`
     /// names, where GDB looks for it: next to the file, in its `.debug/`,
     /// and under `/usr/lib/debug/DIR/` (all inside the target's root, never
     /// following a link out), then in each `--debug-dir` (by name, and
-    /// under the file's directory). Used only when it has a `.symtab` and
-    /// is that file's: the same build id where both have one, else the
-    /// CRC-32 of its content that the link records.
-    pub(super) fn by_debuglink(&self, img: &ElfImage, module: &str) -> Option<ElfImage> {
+    /// under the file's directory), then under this host's
+    /// `/usr/lib/debug/DIR/`. Used only when it has a `.symtab` and is that
+    /// file's: the same build id (`id`, the mapped file's) where both have
+    /// one, else the CRC-32 of its content that the link records. Returns
+    /// it with its path (inside the target's root when found there).
+    pub(super) fn by_debuglink(
+        &self,
+        link: &DebugLink,
+        id: Option<&str>,
+        module: &str,
+    ) -> Option<(ElfImage, PathBuf)> {
         use std::path::Component;
-        let (name, crc) = img.debuglink()?;
+        if !link.is_plain() {
+            return None;
+        }
+        let (name, crc) = (&link.name, link.crc);
         // The maps name is absolute and canonical; any other is not joined
         // to a directory (the name itself is a plain file name).
         let dir = Path::new(module).parent()?;
@@ -84,15 +100,15 @@ impl Search<'_> {
         let rel_dir = dir.strip_prefix("/").ok()?;
         let mut candidates: Vec<(PathBuf, bool)> = Vec::new();
         if !self.exited {
-            candidates.push((dir.join(&name), true));
-            candidates.push((dir.join(".debug").join(&name), true));
-            candidates.push((Path::new(DEFAULT_DEBUG_DIR).join(rel_dir).join(&name), true));
+            candidates.push((dir.join(name), true));
+            candidates.push((dir.join(".debug").join(name), true));
+            candidates.push((Path::new(DEFAULT_DEBUG_DIR).join(rel_dir).join(name), true));
         }
         for d in self.dirs {
-            candidates.push((d.join(&name), false));
-            candidates.push((d.join(rel_dir).join(&name), false));
+            candidates.push((d.join(name), false));
+            candidates.push((d.join(rel_dir).join(name), false));
         }
-        let id = img.build_id();
+        candidates.push((Path::new(DEFAULT_DEBUG_DIR).join(rel_dir).join(name), false));
         let pid = self.pid;
         for (path, in_root) in candidates {
             if !in_root && !path.exists() {
@@ -113,8 +129,8 @@ impl Search<'_> {
             if !candidate.has_symtab() {
                 continue;
             }
-            let same = match (&id, candidate.build_id()) {
-                (Some(a), Some(b)) => *a == b,
+            let same = match (id, candidate.build_id()) {
+                (Some(a), Some(b)) => a == b,
                 _ => {
                     let p = path.clone();
                     crc32_of(move || open(p)) == Some(crc)
@@ -122,7 +138,7 @@ impl Search<'_> {
             };
             if same {
                 log::debug!("symbolize: {module}: debug link {}", path.display());
-                return Some(candidate);
+                return Some((candidate, path));
             }
             log::debug!(
                 "symbolize: {}: not the debug file of {module} (build id or CRC differs)",
@@ -131,6 +147,26 @@ impl Search<'_> {
         }
         None
     }
+}
+
+/// For `report --symbolize`, on any host and after the job: the debug file
+/// of a file a window named only by offset, by its recorded build id, then
+/// by its recorded `.gnu_debuglink`, in each of `dirs`, then under this
+/// host's `/usr/lib/debug`.
+pub fn offline(m: &ModuleRef, dirs: &[PathBuf]) -> Option<PathBuf> {
+    let search = Search {
+        pid: 0,
+        exited: true,
+        dirs,
+    };
+    let id = m.build_id.as_deref();
+    id.and_then(|id| search.by_build_id(id))
+        .or_else(|| {
+            m.debuglink
+                .as_ref()
+                .and_then(|link| search.by_debuglink(link, id, &m.path))
+        })
+        .map(|(_, path)| path)
 }
 
 /// The CRC-32 of a whole file (what `.gnu_debuglink` records), read within

@@ -285,12 +285,18 @@ fn debuglinks_are_plain_names_with_their_crc() {
     };
     assert_eq!(
         parse_debuglink(&link(b"libfoo.so.debug", [0x78, 0x56, 0x34, 0x12]), true),
-        Some(("libfoo.so.debug".to_string(), 0x1234_5678))
+        Some(DebugLink {
+            name: "libfoo.so.debug".to_string(),
+            crc: 0x1234_5678
+        })
     );
     // Four bytes of name: a whole word of padding after the NUL.
     assert_eq!(
         parse_debuglink(&link(b"abcd", [0x12, 0x34, 0x56, 0x78]), false),
-        Some(("abcd".to_string(), 0x1234_5678))
+        Some(DebugLink {
+            name: "abcd".to_string(),
+            crc: 0x1234_5678
+        })
     );
     for bad in [
         &b"../../etc/shadow"[..],
