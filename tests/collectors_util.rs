@@ -184,7 +184,7 @@ pub fn record_window(
     drain_on_hits: Option<u64>,
 ) -> Run {
     let target = Target::open(HostPid(pid)).unwrap();
-    let resolved = probes::resolve_markers(&target, &markers).unwrap();
+    let resolved = probes::resolve_markers(&target, &markers, &[]).unwrap();
     // Only step boundaries wake the reader: with thousands of calls per step,
     // a small ring then overflows for certain, whatever the machine's speed.
     let wake_bytes = if ring_kb <= 4 {

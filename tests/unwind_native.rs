@@ -650,7 +650,9 @@ fn unwind_native_names_from_minidebuginfo() {
 /// A stripped executable whose symbols are in a separate debug file under
 /// `--debug-dir`, found by build id (`DIR/.build-id/ab/cdef….debug`, as
 /// GDB installs them): the samples name the whole chain. Without the flag
-/// (and with no such file under /usr/lib/debug), none can.
+/// (and with no such file under /usr/lib/debug), none can. A step marker
+/// at a function only the debug file names (`run_step`) resolves through
+/// it, and without it is refused with an error that names the way out.
 #[test]
 fn unwind_native_names_from_a_debug_file_by_build_id() {
     require_privileges!();
@@ -690,9 +692,40 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
     let (without_dir, without) = window_of(p.pid, &dir.join("without"), "cpu", &[], &args);
     args.extend(["--debug-dir", debug_dir.to_str().unwrap()]);
     let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).1;
+    // A step marker that only the debug file names: `run_step`, not
+    // exported, so absent from the stripped file's .dynsym.
+    args[1] = "exe:run_step";
+    let (marked_dir, marked) = window_of(p.pid, &dir.join("marked"), "cpu", &[], &args);
+    let refused = Command::new(dynprof_bin())
+        .args(["attach", "--pid", &p.pid.to_string(), "--collect", "cpu"])
+        .args([
+            "--marker",
+            "exe:run_step",
+            "--start-step",
+            "3",
+            "--active",
+            "2",
+        ])
+        .arg("-o")
+        .arg(dir.join("refused"))
+        .output()
+        .unwrap();
     p.terminate();
     assert_chain_named(&with, "with --debug-dir");
     assert_no_chain_frame(&without, "without the debug file");
+    assert_chain_named(&marked, "marker from the debug file");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(marked_dir.join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["steps"], 50, "{summary}");
+    let refused_err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{refused_err}");
+    assert!(
+        refused_err.contains("no symbol `run_step`")
+            && refused_err.contains("stripped")
+            && refused_err.contains("--debug-dir"),
+        "{refused_err}"
+    );
 
     // Offline, later: the window names the file and its build id, and
     // `report --symbolize` names its frames from the debug file.

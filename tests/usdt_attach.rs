@@ -21,7 +21,7 @@ const T: Duration = Duration::from_secs(120);
 fn semaphore_of(pid: u32, marker: &str) -> u64 {
     let target = Target::open(HostPid(pid)).unwrap();
     let arg = spec::parse(marker).unwrap();
-    let probes = resolve_markers(&target, &[arg]).unwrap();
+    let probes = resolve_markers(&target, &[arg], &[]).unwrap();
     assert!(!probes.is_empty());
     probes[0]
         .semaphore

@@ -34,7 +34,7 @@ const MARKER: &str = "python:train_step";
 /// resolved as dynprof resolves them, without attaching.
 fn semaphore_of(pid: u32) -> (u64, PathBuf, u64) {
     let target = Target::open(HostPid(pid)).unwrap();
-    let probes = resolve_markers(&target, &[spec::parse(MARKER).unwrap()]).unwrap();
+    let probes = resolve_markers(&target, &[spec::parse(MARKER).unwrap()], &[]).unwrap();
     let p = &probes[0];
     let s = p
         .semaphore

@@ -182,7 +182,7 @@ static RESOLVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn resolve_serially(target: &Target) -> Result<Vec<ResolvedProbe>> {
     let _one = RESOLVING.lock().unwrap_or_else(|e| e.into_inner());
-    let r = probes::resolve_markers(target, &[MarkerArg::Auto]);
+    let r = probes::resolve_markers(target, &[MarkerArg::Auto], &[]);
     crate::sys::memory::trim_heap();
     r
 }

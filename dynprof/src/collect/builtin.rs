@@ -51,7 +51,8 @@ pub struct CollectArgs {
     /// DIR/.build-id/ab/cdef….debug, as GDB installs them; else by the
     /// name in the file's .gnu_debuglink (DIR/NAME, DIR/FILE-DIR/NAME).
     /// Stripped libraries and executables get their full symbol tables
-    /// from them. By build id, always searched after these: /usr/lib/debug
+    /// from them: for stack frames, and for --marker at a function they do
+    /// not export. By build id, always searched after these: /usr/lib/debug
     /// inside the target's root, then on the host. By debug link, searched
     /// after the file's own directory, its .debug/ and
     /// /usr/lib/debug/FILE-DIR/ inside the target's root, as GDB does.

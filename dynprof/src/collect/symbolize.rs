@@ -31,9 +31,6 @@ use blazesym::MaybeDefault;
 use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Sym, Symbolized, Symbolizer as Blaze};
 
-mod debug_files;
-pub use debug_files::offline as debug_file_offline;
-
 use crate::output::model::ModuleRef;
 use crate::symbols::perfmap::{self, PerfMap};
 use crate::symbols::{
@@ -45,9 +42,6 @@ use crate::sys::{
     rootfs::{self, TargetRoot},
     targetdir,
 };
-
-/// Where distributions install separate debug files (GDB's default).
-const DEFAULT_DEBUG_DIR: &str = "/usr/lib/debug";
 
 /// The frame name of code in anonymous executable memory.
 pub const JIT_FRAME: &str = "[jit]";
@@ -397,7 +391,7 @@ impl Symbolizer {
         let debug = if img.has_symtab() {
             None
         } else {
-            let search = debug_files::Search {
+            let search = crate::symbols::debug_files::Search {
                 pid: self.pid,
                 exited: self.exited,
                 dirs: &self.debug_dirs,

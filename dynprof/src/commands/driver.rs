@@ -273,6 +273,7 @@ fn freeze(pid: HostPid) -> Frozen {
 pub fn resolve_waiting(
     target: &Target,
     markers: &[MarkerArg],
+    debug_dirs: &[std::path::PathBuf],
     wait: MarkerWait,
     freeze_target: bool,
 ) -> Result<(Vec<ResolvedProbe>, Option<Frozen>)> {
@@ -295,7 +296,7 @@ pub fn resolve_waiting(
         if last_maps.as_ref() != Some(&maps) {
             last_maps = Some(maps);
             let frozen = freeze_target.then(|| freeze(target.host_pid));
-            match probes::resolve_markers(target, markers) {
+            match probes::resolve_markers(target, markers, debug_dirs) {
                 Ok(v) => {
                     if said {
                         eprintln!(
@@ -337,7 +338,7 @@ pub fn resolve_waiting(
         if let MarkerWait::For(d) = wait
             && started.elapsed() >= d
         {
-            return Ok((probes::resolve_markers(target, markers)?, None));
+            return Ok((probes::resolve_markers(target, markers, debug_dirs)?, None));
         }
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -369,8 +370,14 @@ pub async fn drive(
     let chown = d.window.chown_owner(target.host_pid)?;
 
     let t_resolve = Instant::now();
-    let (resolved, frozen) = resolve_waiting(&target, &d.markers, wait, d.mode_name == "launch")
-        .map_err(|e| exited_during(&target, "resolving its step markers", e))?;
+    let (resolved, frozen) = resolve_waiting(
+        &target,
+        &d.markers,
+        &d.window.collector_opts.debug_dirs,
+        wait,
+        d.mode_name == "launch",
+    )
+    .map_err(|e| exited_during(&target, "resolving its step markers", e))?;
     let resolve_ms = t_resolve.elapsed().as_secs_f64() * 1e3;
     let t_load = Instant::now();
     let mut kernel = match kernel {

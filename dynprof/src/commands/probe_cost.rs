@@ -88,7 +88,7 @@ struct Attached {
 fn attach(pid: HostPid, marker: &MarkerArg, a: &ProbeCostArgs) -> Result<Attached> {
     let t0 = Instant::now();
     let target = Target::open(pid)?;
-    let resolved = probes::resolve_markers(&target, std::slice::from_ref(marker))?;
+    let resolved = probes::resolve_markers(&target, std::slice::from_ref(marker), &[])?;
     let p = resolved
         .first()
         .ok_or_else(|| anyhow!("marker did not resolve"))?;

@@ -11,7 +11,7 @@ use super::{
     spec::{Location, MarkerArg, MarkerSpec, ObjectRef, Role, StrKind},
 };
 use crate::{
-    symbols::{ElfImage, usdt},
+    symbols::{ElfImage, SymbolHit, debug_files, usdt},
     target::{Mapping, Target},
 };
 
@@ -66,8 +66,14 @@ pub struct Miss {
 }
 
 /// Resolves `--marker` arguments, expanding `auto`. Fails with every object
-/// and symbol tried when no step marker resolves.
-pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<ResolvedProbe>> {
+/// and symbol tried when no step marker resolves. A symbol that a stripped
+/// file lacks is looked for in its separate debug file (in `debug_dirs`,
+/// `--debug-dir`, and where GDB looks).
+pub fn resolve_markers(
+    target: &Target,
+    args: &[MarkerArg],
+    debug_dirs: &[PathBuf],
+) -> Result<Vec<ResolvedProbe>> {
     let maps = target.maps()?;
     let mut images = ImageCache::new();
     let mut out: Vec<ResolvedProbe> = Vec::new();
@@ -75,7 +81,14 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
     for arg in args {
         match arg {
             MarkerArg::Spec(spec) => {
-                match resolve_spec_cached(target, &maps, spec, out.len() as u32, &mut images) {
+                match resolve_spec_cached(
+                    target,
+                    &maps,
+                    spec,
+                    out.len() as u32,
+                    &mut images,
+                    debug_dirs,
+                ) {
                     Ok(mut v) => out.append(&mut v),
                     Err(m) => misses.push(m),
                 }
@@ -97,6 +110,7 @@ pub fn resolve_markers(target: &Target, args: &[MarkerArg]) -> Result<Vec<Resolv
                             &spec,
                             out.len() as u32,
                             &mut images,
+                            debug_dirs,
                         ) {
                             Ok(mut v) => {
                                 step_found |= spec.role == Role::Step;
@@ -198,6 +212,7 @@ pub fn resolve_spec_cached(
     spec: &MarkerSpec,
     first_index: u32,
     images: &mut ImageCache,
+    debug_dirs: &[PathBuf],
 ) -> Result<Vec<ResolvedProbe>, Miss> {
     let objects = candidates(target, maps, &spec.object);
     let what = match &spec.location {
@@ -237,7 +252,21 @@ pub fn resolve_spec_cached(
         };
         let found = match &spec.location {
             Location::Symbol { name, offset } => {
-                let hits = img.find_function(name);
+                let mut hits = img.find_function(name);
+                if hits.is_empty() && !img.has_symtab() {
+                    match in_debug_file(target, &img, &m.path, name, debug_dirs) {
+                        Some(h) => hits = h,
+                        None => {
+                            tried.push(format!(
+                                "{}: no {what}; the file is stripped (no .symtab) and no \
+                                 separate debug file of it was found (by build id or \
+                                 .gnu_debuglink; name a directory holding it with --debug-dir)",
+                                m.path
+                            ));
+                            continue;
+                        }
+                    }
+                }
                 if hits.len() > 1 && spec.role == Role::Step {
                     tried.push(format!(
                         "{}: {what} is ambiguous, write the full signature; candidates: {}",
@@ -314,6 +343,41 @@ pub fn resolve_spec_cached(
         tried,
         not_mapped: false,
     })
+}
+
+/// The function `name` in the separate debug file of the stripped `img`
+/// (mapped at `path` in the target): a static function that only the debug
+/// file's `.symtab` lists. Its addresses are the stripped file's too, so
+/// the file offsets are `img`'s.
+fn in_debug_file(
+    target: &Target,
+    img: &ElfImage,
+    path: &str,
+    name: &str,
+    debug_dirs: &[PathBuf],
+) -> Option<Vec<SymbolHit>> {
+    let search = debug_files::Search {
+        pid: target.host_pid.0,
+        exited: false,
+        dirs: debug_dirs,
+    };
+    let id = img.build_id();
+    let (debug, at) = id
+        .as_deref()
+        .and_then(|id| search.by_build_id(id))
+        .or_else(|| search.by_debuglink(&img.debuglink()?, id.as_deref(), path))?;
+    let hits: Vec<SymbolHit> = debug
+        .find_function(name)
+        .into_iter()
+        .filter_map(|h| {
+            let file_offset = img.vaddr_to_offset(h.vaddr)?;
+            Some(SymbolHit { file_offset, ..h })
+        })
+        .collect();
+    if !hits.is_empty() {
+        log::info!("{path}: `{name}` found in its debug file {}", at.display());
+    }
+    Some(hits)
 }
 
 /// Runtime address and file offset of a USDT semaphore: its file offset

@@ -7,7 +7,7 @@
 //! `.gnu_debuglink` and loadable segments. Its separate debug file is looked
 //! for by build id (`DIR/.build-id/ab/cdef….debug`) in each `--debug-dir`,
 //! then in `/usr/lib/debug`, then by its debug link
-//! (`collect::symbolize::debug_file_offline`); one whose own build id (or,
+//! (`symbols::debug_files::offline`); one whose own build id (or,
 //! without one, the CRC-32 the link records) differs is not used. The
 //! folded stacks (and their flame graphs), `trace.json` and
 //! `summary.json` are rewritten in place, each atomically, and meta.json
@@ -28,15 +28,16 @@ use crate::{
         model::ModuleRef,
         write_atomic,
     },
-    symbols::{build_id_path, elf},
+    symbols::{
+        build_id_path,
+        debug_files::{self, DEFAULT_DEBUG_DIR},
+        elf,
+    },
     window::meta::META_FILE,
 };
 
 /// One folded stack: frames root first, and its count.
 type Folded = (Vec<String>, u64);
-
-/// Where distributions install separate debug files.
-const SYSTEM_DEBUG_DIR: &str = "/usr/lib/debug";
 
 /// What one directory's symbolization did.
 #[derive(Debug, Default, Serialize)]
@@ -142,7 +143,12 @@ pub fn symbolize_dir(dir: &Path, debug_dirs: &[PathBuf]) -> Result<Symbolized> {
                 debuglink: None,
                 ..
             }) => "no build id or debug link recorded".to_string(),
-            Some(m) => match crate::collect::symbolize::debug_file_offline(m, debug_dirs) {
+            Some(m) => match debug_files::offline(
+                m.build_id.as_deref(),
+                m.debuglink.as_ref(),
+                &m.path,
+                debug_dirs,
+            ) {
                 None => not_found(m),
                 Some(path) => {
                     let vaddrs: Vec<u64> = frames
@@ -208,7 +214,7 @@ fn not_found(m: &ModuleRef) -> String {
         ));
     }
     format!(
-        "no debug file with a symbol table: looked for {} in each --debug-dir and {SYSTEM_DEBUG_DIR}",
+        "no debug file with a symbol table: looked for {} in each --debug-dir and {DEFAULT_DEBUG_DIR}",
         looked.join(", and ")
     )
 }

@@ -1,5 +1,6 @@
 //! ELF symbols, C++ demangling, USDT notes and build ids; native unwinding
 //! and CPython frames.
+pub mod debug_files;
 pub mod demangle;
 pub mod elf;
 pub mod perfmap;

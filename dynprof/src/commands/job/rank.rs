@@ -147,7 +147,13 @@ pub(super) fn prepare_rank(
     let target = Target::open(m.host_pid)?;
     let lock = lock::acquire(target.host_pid, "attach")?;
     let markers = markers_or_auto(&args.markers);
-    let (resolved, _) = resolve_waiting(&target, &markers, wait, false)?;
+    let (resolved, _) = resolve_waiting(
+        &target,
+        &markers,
+        &args.window.collector_opts.debug_dirs,
+        wait,
+        false,
+    )?;
     let plan = args.ring.plan(target.host_pid)?;
     Ok((
         Prepared {

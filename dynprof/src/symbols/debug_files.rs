@@ -7,13 +7,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
-use super::DEFAULT_DEBUG_DIR;
-use crate::output::model::ModuleRef;
 use crate::symbols::{DebugLink, ElfImage, elf};
 use crate::sys::rootfs::{self, TargetRoot};
 
+/// Where distributions install separate debug files (GDB's default).
+pub const DEFAULT_DEBUG_DIR: &str = "/usr/lib/debug";
+
 /// Where to look, for one target.
-pub(super) struct Search<'a> {
+pub struct Search<'a> {
     pub pid: u32,
     /// The target is gone: nothing is opened in its root.
     pub exited: bool,
@@ -28,7 +29,7 @@ impl Search<'_> {
     /// file whose own build id differs is not used.
     /// Returns it with its path (inside the target's root when found
     /// there).
-    pub(super) fn by_build_id(&self, id: &str) -> Option<(ElfImage, PathBuf)> {
+    pub fn by_build_id(&self, id: &str) -> Option<(ElfImage, PathBuf)> {
         let rel = crate::symbols::build_id_path(id)?;
         let usable = |img: ElfImage| {
             (img.build_id().as_deref() == Some(id) && img.has_symtab()).then_some(img)
@@ -76,7 +77,7 @@ impl Search<'_> {
     /// file's: the same build id (`id`, the mapped file's) where both have
     /// one, else the CRC-32 of its content that the link records. Returns
     /// it with its path (inside the target's root when found there).
-    pub(super) fn by_debuglink(
+    pub fn by_debuglink(
         &self,
         link: &DebugLink,
         id: Option<&str>,
@@ -150,22 +151,24 @@ impl Search<'_> {
 }
 
 /// For `report --symbolize`, on any host and after the job: the debug file
-/// of a file a window named only by offset, by its recorded build id, then
-/// by its recorded `.gnu_debuglink`, in each of `dirs`, then under this
-/// host's `/usr/lib/debug`.
-pub fn offline(m: &ModuleRef, dirs: &[PathBuf]) -> Option<PathBuf> {
+/// of a mapped file (at `path` in the target) that a window named only by
+/// offset, by its recorded build id, then by its recorded
+/// `.gnu_debuglink`, in each of `dirs`, then under this host's
+/// `/usr/lib/debug`.
+pub fn offline(
+    build_id: Option<&str>,
+    link: Option<&DebugLink>,
+    path: &str,
+    dirs: &[PathBuf],
+) -> Option<PathBuf> {
     let search = Search {
         pid: 0,
         exited: true,
         dirs,
     };
-    let id = m.build_id.as_deref();
-    id.and_then(|id| search.by_build_id(id))
-        .or_else(|| {
-            m.debuglink
-                .as_ref()
-                .and_then(|link| search.by_debuglink(link, id, &m.path))
-        })
+    build_id
+        .and_then(|id| search.by_build_id(id))
+        .or_else(|| search.by_debuglink(link?, build_id, path))
         .map(|(_, path)| path)
 }
 
