@@ -505,10 +505,13 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool, wait_from: &str) {
         // preempted while computing (as off-CPU time would count it on
         // these 2 cores), so it stays below its compute.
         for r in 0..WORLD {
+            let w = rank_window(job, r);
             assert_eq!(
                 api_count(job, r, "c10d::Reducer::finalize_backward"),
                 Some(ACTIVE),
-                "rank {r}"
+                "rank {r}: api_summary.csv:\n{}\nmeta.json:\n{}",
+                std::fs::read_to_string(w.join("api_summary.csv")).unwrap_or_default(),
+                std::fs::read_to_string(w.join("meta.json")).unwrap_or_default()
             );
         }
         assert!(

@@ -170,28 +170,45 @@ fn kernel_compat_without_cookies_api_window_counts_every_call() {
         .arg(dir.join("trainer.log"))
         .env("ACL_SIM_LOG", dir.join("acl.log"));
     let p = Proc::spawn_ready(&mut trainer);
+    let (summary, meta, stderr, prof) = api_window(
+        &dir,
+        p.pid,
+        &["--marker", "exe:optimizer_step"],
+        Some(NO_COOKIE),
+    );
+    // Each step: `calls_per_step` launches plus a synchronize and one more
+    // call (as in collectors_cli_small_ring_buffer).
+    assert_eq!(
+        summary["api_calls"].as_u64(),
+        Some(3 * (calls_per_step + 2)),
+        "{summary}\n{meta}\n{stderr}\n{}",
+        std::fs::read_to_string(prof.join("api_summary.csv")).unwrap_or_default()
+    );
+    assert_eq!(summary["drops"]["api"].as_u64(), Some(0), "{summary}");
+    assert_eq!(meta["kernel"]["probe_identity"], "address", "{meta}");
+    assert_eq!(meta["kernel"]["release"], osrelease(), "{meta}");
+}
+
+/// A window of 3 steps from step 3 with `--collect api` and `args`, with
+/// `env` set: (summary.json, meta.json, dynprof's stderr, the PROF dir).
+fn api_window(
+    dir: &Path,
+    pid: u32,
+    args: &[&str],
+    env: Option<(&str, &str)>,
+) -> (serde_json::Value, serde_json::Value, String, PathBuf) {
     let out = dir.join("out");
-    let o = Command::new(dynprof_bin())
-        .args([
-            "attach",
-            "--pid",
-            &p.pid.to_string(),
-            "--marker",
-            "exe:optimizer_step",
-            "--json",
-            "--start-step",
-            "3",
-            "--active",
-            "3",
-            "--collect",
-            "api",
-            "-o",
-        ])
-        .arg(&out)
-        .env(NO_COOKIE.0, NO_COOKIE.1)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
+    let mut cmd = Command::new(dynprof_bin());
+    cmd.args(["attach", "--pid", &pid.to_string(), "--json"])
+        .args(["--start-step", "3", "--active", "3", "--collect", "api"])
+        .args(args)
+        .arg("-o")
+        .arg(&out);
+    if let Some((k, v)) = env {
+        cmd.env(k, v);
+    }
+    let o = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
     let prof: Vec<PathBuf> = std::fs::read_dir(&out)
         .unwrap()
@@ -206,15 +223,57 @@ fn kernel_compat_without_cookies_api_window_counts_every_call() {
     assert_eq!(prof.len(), 1, "{prof:?}\n{stderr}");
     let summary = json_file(&prof[0].join("summary.json"));
     let meta = json_file(&prof[0].join("meta.json"));
-    // Each step: `calls_per_step` launches plus a synchronize and one more
-    // call (as in collectors_cli_small_ring_buffer).
-    assert_eq!(
-        summary["api_calls"].as_u64(),
-        Some(3 * (calls_per_step + 2)),
-        "{summary}\n{meta}\n{stderr}\n{}",
-        std::fs::read_to_string(prof[0].join("api_summary.csv")).unwrap_or_default()
-    );
-    assert_eq!(summary["drops"]["api"].as_u64(), Some(0), "{summary}");
-    assert_eq!(meta["kernel"]["probe_identity"], "address", "{meta}");
-    assert_eq!(meta["kernel"]["release"], osrelease(), "{meta}");
+    (summary, meta, stderr, prof[0].clone())
+}
+
+/// A traced call left by longjmp (as a C++ exception leaves one) never
+/// returns: each of the trainer's steps calls `api_outer` twice and
+/// `api_inner` twice, one of which longjmps back into `api_outer`. A
+/// window of 3 steps has exactly 6 `api_outer` and 3 `api_inner` calls,
+/// with attach cookies (frames matched by API) and without (frames matched
+/// by stack pointer; before, the return of `api_outer` popped the stale
+/// `api_inner` frame and every later return was paired one frame off).
+#[test]
+fn kernel_compat_api_calls_left_by_longjmp_are_dropped() {
+    require_privileges!();
+    let dir = scratch_dir("kernel_compat-longjmp");
+    let mut trainer = Command::new(&fixtures().trainer);
+    trainer.args(["--unwind-through", "--step-ms", "20"]);
+    let p = Proc::spawn_ready(&mut trainer);
+    let args = [
+        "--marker",
+        "exe:optimizer_step",
+        "--api",
+        "exe:api_outer",
+        "--api",
+        "exe:api_inner",
+    ];
+    for (how, env) in [("cookies", None), ("no cookies", Some(NO_COOKIE))] {
+        if env.is_none() && !kernel_has_cookies() {
+            continue;
+        }
+        let (summary, meta, stderr, _) = api_window(&dir.join(how), p.pid, &args, env);
+        let calls = |name: &str| {
+            summary["top_apis"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|a| a["api"] == name)
+                .map_or(0, |a| a["calls"].as_u64().unwrap())
+        };
+        eprintln!(
+            "{how}: api_outer {}, api_inner {}",
+            calls("api_outer"),
+            calls("api_inner")
+        );
+        assert_eq!(
+            (calls("api_outer"), calls("api_inner")),
+            (6, 3),
+            "{how}: {summary}\n{stderr}"
+        );
+        assert_eq!(summary["api_calls"], 9, "{how}: {summary}");
+        assert_eq!(summary["drops"]["api_nesting"], 0, "{how}: {summary}");
+        let want = if env.is_some() { "address" } else { "cookie" };
+        assert_eq!(meta["kernel"]["probe_identity"], want, "{meta}");
+    }
 }

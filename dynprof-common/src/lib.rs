@@ -118,8 +118,12 @@ pub mod reg_x86_64 {
     /// level the registers were saved at (3: user mode).
     pub const CS: u32 = 17;
     pub const RSP: u32 = 19;
+    pub const SP: u32 = RSP;
     /// The instruction pointer, which a uprobe handler sees at the probe.
     pub const IP: u32 = RIP;
+    /// How far above a function's entry stack pointer its caller's is
+    /// after it returns: `ret` pops the return address.
+    pub const RETURN_POPS: u64 = 8;
     /// Integer argument registers of the SysV ABI, in order.
     pub const ARGS: [u32; 6] = [RDI, RSI, RDX, RCX, R8, R9];
     /// Words in `struct pt_regs`.
@@ -146,6 +150,9 @@ pub mod reg_aarch64 {
     pub const PSTATE: u32 = 33;
     /// The instruction pointer, which a uprobe handler sees at the probe.
     pub const IP: u32 = PC;
+    /// How far above a function's entry stack pointer its caller's is
+    /// after it returns: none, the return address is in the link register.
+    pub const RETURN_POPS: u64 = 0;
     /// Integer argument registers of AAPCS64 (x0..x7), in order.
     pub const ARGS: [u32; 8] = [0, 1, 2, 3, 4, 5, 6, 7];
     /// Words of `struct user_pt_regs` (x0..x30, sp, pc, pstate).
@@ -369,6 +376,11 @@ pub struct ApiFrame {
     /// 1 when the call began with the window gate open.
     pub in_window: u32,
     pub ts_ns: u64,
+    /// The stack pointer at the call's first instruction: without attach
+    /// cookies, what tells which frame a return belongs to (the stack
+    /// grows down, so frames above it whose returns were never seen, left
+    /// by a C++ exception or a longjmp, have lower ones).
+    pub sp: u64,
 }
 
 /// A thread's API calls in flight (several at once: a memcpy that

@@ -120,6 +120,9 @@ pub fn dynprof_api_enter_ip(ctx: ProbeContext) -> u32 {
         count_drop(drop_slot::UNKNOWN_ADDR);
         return 0;
     };
+    let Some(sp) = read_reg(ctx.regs, reg::SP) else {
+        return 0;
+    };
     let in_window = gate_open();
     let ts = unsafe { bpf_ktime_get_ns() };
     let Some(st) = thread_stack(tid) else {
@@ -135,6 +138,7 @@ pub fn dynprof_api_enter_ip(ctx: ProbeContext) -> u32 {
             (*f).api = api;
             (*f).in_window = in_window as u32;
             (*f).ts_ns = ts;
+            (*f).sp = sp;
         }
     } else if in_window {
         count_drop(drop_slot::API_NESTING);
@@ -143,11 +147,20 @@ pub fn dynprof_api_enter_ip(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// [`dynprof_api_exit`] for kernels without attach cookies: pops the
-/// thread's top [`ApiStack`] frame, and emits it if it began in a window.
+/// [`dynprof_api_exit`] for kernels without attach cookies: the returning
+/// call is the frame whose entry stack pointer the return left just below
+/// the caller's ([`reg::RETURN_POPS`]), normally the top. Frames above it
+/// (deeper, lower stack pointers) are calls whose return was never seen (a
+/// C++ exception or longjmp unwound through them): popped with it, so that
+/// every later return still finds its own frame. Emitted if it began in a
+/// window.
 #[uretprobe]
 pub fn dynprof_api_exit_stack(ctx: RetProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
+    let Some(sp) = read_reg(ctx.regs, reg::SP) else {
+        return 0;
+    };
+    let entry_sp = sp.wrapping_sub(reg::RETURN_POPS);
     let Some(st) = API_STACK.get_ptr_mut(&tid) else {
         return 0;
     };
@@ -155,13 +168,45 @@ pub fn dynprof_api_exit_stack(ctx: RetProbeContext) -> u32 {
     if depth == 0 {
         return 0;
     }
-    let top = depth - 1;
-    unsafe { (*st).depth = top };
-    if (top as usize) >= API_STACK_DEPTH {
+    let stored = if (depth as usize) < API_STACK_DEPTH {
+        depth as usize
+    } else {
+        API_STACK_DEPTH
+    };
+    // The innermost stored frame at or above the entry stack pointer (the
+    // stack pointers fall from frame 0 up). Scanned upwards, carrying only
+    // the index, as in `dynprof_api_exit`.
+    let mut at = API_STACK_DEPTH;
+    for i in 0..API_STACK_DEPTH {
+        if i >= stored {
+            break;
+        }
+        // SAFETY: i < API_STACK_DEPTH, the length of `frames`.
+        if unsafe { (*(*st).frames.as_ptr().add(i)).sp } >= entry_sp {
+            at = i;
+        }
+    }
+    if at >= API_STACK_DEPTH {
+        // Every stored frame is deeper than the returning call: all were
+        // left without a return (and so were any deeper uncounted ones).
+        unsafe { (*st).depth = 0 };
         return 0;
     }
-    // SAFETY: top < API_STACK_DEPTH, the length of `frames`.
-    let f = unsafe { *(*st).frames.as_ptr().add(top as usize) };
+    // SAFETY: at < API_STACK_DEPTH, the length of `frames`.
+    let f = unsafe { *(*st).frames.as_ptr().add(at) };
+    if f.sp != entry_sp {
+        // Frame `at` is the caller's: the returning call is deeper. One of
+        // the calls beyond what is stored, if the stack is that deep (it
+        // pops one of them); else one whose entry was never seen, and the
+        // frames above `at` were left without a return.
+        if at + 1 == stored && depth as usize > stored {
+            unsafe { (*st).depth = depth - 1 };
+        } else {
+            unsafe { (*st).depth = at as u32 + 1 };
+        }
+        return 0;
+    }
+    unsafe { (*st).depth = at as u32 };
     if f.in_window == 0 {
         return 0;
     }

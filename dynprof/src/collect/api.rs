@@ -45,6 +45,8 @@ pub struct ApiCollector {
     /// The API sets' symbol lookups, read from attach on a thread of their
     /// own; taken in at each arm until it is done.
     prefetch: Option<std::sync::Arc<apis::Prefetch>>,
+    /// Set libraries the last `arm` left to a later one (still being read).
+    pending: Vec<String>,
 }
 
 impl ApiCollector {
@@ -59,6 +61,7 @@ impl ApiCollector {
             warned_empty: false,
             drops: DropBase::default(),
             prefetch: None,
+            pending: Vec::new(),
         }
     }
 
@@ -101,10 +104,11 @@ impl Collector for ApiCollector {
             log::warn!("api: {m}");
         }
         for d in &res.deferred {
-            log::info!(
+            log::warn!(
                 "api: {d}: its symbols are still being read; its APIs are probed from a later window"
             );
         }
+        self.pending = res.deferred.clone();
         let mut attached = 0;
         for a in &res.apis {
             match kernel.attach_api(a.index, &a.attach_path, &a.object, a.file_offset) {
@@ -118,7 +122,7 @@ impl Collector for ApiCollector {
             }
         }
         self.attached = attached;
-        if attached == 0 && !self.warned_empty {
+        if attached == 0 && res.deferred.is_empty() && !self.warned_empty {
             self.warned_empty = true;
             log::warn!(
                 "api: no runtime API to trace in PID {} (no CANN/CUDA library mapped{}); api_summary.csv will be empty",
@@ -183,6 +187,7 @@ impl Collector for ApiCollector {
         self.names
             .fill(&mut data.thread_names, calls.iter().map(|c| c.tid));
         data.api_calls.extend(calls);
+        data.api_libraries_pending = self.pending.clone();
         data.api_calls.sort_by_key(|c| (c.start_ts_ns, c.tid));
         Ok(())
     }

@@ -139,6 +139,11 @@ pub struct WindowData {
     /// (written to `modules.json`, for `report --symbolize`).
     #[serde(default)]
     pub modules: Vec<ModuleRef>,
+    /// Libraries of the API sets whose symbols were still being read when
+    /// the window's probes were attached: their APIs are missing from this
+    /// window (meta.json says so under `errors`).
+    #[serde(default)]
+    pub api_libraries_pending: Vec<String>,
 }
 
 /// A mapped file that frames name only by offset: enough to name them

@@ -68,6 +68,7 @@ pub(crate) fn sample_data() -> WindowData {
         drops: Drops::default(),
         budget: WindowBudget::default(),
         modules: Vec::new(),
+        api_libraries_pending: Vec::new(),
     }
 }
 
