@@ -273,6 +273,11 @@ fn kernel_compat_api_calls_left_by_longjmp_are_dropped() {
         );
         assert_eq!(summary["api_calls"], 9, "{how}: {summary}");
         assert_eq!(summary["drops"]["api_nesting"], 0, "{how}: {summary}");
+        assert_eq!(
+            meta["apis_traced"],
+            serde_json::json!(["api_inner", "api_outer"]),
+            "{meta}"
+        );
         let want = if env.is_some() { "address" } else { "cookie" };
         assert_eq!(meta["kernel"]["probe_identity"], want, "{meta}");
     }

@@ -47,6 +47,8 @@ pub struct ApiCollector {
     prefetch: Option<std::sync::Arc<apis::Prefetch>>,
     /// Set libraries the last `arm` left to a later one (still being read).
     pending: Vec<String>,
+    /// The API names the last `arm` probed, sorted.
+    traced: Vec<String>,
 }
 
 impl ApiCollector {
@@ -62,6 +64,7 @@ impl ApiCollector {
             drops: DropBase::default(),
             prefetch: None,
             pending: Vec::new(),
+            traced: Vec::new(),
         }
     }
 
@@ -110,9 +113,13 @@ impl Collector for ApiCollector {
         }
         self.pending = res.deferred.clone();
         let mut attached = 0;
+        self.traced.clear();
         for a in &res.apis {
             match kernel.attach_api(a.index, &a.attach_path, &a.object, a.file_offset) {
-                Ok(()) => attached += 1,
+                Ok(()) => {
+                    attached += 1;
+                    self.traced.push(a.name.clone());
+                }
                 Err(e) => log::warn!(
                     "api: attaching {} in {} (offset {:#x}): {e:#}",
                     a.symbol,
@@ -122,6 +129,8 @@ impl Collector for ApiCollector {
             }
         }
         self.attached = attached;
+        self.traced.sort_unstable();
+        self.traced.dedup();
         if attached == 0 && res.deferred.is_empty() && !self.warned_empty {
             self.warned_empty = true;
             log::warn!(
@@ -188,6 +197,7 @@ impl Collector for ApiCollector {
             .fill(&mut data.thread_names, calls.iter().map(|c| c.tid));
         data.api_calls.extend(calls);
         data.api_libraries_pending = self.pending.clone();
+        data.apis_traced = self.traced.clone();
         data.api_calls.sort_by_key(|c| (c.start_ts_ns, c.tid));
         Ok(())
     }

@@ -144,6 +144,9 @@ pub struct WindowData {
     /// window (meta.json says so under `errors`).
     #[serde(default)]
     pub api_libraries_pending: Vec<String>,
+    /// The APIs the api collector probed for the window, by name, sorted.
+    #[serde(default)]
+    pub apis_traced: Vec<String>,
 }
 
 /// A mapped file that frames name only by offset: enough to name them

@@ -38,6 +38,10 @@ pub struct WindowMeta {
     /// The recorded steps.
     pub steps: Vec<StepMeta>,
     pub collectors: CollectorsMeta,
+    /// The runtime APIs the api collector probed for this window, by name
+    /// (an API that is here but not in api_summary.csv was never called).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub apis_traced: Vec<String>,
     pub drops: Drops,
     pub memory: MemoryMeta,
     /// What each hook returned at the window's end, by hook name.

@@ -69,6 +69,7 @@ pub(crate) fn sample_data() -> WindowData {
         budget: WindowBudget::default(),
         modules: Vec::new(),
         api_libraries_pending: Vec::new(),
+        apis_traced: Vec::new(),
     }
 }
 

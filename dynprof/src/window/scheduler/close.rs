@@ -240,6 +240,7 @@ impl Scheduler {
                 cpu: ran.cpu,
                 offcpu: ran.offcpu,
             },
+            apis_traced: data.apis_traced.clone(),
             drops: data.drops.clone(),
             memory: MemoryMeta {
                 budget_bytes: data.budget.budget_bytes,
