@@ -141,7 +141,7 @@ pub struct WindowData {
     pub modules: Vec<ModuleRef>,
     /// Libraries of the API sets whose symbols were still being read when
     /// the window's probes were attached: their APIs are missing from this
-    /// window (meta.json says so under `errors`).
+    /// window (meta.json `api_libraries_pending`).
     #[serde(default)]
     pub api_libraries_pending: Vec<String>,
     /// The APIs the api collector probed for the window, by name, sorted.

@@ -42,6 +42,12 @@ pub struct WindowMeta {
     /// (an API that is here but not in api_summary.csv was never called).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub apis_traced: Vec<String>,
+    /// API-set libraries whose symbols were still being read (off the
+    /// critical path) when the window's probes were attached: their APIs
+    /// are missing from this window, and probed from the next one. Not an
+    /// incomplete window: its steps are all there.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub api_libraries_pending: Vec<String>,
     pub drops: Drops,
     pub memory: MemoryMeta,
     /// What each hook returned at the window's end, by hook name.

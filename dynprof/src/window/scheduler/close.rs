@@ -75,12 +75,7 @@ impl Scheduler {
                 errors.push(format!("collector {}: {e:#}", c.name()));
             }
         }
-        for lib in &data.api_libraries_pending {
-            errors.push(format!(
-                "api: {lib}: its symbols were still being read when this window's probes were \
-                 attached; its APIs are not in this window (they are from the next one)"
-            ));
-        }
+
         // Collectors filled their own drop slots, counted from their arm
         // (the gate still closed), which is exact even when the open event
         // was read late; the window counts only the step markers' losses.
@@ -241,6 +236,7 @@ impl Scheduler {
                 offcpu: ran.offcpu,
             },
             apis_traced: data.apis_traced.clone(),
+            api_libraries_pending: data.api_libraries_pending.clone(),
             drops: data.drops.clone(),
             memory: MemoryMeta {
                 budget_bytes: data.budget.budget_bytes,
