@@ -528,7 +528,7 @@ fn check_job(dir: &Path, job: &Path, with_stranger: bool, wait_from: &str) {
             compute(r),
             wait(r)
         );
-        // Nominally 10× (hccl fixture: 60 ms against 6 ms) or more (DDP:
+        // Nominally 25× (hccl fixture: 150 ms against 6 ms) or more (DDP:
         // 60 ms burn against none). Compute is wall time outside the
         // collective, and four ranks share two cores, so a fast rank's
         // 6 ms stretches while the others run: 4.3× was seen under load.
@@ -750,7 +750,7 @@ fn a_rank_that_exits_before_alignment_is_left_out() {
 }
 
 /// Four native ranks on the libhccl.so stand-in: HcclAllReduce makes them
-/// wait for each other (a process-shared barrier), rank 2 computes 60 ms per
+/// wait for each other (a process-shared barrier), rank 2 computes 150 ms per
 /// step against 6 ms. Job mode with `--marker exe:optimizer_step` records the
 /// same iterations on every rank, the HCCL API set traces one HcclAllReduce
 /// per step on each, and the report names rank 2.
@@ -794,7 +794,14 @@ fn collective_fixture_job(tag: &str, bin: &str, calls: &[&str]) {
             let mut cmd = Command::new(&bin);
             cmd.args(["--rank", &r.to_string(), "--world", &WORLD.to_string()])
                 .args(["--shm", &shm])
-                .args(["--cpu-us", if r == SLOW { "60000" } else { "6000" }])
+                // 150 ms against 6 ms: four ranks and dynprof (a debug
+                // build in the tests) share two cores, and a fast rank's
+                // 6 ms burn can end 25+ ms late when it is not running at
+                // its deadline (a CI run of 2026-12-04: rank 3 at 33 ms
+                // per step of compute against 29 ms of wait, with the slow
+                // rank at 60 ms). The slow rank's margin is what keeps the
+                // fast ranks' wait above their compute on a loaded host.
+                .args(["--cpu-us", if r == SLOW { "150000" } else { "6000" }])
                 .arg("--log")
                 .arg(dir.join(format!("rank{r}.log")));
             Proc::spawn(&mut cmd)
