@@ -404,22 +404,21 @@ pub fn check_acl_window(
     // the 2-CPU CI machine preempts the thread in its write. 1 ms per
     // synchronize call bounds that with a wide margin and is still under 10%
     // of every wait these tests configure (>= 10 ms). Under QEMU's emulation
-    // (`cargo xtask vm-test`, aarch64 on x86-64) the same instructions take
-    // 10-50x longer: 1.6 ms was seen there, so the bound is 5 ms.
-    let bound: u64 = if std::env::var_os("DYNPROF_TEST_EMULATED").is_some() {
-        5_000_000
-    } else {
-        1_000_000
-    };
+    // (`cargo xtask vm-test`) only the lower bound is checked: the x86-64
+    // guests run both vCPUs on one TCG thread (docs/portability.md), which
+    // leaves a vCPU unscheduled for up to QEMU's 100 ms round-robin kick
+    // while the guest's clock runs on (39 ms was seen, between the
+    // library's clock read and the return probe), and aarch64's emulation
+    // is 10-50x slower. The host run of the same test keeps the 1 ms bound.
+    let emulated = std::env::var_os("DYNPROF_TEST_EMULATED").is_some();
     for (i, (ours, lib)) in waits.iter().enumerate() {
         assert!(
             *ours >= *lib,
             "step {i}: device_wait_ns {ours} < library waited {lib}"
         );
         assert!(
-            ours - lib <= bound,
-            "step {i}: device_wait_ns {ours} vs library waited {lib}: off by more than {} ms",
-            bound / 1_000_000
+            emulated || ours - lib <= 1_000_000,
+            "step {i}: device_wait_ns {ours} vs library waited {lib}: off by more than 1 ms"
         );
     }
     // --- trace.json
