@@ -30,12 +30,13 @@ fn collectors_acl_device_bound() {
     require_privileges!();
     let _g = serial();
     let dir = scratch_dir("collectors_acl_device_bound");
-    // Device work per step: 9 items x 4 ms = 36 ms; host work 1 ms: about
-    // 34 ms of every ~36 ms step is spent waiting in synchronize. (Wide
-    // margins: on a loaded 2-CPU machine the host phase stretches by many ms.)
+    // Device work per step: 9 items x 8 ms = 72 ms; host work 1 ms: most
+    // of every step is spent waiting in synchronize. (Wide margins: on a
+    // loaded 2-CPU machine the host phase stretches by many ms, and in a
+    // TCG guest it takes 10-15 ms.)
     let (p, acl_log) = acl_trainer(
         &dir,
-        &["--launches", "8", "--kernel-us", "4000", "--cpu-us", "1000"],
+        &["--launches", "8", "--kernel-us", "8000", "--cpu-us", "1000"],
     );
     let opts = CollectorOptions {
         cpu_hz: 499,
@@ -54,20 +55,72 @@ fn collectors_acl_device_bound() {
     let waits = check_acl_window(&run, &acl_log, 8, p.pid, false);
     eprintln!("device waits per step (dynprof, library) ns: {waits:?}");
 
-    // off-CPU: the main thread sleeps in synchronize; that time shows up
-    // under aclrtSynchronizeStream, nearly all of what the library waited.
+    // off-CPU: the main thread sleeps in synchronize. Each call the library
+    // logged in the window holds the main thread's off-CPU spans of its
+    // wait, each inside the call and under aclrtSynchronizeStream.
     let d = &run.data;
-    let sync_off: u64 = d
-        .offcpu
+    let (w0, w1) = (d.steps[0].start_ts_ns, d.steps.last().unwrap().end_ts_ns);
+    let mut sync_off = 0u64;
+    let mut lib_waited = 0u64;
+    for l in read_acl_log(&acl_log)
         .iter()
-        .filter(|o| o.tid == p.pid && o.stack.iter().any(|f| f.contains("aclrtSynchronizeStream")))
-        .map(|o| o.dur_ns)
-        .sum();
-    let lib_waited: u64 = waits.iter().map(|w| w.1).sum();
+        .filter(|l| l.api == "aclrtSynchronizeStream" && l.enter >= w0 && l.exit <= w1)
+    {
+        let spans: Vec<_> = d
+            .offcpu
+            .iter()
+            .filter(|o| o.tid == p.pid && o.ts_ns < l.exit && o.ts_ns + o.dur_ns > l.enter)
+            .collect();
+        // What the main thread did on the CPU inside the call, to tell a
+        // shortfall's cause when this fails.
+        let on_cpu: Vec<String> = d
+            .samples
+            .iter()
+            .filter(|c| c.tid == p.pid && c.ts_ns > l.enter && c.ts_ns < l.exit)
+            .map(|c| c.stack[c.stack.len().saturating_sub(4)..].join(";"))
+            .collect();
+        let off: u64 = spans.iter().map(|o| o.dur_ns).sum();
+        eprintln!(
+            "sync {}..{}: library waited {} ns; {} off-CPU spans, {off} ns; on-CPU samples: {on_cpu:?}",
+            l.enter,
+            l.exit,
+            l.waited,
+            spans.len()
+        );
+        for o in &spans {
+            assert!(
+                o.ts_ns >= l.enter && o.ts_ns + o.dur_ns <= l.exit,
+                "off-CPU span {}+{} leaves the call {}..{}",
+                o.ts_ns,
+                o.dur_ns,
+                l.enter,
+                l.exit
+            );
+            assert!(
+                o.stack.iter().any(|f| f.contains("aclrtSynchronizeStream")),
+                "an off-CPU span inside synchronize does not name it: {}",
+                o.stack.join(";")
+            );
+        }
+        if l.waited > 0 {
+            assert!(
+                !spans.is_empty(),
+                "no off-CPU span in a call that waited {} ns",
+                l.waited
+            );
+        }
+        sync_off += off;
+        lib_waited += l.waited;
+    }
     eprintln!("off-CPU in aclrtSynchronizeStream: {sync_off} ns; library waited {lib_waited} ns");
+    // Nearly all of the wait is off-CPU; the rest is the way into the sleep
+    // and back out of it. In a TCG guest the way out (the interrupts held
+    // off during the switch, taken at `__schedule`'s irq enable) was seen
+    // to take 1-6 ms per call on arm64 5.10 (CI, 2026-12-04).
+    let share = if emulated() { 0.8 } else { 0.9 };
     assert!(
-        sync_off as f64 >= 0.9 * lib_waited as f64 && sync_off <= lib_waited + 1_000_000,
-        "{sync_off} vs {lib_waited}"
+        sync_off as f64 >= share * lib_waited as f64,
+        "{sync_off} ns off-CPU of {lib_waited} ns waited"
     );
     let off = folded(&run.dir, "offcpu.folded");
     assert!(

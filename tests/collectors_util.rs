@@ -410,7 +410,7 @@ pub fn check_acl_window(
     // while the guest's clock runs on (39 ms was seen, between the
     // library's clock read and the return probe), and aarch64's emulation
     // is 10-50x slower. The host run of the same test keeps the 1 ms bound.
-    let emulated = std::env::var_os("DYNPROF_TEST_EMULATED").is_some();
+    let emulated = emulated();
     for (i, (ours, lib)) in waits.iter().enumerate() {
         assert!(
             *ours >= *lib,

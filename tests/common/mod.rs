@@ -681,3 +681,10 @@ pub fn window_folded(out: &Path, name: &str, stderr: &str) -> (PathBuf, Vec<(Vec
         .collect();
     (prof, stacks)
 }
+
+/// Running in a QEMU TCG guest (`cargo xtask vm-test` sets this): the
+/// guest's clock runs on while its vCPUs wait for the host, so tests bound
+/// only what emulation does not stretch (docs/portability.md).
+pub fn emulated() -> bool {
+    std::env::var_os("DYNPROF_TEST_EMULATED").is_some()
+}

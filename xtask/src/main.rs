@@ -88,6 +88,10 @@ enum Cmd {
         /// Run only this test binary (repeatable), e.g. `--only kernel_compat`.
         #[arg(long)]
         only: Vec<String>,
+        /// Run each chosen test binary this many times in the one boot (to
+        /// chase a failure seen once in CI).
+        #[arg(long, default_value_t = 1)]
+        repeat: u32,
         /// Instead of the tests: the per-hit probe cost (bench/hitloop and
         /// `dynprof __probe-cost --hitloop`), printed as marker ÷ empty
         /// ratios per site (what `cargo xtask bench` section 12 reports).
@@ -122,6 +126,7 @@ fn main() {
             kernel,
             timeout_min,
             only,
+            repeat,
             probe_cost,
             reps,
             n,
@@ -131,6 +136,7 @@ fn main() {
                 kernel,
                 timeout: std::time::Duration::from_secs(timeout_min * 60),
                 only,
+                repeat,
             };
             if probe_cost {
                 vm::probe_cost::run(&o, reps, n).map(|samples| {

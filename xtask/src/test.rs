@@ -128,6 +128,7 @@ pub fn run(extra: &[String], with_fuzz: bool, with_vm: bool) -> Result<()> {
                 kernel: kernel.to_string(),
                 timeout: std::time::Duration::from_secs(20 * 60),
                 only: Vec::new(),
+                repeat: 1,
             });
             if let Err(e) = r {
                 println!("[test] vm-test {arch:?} {kernel}: {e:#}");

@@ -104,6 +104,8 @@ pub struct Options {
     pub timeout: Duration,
     /// Run only these test binaries of [`VM_TESTS`] (all when empty).
     pub only: Vec<String>,
+    /// Run each chosen test binary this many times.
+    pub repeat: u32,
 }
 
 /// The tests run in the arm64 VM: the host root's tools (make, python3,
@@ -316,7 +318,7 @@ pub fn run(o: &Options) -> Result<()> {
         initrd: initrd.clone(),
         cache,
     };
-    let run_dir = run_dir(&boot, &script(&tests, fixtures_dir.as_deref()))?;
+    let run_dir = run_dir(&boot, &script(&tests, fixtures_dir.as_deref(), o.repeat))?;
 
     say(&format!(
         "booting Debian {suite}'s {release} under {} (TCG)",
@@ -375,7 +377,7 @@ fn marker_time(text: &str, marker: &str) -> Option<f64> {
 }
 
 /// The script run inside: each test binary with its exact test names.
-fn script(tests: &[(PathBuf, &[&str])], fixtures_dir: Option<&Path>) -> String {
+fn script(tests: &[(PathBuf, &[&str])], fixtures_dir: Option<&Path>, repeat: u32) -> String {
     let mut s = format!(
         "cd '{}'\nexport PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root\n\
          export DYNPROF_TEST_EMULATED=1\n\
@@ -385,7 +387,10 @@ fn script(tests: &[(PathBuf, &[&str])], fixtures_dir: Option<&Path>) -> String {
     if let Some(d) = fixtures_dir {
         s.push_str(&format!("export DYNPROF_FIXTURES_DIR='{}'\n", d.display()));
     }
-    for (bin, names) in tests {
+    for (bin, names) in tests
+        .iter()
+        .flat_map(|t| std::iter::repeat_n(t, repeat.max(1) as usize))
+    {
         s.push_str(&format!("'{}' --test-threads=1", bin.display()));
         if !names.is_empty() {
             s.push_str(" --exact");

@@ -63,6 +63,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             kernel: kernel.to_string(),
             timeout: Duration::from_secs(45 * 60),
             only: Vec::new(),
+            repeat: 1,
         };
         say(format!(
             "later: {name}: {reps} repetitions of {n} calls per site"

@@ -49,6 +49,7 @@ fn script_runs_each_binary_with_its_exact_names() {
             (PathBuf::from("/t/b-2"), &[][..]),
         ],
         Some(Path::new("/f")),
+        1,
     );
     assert!(s.contains("export DYNPROF_FIXTURES_DIR='/f'\n"), "{s}");
     assert!(s.contains("export DYNPROF_TEST_EMULATED=1\n"), "{s}");
@@ -58,6 +59,28 @@ fn script_runs_each_binary_with_its_exact_names() {
     );
     assert!(s.contains("'/t/b-2' --test-threads=1 || fail=1\n"), "{s}");
     assert!(s.ends_with("echo $fail > /vm-out/rc\n"), "{s}");
+}
+
+#[test]
+fn script_repeats_each_binary_in_order() {
+    let s = script(
+        &[
+            (PathBuf::from("/t/a-1"), &[][..]),
+            (PathBuf::from("/t/b-2"), &[][..]),
+        ],
+        None,
+        2,
+    );
+    let runs: Vec<&str> = s.lines().filter(|l| l.starts_with("'/t/")).collect();
+    assert_eq!(
+        runs,
+        [
+            "'/t/a-1' --test-threads=1 || fail=1",
+            "'/t/a-1' --test-threads=1 || fail=1",
+            "'/t/b-2' --test-threads=1 || fail=1",
+            "'/t/b-2' --test-threads=1 || fail=1",
+        ]
+    );
 }
 
 #[test]
