@@ -237,20 +237,24 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
     // 50 steps of 20 ms at 499 Hz, most of it in the kernel.
     let stacks = kernel_mode_windows(p.pid, &dir, "cpu", &args, in_kernel, 100);
     // Their kernel frames are named (from the kallsyms copy dynprof takes
-    // before it gives CAP_SYSLOG up): the read of /dev/zero.
-    let total: u64 = stacks
-        .iter()
-        .filter(|(s, _)| in_kernel(s))
-        .map(|s| s.1)
-        .sum();
+    // before it gives CAP_SYSLOG up): those taken in the read of /dev/zero
+    // (the user leaf `read`) name vfs_read. (Not all kernel-mode samples:
+    // in a TCG guest the step marker's uprobe was 10 % of them, and the
+    // vDSO's clock_gettime a system call reading the HPET another 8 %.)
+    let in_read = |s: &[String]| {
+        s.iter()
+            .position(|f| f.ends_with("_[k]"))
+            .is_some_and(|k| k > 0 && s[k - 1].contains("read"))
+    };
+    let total: u64 = stacks.iter().filter(|(s, _)| in_read(s)).map(|s| s.1).sum();
     let named: u64 = stacks
         .iter()
-        .filter(|(s, _)| s.iter().any(|f| f == "vfs_read_[k]"))
+        .filter(|(s, _)| in_read(s) && s.iter().any(|f| f == "vfs_read_[k]"))
         .map(|s| s.1)
         .sum();
     assert!(
         named as f64 >= 0.8 * total as f64,
-        "{named} of {total} kernel-mode samples name vfs_read"
+        "{named} of {total} kernel-mode samples in `read` name vfs_read"
     );
     p.terminate();
     let _ = std::fs::remove_dir_all(&dir);
@@ -703,6 +707,21 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
     // exported, so absent from the stripped file's .dynsym.
     args[1] = "exe:run_step";
     let (marked_dir, marked) = window_of(p.pid, &dir.join("marked"), "cpu", &[], &args);
+    // Resolving again (as a waiting attach does at each change of the
+    // target's map) reuses the debug file found, and the finding that
+    // there is none: one search per stripped file.
+    let target = dynprof::target::Target::open(dynprof::types::HostPid(p.pid)).unwrap();
+    let run_step = [dynprof::probes::spec::parse("exe:run_step").unwrap()];
+    for dirs in [vec![debug_dir.clone()], vec![]] {
+        let mut files = dynprof::probes::FileCache::default();
+        let first = dynprof::probes::resolve_markers_cached(&target, &run_step, &dirs, &mut files)
+            .map(|v| v[0].file_offset);
+        let again = dynprof::probes::resolve_markers_cached(&target, &run_step, &dirs, &mut files)
+            .map(|v| v[0].file_offset);
+        assert_eq!(first.is_ok(), !dirs.is_empty(), "{first:?}");
+        assert_eq!(first.ok(), again.ok());
+        assert_eq!(files.debug_searches(), 1, "debug dirs {dirs:?}");
+    }
     let refused = Command::new(dynprof_bin())
         .args(["attach", "--pid", &p.pid.to_string(), "--collect", "cpu"])
         .args([

@@ -282,6 +282,9 @@ pub fn resolve_waiting(
     // None until the first read: even an empty first map is resolved (and
     // refused) once rather than polled forever as "unchanged".
     let mut last_maps: Option<String> = None;
+    // The files read so far: each change of the map re-resolves, and a
+    // large library or a stripped file's debug-file search is not redone.
+    let mut files = probes::FileCache::default();
     loop {
         let maps = match std::fs::read_to_string(format!("/proc/{}/maps", target.host_pid)) {
             Ok(m) => m,
@@ -296,7 +299,7 @@ pub fn resolve_waiting(
         if last_maps.as_ref() != Some(&maps) {
             last_maps = Some(maps);
             let frozen = freeze_target.then(|| freeze(target.host_pid));
-            match probes::resolve_markers(target, markers, debug_dirs) {
+            match probes::resolve_markers_cached(target, markers, debug_dirs, &mut files) {
                 Ok(v) => {
                     if said {
                         eprintln!(
@@ -338,7 +341,10 @@ pub fn resolve_waiting(
         if let MarkerWait::For(d) = wait
             && started.elapsed() >= d
         {
-            return Ok((probes::resolve_markers(target, markers, debug_dirs)?, None));
+            return Ok((
+                probes::resolve_markers_cached(target, markers, debug_dirs, &mut files)?,
+                None,
+            ));
         }
         std::thread::sleep(Duration::from_millis(2));
     }

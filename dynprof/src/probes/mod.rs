@@ -5,5 +5,7 @@ pub mod resolve;
 pub mod semaphore;
 pub mod spec;
 
-pub use resolve::{ResolvedProbe, attach_order, resolve_markers};
+pub use resolve::{
+    FileCache, ResolvedProbe, attach_order, resolve_markers, resolve_markers_cached,
+};
 pub use spec::{MarkerArg, MarkerSpec, Role};

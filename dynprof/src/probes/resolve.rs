@@ -74,21 +74,25 @@ pub fn resolve_markers(
     args: &[MarkerArg],
     debug_dirs: &[PathBuf],
 ) -> Result<Vec<ResolvedProbe>> {
+    resolve_markers_cached(target, args, debug_dirs, &mut FileCache::default())
+}
+
+/// [`resolve_markers`] with the files read kept in `files`, for a caller
+/// that resolves again as the target maps more (`--wait-for-marker`).
+pub fn resolve_markers_cached(
+    target: &Target,
+    args: &[MarkerArg],
+    debug_dirs: &[PathBuf],
+    files: &mut FileCache,
+) -> Result<Vec<ResolvedProbe>> {
     let maps = target.maps()?;
-    let mut images = ImageCache::new();
     let mut out: Vec<ResolvedProbe> = Vec::new();
     let mut misses: Vec<Miss> = Vec::new();
     for arg in args {
         match arg {
             MarkerArg::Spec(spec) => {
-                match resolve_spec_cached(
-                    target,
-                    &maps,
-                    spec,
-                    out.len() as u32,
-                    &mut images,
-                    debug_dirs,
-                ) {
+                match resolve_spec_cached(target, &maps, spec, out.len() as u32, files, debug_dirs)
+                {
                     Ok(mut v) => out.append(&mut v),
                     Err(m) => misses.push(m),
                 }
@@ -109,7 +113,7 @@ pub fn resolve_markers(
                             &maps,
                             &spec,
                             out.len() as u32,
-                            &mut images,
+                            files,
                             debug_dirs,
                         ) {
                             Ok(mut v) => {
@@ -202,16 +206,37 @@ pub fn host_path_for(target: &Target, m: &Mapping) -> PathBuf {
     crate::target::mount::locate_and_warn(target, m).path
 }
 
-/// ELF images opened during one resolution, by host path: several specs
-/// (the torch presets) look into the same large library.
-pub type ImageCache = HashMap<PathBuf, Rc<ElfImage>>;
+/// A mapped file as resolution knows it: its host path and inode, so a
+/// file replaced at the same path between two resolutions is read anew.
+type FileKey = (PathBuf, u64);
+
+/// The target's files read while resolving: several specs (the torch
+/// presets) look into the same large library, and a waiting attach
+/// resolves again at every change of the target's map. Holds the ELF
+/// images, and for each stripped one its separate debug file or the
+/// finding that there is none (a search of several directories).
+#[derive(Default)]
+pub struct FileCache {
+    images: HashMap<FileKey, Rc<ElfImage>>,
+    debug: HashMap<FileKey, Option<(Rc<ElfImage>, PathBuf)>>,
+    /// Searches for debug files made (not answered from the cache).
+    debug_searches: usize,
+}
+
+impl FileCache {
+    /// How many times a separate debug file was searched for (each
+    /// stripped file once, however often it is resolved again).
+    pub fn debug_searches(&self) -> usize {
+        self.debug_searches
+    }
+}
 
 pub fn resolve_spec_cached(
     target: &Target,
     maps: &[Mapping],
     spec: &MarkerSpec,
     first_index: u32,
-    images: &mut ImageCache,
+    files: &mut FileCache,
     debug_dirs: &[PathBuf],
 ) -> Result<Vec<ResolvedProbe>, Miss> {
     let objects = candidates(target, maps, &spec.object);
@@ -235,14 +260,16 @@ pub fn resolve_spec_cached(
     for m in objects {
         let mapped = crate::target::mount::locate_and_warn(target, m);
         let host = mapped.path.clone();
-        let img = match images
-            .get(&host)
+        let key: FileKey = (host.clone(), m.inode);
+        let img = match files
+            .images
+            .get(&key)
             .cloned()
             .map(Ok)
             .unwrap_or_else(|| mapped.open_elf().map(Rc::new))
         {
             Ok(i) => {
-                images.insert(host.clone(), i.clone());
+                files.images.insert(key.clone(), i.clone());
                 i
             }
             Err(e) => {
@@ -254,7 +281,7 @@ pub fn resolve_spec_cached(
             Location::Symbol { name, offset } => {
                 let mut hits = img.find_function(name);
                 if hits.is_empty() && !img.has_symtab() {
-                    match in_debug_file(target, &img, &m.path, name, debug_dirs) {
+                    match in_debug_file(target, &img, key, &m.path, name, debug_dirs, files) {
                         Some(h) => hits = h,
                         None => {
                             tried.push(format!(
@@ -352,20 +379,29 @@ pub fn resolve_spec_cached(
 fn in_debug_file(
     target: &Target,
     img: &ElfImage,
+    key: FileKey,
     path: &str,
     name: &str,
     debug_dirs: &[PathBuf],
+    files: &mut FileCache,
 ) -> Option<Vec<SymbolHit>> {
-    let search = debug_files::Search {
-        pid: target.host_pid.0,
-        exited: false,
-        dirs: debug_dirs,
-    };
-    let id = img.build_id();
-    let (debug, at) = id
-        .as_deref()
-        .and_then(|id| search.by_build_id(id))
-        .or_else(|| search.by_debuglink(&img.debuglink()?, id.as_deref(), path))?;
+    let (debug, at) = files
+        .debug
+        .entry(key)
+        .or_insert_with(|| {
+            files.debug_searches += 1;
+            let search = debug_files::Search {
+                pid: target.host_pid.0,
+                exited: false,
+                dirs: debug_dirs,
+            };
+            let id = img.build_id();
+            id.as_deref()
+                .and_then(|id| search.by_build_id(id))
+                .or_else(|| search.by_debuglink(&img.debuglink()?, id.as_deref(), path))
+                .map(|(debug, at)| (Rc::new(debug), at))
+        })
+        .clone()?;
     let hits: Vec<SymbolHit> = debug
         .find_function(name)
         .into_iter()
