@@ -182,9 +182,25 @@ impl LoadPlan {
             } => (stack_offset, regs_delta),
             _ => (0, 0),
         };
-        let python = crate::symbols::python::detect(pid.0)
-            .map(|i| i.offsets)
-            .unwrap_or_default();
+        let (want_py, bad) = crate::symbols::python::frames_wanted(
+            std::env::var(crate::symbols::python::FRAMES_ENV)
+                .ok()
+                .as_deref(),
+        );
+        if let Some(b) = bad {
+            log::warn!("{b}");
+        }
+        let python = if want_py {
+            crate::symbols::python::detect(pid.0)
+                .map(|i| i.offsets)
+                .unwrap_or_default()
+        } else {
+            log::info!(
+                "Python frames turned off ({}); samples keep native stacks",
+                crate::symbols::python::FRAMES_ENV
+            );
+            Default::default()
+        };
         Ok(Self {
             pid,
             tgid: pid.0,

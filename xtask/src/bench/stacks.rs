@@ -6,7 +6,13 @@
 //! One torch_bench.py process; each repetition runs, interleaved:
 //! bare │ dynprof window `--collect cpu` at `HZ` with the 16 KiB stack copy
 //! (unwinding) │ the same with `DYNPROF_STACK_COPY_KB=0` (frame pointers
-//! only) │ torch.profiler with_stack │ py-spy record --native at `HZ`.
+//! only) │ that without the Python frame walk (`DYNPROF_PYTHON_FRAMES=0`) │
+//! torch.profiler with_stack │ py-spy record --native at `HZ` │ dynprof
+//! sampling another, idle process (the training thread takes the same perf
+//! interrupts and the program's early exit; dynprof has nothing to do).
+//! The kernel's BPF run-time statistics are on for the section
+//! (`kernel.bpf_stats_enabled`), so the cpu program's own time per sample
+//! is read from dynprof's program fd, apart from the perf interrupt's.
 //! Each figure uses the training thread's CPU time per step
 //! (CLOCK_THREAD_CPUTIME_ID) and the mean of the two bare runs around it;
 //! py-spy's cost is mostly wall time (it pauses the target per sample), so
@@ -31,7 +37,72 @@ const HZ: &str = "999";
 /// (8 bytes), the 64-byte SampleEvent header and the 16 KiB copy.
 const RING_BYTES_PER_SAMPLE: f64 = 8.0 + 64.0 + 16384.0;
 
-const CONDS: [&str; 5] = ["bare", "unwind", "fp_only", "prof_stack", "pyspy_native"];
+const CONDS: [&str; 7] = [
+    "bare",
+    "unwind",
+    "fp_only",
+    "fp_no_python",
+    "prof_stack",
+    "pyspy_native",
+    "sampling_other",
+];
+/// `BPF_PROG_TYPE_PERF_EVENT` in a program fd's fdinfo: dynprof's only
+/// program of that type is the cpu sampler.
+const PERF_EVENT_PROG_TYPE: &str = "7";
+
+/// The kernel's total run time of `pid`'s perf-event BPF programs (ns) and
+/// their run count, from its fds' fdinfo (with `kernel.bpf_stats_enabled`).
+fn perf_prog_stats(pid: u32) -> Option<(u64, u64)> {
+    let mut found = None;
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .ok()?
+        .flatten()
+    {
+        let Ok(text) = std::fs::read_to_string(e.path()) else {
+            continue;
+        };
+        let field = |k: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(k)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        if field("prog_type") != Some(PERF_EVENT_PROG_TYPE) {
+            continue;
+        }
+        let (Some(t), Some(n)) = (
+            field("run_time_ns").and_then(|v| v.parse::<u64>().ok()),
+            field("run_cnt").and_then(|v| v.parse::<u64>().ok()),
+        ) else {
+            continue;
+        };
+        let (t0, n0) = found.unwrap_or((0, 0));
+        found = Some((t0 + t, n0 + n));
+    }
+    found
+}
+
+/// Turns the kernel's BPF run-time statistics on while alive, and back to
+/// what they were after.
+struct BpfStats(Option<String>);
+
+impl BpfStats {
+    const PATH: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    fn on() -> Self {
+        let old = std::fs::read_to_string(Self::PATH).ok();
+        if std::fs::write(Self::PATH, "1").is_err() {
+            say("stacks: could not turn kernel.bpf_stats_enabled on; no BPF run times");
+        }
+        Self(old)
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        if let Some(v) = &self.0 {
+            let _ = std::fs::write(Self::PATH, v.trim());
+        }
+    }
+}
 
 /// `run MODE N` → (wall ns, thread CPU ns).
 fn run_steps(py: &mut Proc, mode: &str, n: u64) -> Result<(f64, f64)> {
@@ -80,9 +151,12 @@ struct DpRun {
     samples: f64,
     dp_cpu_ns: f64,
     unwind_ns: Option<f64>,
+    /// The cpu program's run time over the window (all its runs: the
+    /// target's samples and the early exits on other processes').
+    bpf_ns: Option<f64>,
 }
 
-fn dynprof_window(ctx: &Ctx, py: &mut Proc, n: u64, copy: bool) -> Result<DpRun> {
+fn dynprof_window(ctx: &Ctx, py: &mut Proc, n: u64, copy: bool, python: bool) -> Result<DpRun> {
     let out = ctx.work.join("stacks-window");
     let _ = std::fs::remove_dir_all(&out);
     let mut cmd = ctx.dynprof_cmd();
@@ -90,14 +164,19 @@ fn dynprof_window(ctx: &Ctx, py: &mut Proc, n: u64, copy: bool) -> Result<DpRun>
     if !copy {
         cmd.env("DYNPROF_STACK_COPY_KB", "0");
     }
+    if !python {
+        cmd.env("DYNPROF_PYTHON_FRAMES", "0");
+    }
     cmd.args(["attach", "--pid", &py.pid().to_string(), "--json"])
         .args(["--start-step", "-1", "--active", &(n + 10).to_string()])
         .args(["--collect", "cpu", "--cpu-hz", HZ, "--output"])
         .arg(&out);
     let mut dp = Proc::spawn("dynprof attach --collect cpu", &mut cmd)?;
     dp.wait_event(Duration::from_secs(60), "attached")?;
+    let bpf0 = perf_prog_stats(dp.pid());
     let (wall, cpu) = run_steps(py, "bare", n)?;
     let dp_cpu = procs::cpu_ns(dp.pid()).unwrap_or(0) as f64;
+    let bpf1 = perf_prog_stats(dp.pid());
     let _ = dp.stop(Duration::from_secs(120));
     let dir = dp
         .events("window")
@@ -116,10 +195,48 @@ fn dynprof_window(ctx: &Ctx, py: &mut Proc, n: u64, copy: bool) -> Result<DpRun>
         samples,
         dp_cpu_ns: dp_cpu,
         unwind_ns: unwind_each_ns(&dp),
+        bpf_ns: bpf0
+            .zip(bpf1)
+            .filter(|(a, b)| b.1 > a.1)
+            .map(|(a, b)| (b.0 - a.0) as f64),
     })
 }
 
+/// `run bare N` while dynprof samples at `HZ` an idle `deepstack --sleep`
+/// (it sleeps out its 20 ms steps): system-wide per-CPU sampling, so the
+/// training thread takes every interrupt and the cpu program's early exit
+/// for another process, and dynprof receives next to no samples.
+fn sampling_other(ctx: &Ctx, py: &mut Proc, n: u64) -> Result<(f64, f64)> {
+    let mut idle = Proc::spawn(
+        "deepstack --sleep",
+        std::process::Command::new(ctx.fixtures.join("deepstack")).args([
+            "--sleep",
+            "--step-ms",
+            "20",
+        ]),
+    )?;
+    idle.wait_prefix(Duration::from_secs(30), "ready")
+        .context("starting deepstack")?;
+    let out = ctx.work.join("stacks-other");
+    let _ = std::fs::remove_dir_all(&out);
+    let mut cmd = ctx.dynprof_cmd();
+    cmd.args(["attach", "--pid", &idle.pid().to_string(), "--json"])
+        .args(["--marker", "exe:step_marker", "--start-step", "-1"])
+        .args(["--active", "100000", "--collect", "cpu", "--cpu-hz", HZ])
+        .arg("--output")
+        .arg(&out);
+    let mut dp = Proc::spawn("dynprof attach (another process)", &mut cmd)?;
+    let r = dp
+        .wait_event(Duration::from_secs(60), "attached")
+        .and_then(|_| run_steps(py, "bare", n));
+    let _ = dp.stop(Duration::from_secs(60));
+    let _ = idle.stop(Duration::from_secs(10));
+    let _ = std::fs::remove_dir_all(&out);
+    r
+}
+
 pub fn run(ctx: &Ctx) -> Result<Section> {
+    let _stats = BpfStats::on();
     let mut py = start_torch(ctx, 200)?;
     let (w, _) = run_steps(&mut py, "bare", 200)?;
     let seg_s = if ctx.quick() { 1.0 } else { 3.0 };
@@ -130,8 +247,9 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     say(format!("stacks: {n} steps per segment, {HZ} Hz"));
     // [cond][rep] = (wall ns/step, cpu ns/step); bare has reps + 1.
     let mut per: Vec<Vec<(f64, f64)>> = vec![Vec::new(); CONDS.len()];
-    let mut samples_per_step: Vec<Vec<f64>> = vec![Vec::new(); 3];
-    let mut dp_ns_per_sample: Vec<Vec<f64>> = vec![Vec::new(); 3];
+    let mut samples_per_step: Vec<Vec<f64>> = vec![Vec::new(); 4];
+    let mut dp_ns_per_sample: Vec<Vec<f64>> = vec![Vec::new(); 4];
+    let mut bpf_ns_per_sample: Vec<Vec<f64>> = vec![Vec::new(); 4];
     let mut unwind_ns = Vec::new();
     let mut pyspy_err = None;
     let bare = |py: &mut Proc| -> Result<(f64, f64)> {
@@ -142,16 +260,23 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     for rep in 0..reps {
         for (ci, c) in CONDS.iter().enumerate().skip(1) {
             match *c {
-                "unwind" | "fp_only" => {
-                    let r = dynprof_window(ctx, &mut py, n, *c == "unwind")?;
+                "unwind" | "fp_only" | "fp_no_python" => {
+                    let r = dynprof_window(ctx, &mut py, n, *c == "unwind", *c != "fp_no_python")?;
                     per[ci].push((r.wall / n as f64, r.cpu / n as f64));
                     samples_per_step[ci].push(r.samples / n as f64);
                     dp_ns_per_sample[ci].push(r.dp_cpu_ns / r.samples.max(1.0));
+                    if let Some(b) = r.bpf_ns {
+                        bpf_ns_per_sample[ci].push(b / r.samples.max(1.0));
+                    }
                     if *c == "unwind"
                         && let Some(u) = r.unwind_ns
                     {
                         unwind_ns.push(u);
                     }
+                }
+                "sampling_other" => {
+                    let (w, c) = sampling_other(ctx, &mut py, n)?;
+                    per[ci].push((w / n as f64, c / n as f64));
                 }
                 "prof_stack" => {
                     let (w, c) = run_steps(&mut py, "prof_stack", n_prof)?;
@@ -232,6 +357,18 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     );
     s.figures.push(
         Figure::new(
+            "stacks_fp_no_python_over_bare",
+            &format!(
+                "window (cpu {HZ} Hz, frame pointers only, no Python frame walk) ÷ bare, per CPU-second"
+            ),
+            Unit::Ratio,
+            Goal::Info,
+            "",
+        )
+        .samples(ratio(3, true)),
+    );
+    s.figures.push(
+        Figure::new(
             "stacks_target_ns_per_sample",
             "target CPU per sample, stack copy on",
             Unit::Ns,
@@ -240,9 +377,63 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         )
         .samples(added_per_sample(1))
         .note(format!(
-            "{:.2} samples per step at {HZ} Hz; frame pointers only: {:.0} ns per sample",
+            "{:.2} samples per step at {HZ} Hz; frame pointers only: {:.0} ns per sample; \
+             frame pointers without the Python frame walk: {:.0} ns",
             stats::median(&samples_per_step[1]).unwrap_or(f64::NAN),
-            stats::median(&added_per_sample(2)).unwrap_or(f64::NAN)
+            stats::median(&added_per_sample(2)).unwrap_or(f64::NAN),
+            stats::median(&added_per_sample(3)).unwrap_or(f64::NAN)
+        )),
+    );
+    // The cpu program's own share of that: the kernel's run time of it
+    // (bpf_stats) over the window ÷ the target's samples. The rest of a
+    // sample's cost is the perf interrupt and its return.
+    let mut bf = Figure::new(
+        "stacks_bpf_ns_per_sample",
+        "cpu eBPF program run time per target sample, stack copy on (kernel bpf_stats)",
+        Unit::Ns,
+        Goal::Info,
+        "",
+    );
+    bf = if bpf_ns_per_sample[1].is_empty() {
+        bf.missing("no run_time_ns in dynprof's program fdinfo (kernel.bpf_stats_enabled could not be set?)")
+    } else {
+        bf.samples(bpf_ns_per_sample[1].clone()).note(format!(
+            "frame pointers only: {:.0} ns; without the Python frame walk: {:.0} ns \
+             (each includes the program's early exits on other processes' samples)",
+            stats::median(&bpf_ns_per_sample[2]).unwrap_or(f64::NAN),
+            stats::median(&bpf_ns_per_sample[3]).unwrap_or(f64::NAN)
+        ))
+    };
+    s.figures.push(bf);
+    // The interrupt alone: added CPU per step while dynprof samples another
+    // process, per interrupt the training thread takes (as many as the
+    // samples it gives when it is the target: samples per step without the
+    // Python walk).
+    let per_interrupt: Vec<f64> = per[6]
+        .iter()
+        .enumerate()
+        .map(|(r, v)| {
+            let b = (per[0][r].1 + per[0][r + 1].1) / 2.0;
+            (v.1 - b)
+                / samples_per_step[3]
+                    .get(r)
+                    .copied()
+                    .unwrap_or(f64::NAN)
+                    .max(1e-9)
+        })
+        .collect();
+    s.figures.push(
+        Figure::new(
+            "stacks_interrupt_ns_per_sample",
+            "target CPU per perf interrupt when dynprof samples another process (the program exits early)",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(per_interrupt)
+        .note(format!(
+            "sampling another process ÷ bare, per CPU-second: {:.4}",
+            stats::median(&ratio(6, true)).unwrap_or(f64::NAN)
         )),
     );
     s.figures.push(
@@ -281,13 +472,13 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             Goal::Info,
             "",
         )
-        .samples(ratio(3, true))
+        .samples(ratio(4, true))
         .note(format!(
             "{n_prof} steps per segment (its exit builds the trace)"
         )),
     );
     let dp_slow = slow(ratio(1, true));
-    let prof_slow = slow(ratio(3, true));
+    let prof_slow = slow(ratio(4, true));
     s.figures.push(
         Figure::new(
             "stacks_slowdown_over_prof_stack",
@@ -312,11 +503,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     } else {
         s.figures.push(
             Figure::new("stacks_pyspy_native_over_bare", &format!("py-spy --native {HZ} Hz ÷ bare, wall clock"), Unit::Ratio, Goal::Info, "")
-                .samples(ratio(4, false))
+                .samples(ratio(5, false))
                 .note(format!(
                     "per CPU-second {:.4}: py-spy pauses the target to read it, which costs wall time, not the target's CPU; dynprof's window \
                      at the same rate by wall clock: {:.4}",
-                    stats::median(&ratio(4, true)).unwrap_or(f64::NAN),
+                    stats::median(&ratio(5, true)).unwrap_or(f64::NAN),
                     stats::median(&ratio(1, false)).unwrap_or(f64::NAN)
                 )),
         );
@@ -366,6 +557,20 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             Json::nums(&dp_ns_per_sample[2]),
         ),
         ("unwind_ns_each", Json::nums(&unwind_ns)),
+        (
+            "samples_per_step_fp_no_python",
+            Json::nums(&samples_per_step[3]),
+        ),
+        (
+            "bpf_ns_per_sample",
+            Json::Obj(
+                CONDS[1..4]
+                    .iter()
+                    .zip(&bpf_ns_per_sample[1..4])
+                    .map(|(c, v)| (c.to_string(), Json::nums(v)))
+                    .collect(),
+            ),
+        ),
     ]);
     Ok(s)
 }

@@ -61,6 +61,26 @@ fn minor_of(base: &str) -> Option<u8> {
     digits.parse().ok()
 }
 
+/// Turns the frame walk off (`0`/`off`): samples keep their native stacks
+/// only. For measuring what the walk costs per sample (docs/performance.md)
+/// and for a target where its cost is not wanted.
+pub const FRAMES_ENV: &str = "DYNPROF_PYTHON_FRAMES";
+
+/// Whether `DYNPROF_PYTHON_FRAMES`'s value `v` (unset: `None`) asks for
+/// Python frames; anything unrecognised keeps them, with the reason.
+pub fn frames_wanted(v: Option<&str>) -> (bool, Option<String>) {
+    match v.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("1" | "on" | "yes" | "true") => (true, None),
+        Some("0" | "off" | "no" | "false") => (false, None),
+        Some(other) => (
+            true,
+            Some(format!(
+                "{FRAMES_ENV}={other:?} is not on or off; Python frames stay on"
+            )),
+        ),
+    }
+}
+
 /// The interpreter of a target whose CPython is a supported version, with
 /// `_PyRuntime`'s address in it; `None` for any other process (logged:
 /// at debug for no CPython, as a warning for a CPython refused).
@@ -477,6 +497,20 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<String> {
         v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn python_frames_switch_reads_on_and_off() {
+        assert_eq!(frames_wanted(None), (true, None));
+        for on in ["1", "on", " ON ", "yes", "true"] {
+            assert_eq!(frames_wanted(Some(on)), (true, None), "{on}");
+        }
+        for off in ["0", "off", "Off", "no", "false\n"] {
+            assert_eq!(frames_wanted(Some(off)), (false, None), "{off}");
+        }
+        let (on, why) = frames_wanted(Some("maybe"));
+        assert!(on);
+        assert!(why.unwrap().contains("DYNPROF_PYTHON_FRAMES=\"maybe\""));
     }
 
     #[test]
