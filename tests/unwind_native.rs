@@ -467,8 +467,9 @@ fn unwind_native_through_jit_code() {
 /// process). `deepstack --clock` reads the clock in a loop, so most
 /// samples are in the vDSO's `clock_gettime`, called from libc's.
 ///
-/// Not in the VM set: under QEMU TCG the vDSO has no usable clocksource
-/// and `clock_gettime` is a system call.
+/// In the arm64 VM set (its TCG vDSO reads the generic timer); not in
+/// x86-64's: there the vDSO has no usable clocksource under TCG and
+/// `clock_gettime` is a system call.
 #[test]
 fn unwind_native_through_the_vdso() {
     require_privileges!();
