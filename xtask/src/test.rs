@@ -102,6 +102,10 @@ pub fn run(extra: &[String], with_fuzz: bool, with_vm: bool) -> Result<()> {
         }
         None => println!("[test] cargo printed no `test result:` line"),
     }
+    let recap = Recap {
+        failed_tests: seen.failed_tests.clone(),
+        panics: seen.panics.clone(),
+    };
     drop(seen);
     // The fuzz targets run even after a failed test, so one run reports both.
     let fuzzed = if with_fuzz {
@@ -141,6 +145,7 @@ pub fn run(extra: &[String], with_fuzz: bool, with_vm: bool) -> Result<()> {
         None
     };
     if !status.success() {
+        recap.print();
         bail!("cargo test failed ({status})");
     }
     if let Some(Err(e)) = fuzzed {
@@ -155,12 +160,40 @@ pub fn run(extra: &[String], with_fuzz: bool, with_vm: bool) -> Result<()> {
     Ok(())
 }
 
+/// The host tests' failures, printed again at the very end of the run.
+struct Recap {
+    failed_tests: Vec<String>,
+    panics: Vec<String>,
+}
+
+impl Recap {
+    fn print(&self) {
+        println!();
+        println!("[test] ---- the host tests' failures, again ----");
+        if self.failed_tests.is_empty() {
+            println!("[test] no `... FAILED` line was seen (a build error or a crashed harness?)");
+        }
+        for t in &self.failed_tests {
+            println!("[test] {t}");
+        }
+        for p in &self.panics {
+            println!("[test] {p}");
+        }
+    }
+}
+
 #[derive(Default)]
 struct Seen {
     results: Vec<String>,
     failed_lines: Vec<String>,
     skipped: Vec<String>,
     in_failed: bool,
+    /// `test NAME ... FAILED` lines, and the first line of each panic, so the
+    /// last lines of a long CI log say what failed (a CI page often shows
+    /// only its tail, and the summary is followed by the fuzz and VM runs).
+    failed_tests: Vec<String>,
+    panics: Vec<String>,
+    panic_tail: usize,
 }
 
 /// `N` from "... N <what>; ..." in a libtest result line.
@@ -217,6 +250,22 @@ fn pump(src: impl std::io::Read, is_err: bool, seen: &Mutex<Seen>) {
             seen.failed_lines.push(line.clone());
         } else {
             seen.in_failed = false;
+        }
+        if line.starts_with("test ") && line.ends_with("... FAILED") {
+            seen.failed_tests.push(line.clone());
+        }
+        // The panic's message follows its `panicked at` line; keep a few lines.
+        if seen.panic_tail > 0 {
+            seen.panic_tail -= 1;
+            if line.is_empty() || line.starts_with("note: ") {
+                seen.panic_tail = 0;
+            } else {
+                seen.panics.push(format!("    {line}"));
+            }
+        }
+        if line.starts_with("thread '") && line.contains("panicked at") && seen.panics.len() < 60 {
+            seen.panics.push(line.clone());
+            seen.panic_tail = 4;
         }
         if let Some(i) = line.find("SKIPPED (needs root") {
             seen.skipped.push(line[i..].to_string());
