@@ -350,6 +350,46 @@ fn unwind_native_chain_without_frame_pointers() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Code built with `-fno-asynchronous-unwind-tables -g` has its unwind
+/// tables in `.debug_frame` only; its `.eh_frame` holds the C runtime's
+/// few entries. The same 12-deep chain without frame pointers is unwound
+/// from `.debug_frame`.
+#[test]
+fn unwind_native_chain_from_debug_frame() {
+    require_privileges!();
+    let exe = fixtures().deepstack_debug_frame.clone();
+    // The fixture is what this test needs: tables for its functions in
+    // `.debug_frame`, and an `.eh_frame` that does not hold them.
+    let img = dynprof::symbols::ElfImage::open(&exe).unwrap();
+    let file = img.file();
+    use object::{Object as _, ObjectSection as _};
+    let size = |n: &str| file.section_by_name(n).map_or(0, |s| s.size());
+    assert!(
+        size(".debug_frame") > size(".eh_frame"),
+        ".debug_frame {} bytes, .eh_frame {} bytes",
+        size(".debug_frame"),
+        size(".eh_frame")
+    );
+    let dir = scratch_dir("unwind_native_chain_from_debug_frame");
+    let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20"]));
+    let chain = expected_chain();
+    let unwound = cpu_window(p.pid, &dir.join("unwound"), None);
+    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
+    let (full, total) = chain_share(&unwound, &chain, in_user);
+    eprintln!("from .debug_frame: {full} of {total} user-mode samples show the whole chain");
+    for (s, n) in &unwound {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    assert!(total >= 40, "too few user-mode samples: {unwound:?}");
+    assert!(
+        full as f64 >= 0.8 * total as f64,
+        "{full} of {total} user-mode samples show {}",
+        chain.join(";")
+    );
+    p.terminate();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Debian's torch 1.13 job (`tests/fixtures/torch_train.py`): libpython
 /// and libtorch are built without frame pointers. With the stack copy,
 /// most samples are at least 12 user frames deep with a named torch frame;

@@ -86,6 +86,9 @@ pub struct Fixtures {
     pub pingpong: PathBuf,
     /// 12 calls deep without frame pointers (tests/unwind_native.rs).
     pub deepstack: PathBuf,
+    /// The same, built with `-fno-asynchronous-unwind-tables`: its
+    /// functions' tables are in `.debug_frame` only.
+    pub deepstack_debug_frame: PathBuf,
     /// Python scripts (run them with [`PYTHON3`]; see [`Fixtures::python`]).
     pub usdt_train_py: PathBuf,
     pub torch_train_py: PathBuf,
@@ -167,6 +170,7 @@ fn fixtures_in(dir: PathBuf, src_dir: PathBuf) -> Result<Fixtures> {
         libfixture_marker: dir.join("libfixture_marker.so"),
         pingpong: dir.join("pingpong"),
         deepstack: dir.join("deepstack"),
+        deepstack_debug_frame: dir.join("deepstack_debug_frame"),
         usdt_train_py: src_dir.join("usdt_train.py"),
         torch_train_py: src_dir.join("torch_train.py"),
         dir,
@@ -181,6 +185,7 @@ fn fixtures_in(dir: PathBuf, src_dir: PathBuf) -> Result<Fixtures> {
         &f.dlopen_trainer,
         &f.libfixture_marker,
         &f.deepstack,
+        &f.deepstack_debug_frame,
         &f.usdt_train_py,
         &f.torch_train_py,
     ] {

@@ -135,10 +135,12 @@ const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
     // stack (5.10 has no bpf_task_pt_regs), as on a Kunpeng host running
     // openEuler 22.03. And the vDSO: under arm64 TCG its clock reads the
     // generic timer from user mode (on x86-64 TCG it is a system call).
+    // And `.debug_frame` (built with -fno-asynchronous-unwind-tables).
     (
         "unwind_native",
         &[
             "unwind_native_chain_without_frame_pointers",
+            "unwind_native_chain_from_debug_frame",
             "unwind_native_kernel_mode_samples_keep_their_user_stack",
             "unwind_native_through_the_vdso",
         ],

@@ -317,7 +317,14 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
             }
             continue;
         };
-        if (name == b".eh_frame" || name == b".eh_frame_hdr") && size <= limits::EH_FRAME {
+        // `.debug_frame` too: code built with -fno-asynchronous-unwind-tables
+        // and -g has its tables only there (`unwind_sections` picks). Not
+        // when compressed: dynprof reads no compressed sections.
+        let compressed = h.sh_flags(endian).into() & u64::from(elf::SHF_COMPRESSED) != 0;
+        if (name == b".eh_frame" || name == b".eh_frame_hdr" || name == b".debug_frame")
+            && size <= limits::EH_FRAME
+            && !compressed
+        {
             wanted.push(("unwind table", off, size, limits::EH_FRAME));
         }
         if name == b".gnu_debuglink" && size <= limits::DEBUGLINK {
@@ -442,11 +449,53 @@ fn parse_debuglink(data: &[u8], little_endian: bool) -> Option<DebugLink> {
 /// a mapping into a section address.
 #[derive(Clone, Debug)]
 pub struct UnwindSections {
-    pub eh_frame: (std::ops::Range<u64>, Vec<u8>),
-    pub eh_frame_hdr: Option<(std::ops::Range<u64>, Vec<u8>)>,
+    pub cfi: Cfi,
     pub text: Option<std::ops::Range<u64>>,
     /// (file offset, file size, virtual address) of each loadable segment.
     pub load_segments: Vec<(u64, u64, u64)>,
+}
+
+/// The one table of call frame information a file is unwound with
+/// (framehop reads one per module).
+#[derive(Clone, Debug)]
+pub enum Cfi {
+    /// `.eh_frame` at its section addresses, with its binary-search index
+    /// `.eh_frame_hdr` where the file has one.
+    EhFrame {
+        eh_frame: (std::ops::Range<u64>, Vec<u8>),
+        hdr: Option<(std::ops::Range<u64>, Vec<u8>)>,
+    },
+    /// `.debug_frame` (not loaded; its FDEs hold absolute addresses).
+    DebugFrame(Vec<u8>),
+}
+
+impl Cfi {
+    /// Which of a file's tables to unwind it with. Code built with
+    /// `-fno-asynchronous-unwind-tables -g` has its functions' tables in
+    /// `.debug_frame`, while its `.eh_frame` still holds the C runtime's few
+    /// entries (`_start`); a compiler that emits both for the same code
+    /// emits the same rules. So the larger table is the one that covers the
+    /// code (`.debug_frame`'s FDEs are larger, so a tie goes to it too, and
+    /// that choice is also complete).
+    pub fn choose(
+        eh_frame: Option<(std::ops::Range<u64>, Vec<u8>)>,
+        hdr: Option<(std::ops::Range<u64>, Vec<u8>)>,
+        debug_frame: Option<Vec<u8>>,
+    ) -> Option<Cfi> {
+        match (eh_frame, debug_frame) {
+            (Some(e), Some(d)) if d.len() > e.1.len() => Some(Cfi::DebugFrame(d)),
+            (Some(e), _) => Some(Cfi::EhFrame { eh_frame: e, hdr }),
+            (None, Some(d)) => Some(Cfi::DebugFrame(d)),
+            (None, None) => None,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Cfi::EhFrame { .. } => ".eh_frame",
+            Cfi::DebugFrame(_) => ".debug_frame",
+        }
+    }
 }
 
 impl UnwindSections {
@@ -585,13 +634,16 @@ impl ElfImage {
             let data = s.data().ok().filter(|d| !d.is_empty())?;
             Some((s.address()..s.address() + s.size(), data.to_vec()))
         };
-        let eh_frame = section(".eh_frame")?;
+        let cfi = Cfi::choose(
+            section(".eh_frame"),
+            section(".eh_frame_hdr"),
+            section(".debug_frame").map(|d| d.1),
+        )?;
         let text = file
             .section_by_name(".text")
             .map(|s| s.address()..s.address() + s.size());
         Some(UnwindSections {
-            eh_frame,
-            eh_frame_hdr: section(".eh_frame_hdr"),
+            cfi,
             text,
             load_segments: self.load_segments(),
         })

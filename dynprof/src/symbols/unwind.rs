@@ -1,4 +1,4 @@
-//! Native unwinding of a user-stack copy from `.eh_frame`, for code built
+//! Native unwinding of a user-stack copy from `.eh_frame` (or `.debug_frame`), for code built
 //! without frame pointers (distribution libpython, libtorch, OpenBLAS).
 //!
 //! The `cpu` program sends the user registers and the top
@@ -15,7 +15,7 @@ use framehop::{FrameAddress, Module, Unwinder as _};
 
 pub use dynprof_common::unwind::{STACK_COPY_MAX, STACK_COPY_MIN};
 
-use super::elf::UnwindSections;
+use super::elf::{Cfi, UnwindSections};
 
 /// Environment variable: the largest stack copy per sample in KiB
 /// (default 16, at most 16; 0 turns the copy, and so unwinding without
@@ -116,15 +116,20 @@ pub fn module(
     // is mapped at, and looks addresses up relative to it in 32 bits.
     let bias = avma.start.checked_sub(svma_at_start)?;
     let arc = |v: &Vec<u8>| -> Arc<[u8]> { Arc::from(v.as_slice()) };
-    let info = framehop::ExplicitModuleSectionInfo {
+    let mut info = framehop::ExplicitModuleSectionInfo {
         base_svma: 0,
         text_svma: s.text.clone(),
-        eh_frame_svma: Some(s.eh_frame.0.clone()),
-        eh_frame: Some(arc(&s.eh_frame.1)),
-        eh_frame_hdr_svma: s.eh_frame_hdr.as_ref().map(|h| h.0.clone()),
-        eh_frame_hdr: s.eh_frame_hdr.as_ref().map(|h| arc(&h.1)),
         ..Default::default()
     };
+    match &s.cfi {
+        Cfi::EhFrame { eh_frame, hdr } => {
+            info.eh_frame_svma = Some(eh_frame.0.clone());
+            info.eh_frame = Some(arc(&eh_frame.1));
+            info.eh_frame_hdr_svma = hdr.as_ref().map(|h| h.0.clone());
+            info.eh_frame_hdr = hdr.as_ref().map(|h| arc(&h.1));
+        }
+        Cfi::DebugFrame(d) => info.debug_frame = Some(arc(d)),
+    }
     Some(Module::new(name.to_string(), avma, bias, info))
 }
 
