@@ -350,10 +350,10 @@ fn unwind_native_chain_without_frame_pointers() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Code built with `-fno-asynchronous-unwind-tables -g` has its unwind
-/// tables in `.debug_frame` only; its `.eh_frame` holds the C runtime's
-/// few entries. The same 12-deep chain without frame pointers is unwound
-/// from `.debug_frame`.
+/// Code built with `-fno-unwind-tables -fno-asynchronous-unwind-tables
+/// -g` has its unwind tables in `.debug_frame` only; its `.eh_frame` holds
+/// the C runtime's few entries. The same 12-deep chain without frame
+/// pointers is unwound from `.debug_frame`.
 #[test]
 fn unwind_native_chain_from_debug_frame() {
     require_privileges!();

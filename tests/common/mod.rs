@@ -86,7 +86,8 @@ pub struct Fixtures {
     pub pingpong: PathBuf,
     /// 12 calls deep without frame pointers (tests/unwind_native.rs).
     pub deepstack: PathBuf,
-    /// The same, built with `-fno-asynchronous-unwind-tables`: its
+    /// The same, built with `-fno-unwind-tables
+    /// -fno-asynchronous-unwind-tables`: its
     /// functions' tables are in `.debug_frame` only.
     pub deepstack_debug_frame: PathBuf,
     /// Python scripts (run them with [`PYTHON3`]; see [`Fixtures::python`]).

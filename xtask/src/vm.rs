@@ -135,7 +135,9 @@ const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
     // stack (5.10 has no bpf_task_pt_regs), as on a Kunpeng host running
     // openEuler 22.03. And the vDSO: under arm64 TCG its clock reads the
     // generic timer from user mode (on x86-64 TCG it is a system call).
-    // And `.debug_frame` (built with -fno-asynchronous-unwind-tables).
+    // And `.debug_frame` (built with -fno-unwind-tables
+    // -fno-asynchronous-unwind-tables: arm64 gcc emits .eh_frame without
+    // the first).
     (
         "unwind_native",
         &[

@@ -317,9 +317,10 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
             }
             continue;
         };
-        // `.debug_frame` too: code built with -fno-asynchronous-unwind-tables
-        // and -g has its tables only there (`unwind_sections` picks). Not
-        // when compressed: dynprof reads no compressed sections.
+        // `.debug_frame` too: code built with -fno-unwind-tables
+        // -fno-asynchronous-unwind-tables and -g has its tables only there
+        // (`unwind_sections` picks). Not when compressed: dynprof reads no
+        // compressed sections.
         let compressed = h.sh_flags(endian).into() & u64::from(elf::SHF_COMPRESSED) != 0;
         if (name == b".eh_frame" || name == b".eh_frame_hdr" || name == b".debug_frame")
             && size <= limits::EH_FRAME
@@ -471,9 +472,9 @@ pub enum Cfi {
 
 impl Cfi {
     /// Which of a file's tables to unwind it with. Code built with
-    /// `-fno-asynchronous-unwind-tables -g` has its functions' tables in
-    /// `.debug_frame`, while its `.eh_frame` still holds the C runtime's few
-    /// entries (`_start`); a compiler that emits both for the same code
+    /// `-fno-unwind-tables -fno-asynchronous-unwind-tables -g` has its
+    /// functions' tables in `.debug_frame`, while its `.eh_frame` still
+    /// holds the C runtime's few entries (`_start`); a compiler that emits both for the same code
     /// emits the same rules. So the larger table is the one that covers the
     /// code (`.debug_frame`'s FDEs are larger, so a tie goes to it too, and
     /// that choice is also complete).

@@ -32,16 +32,30 @@ const SIGTERM: i32 = 15;
 
 /// Voluntary context switches of all of `pid`'s threads.
 fn switches(pid: u32) -> u64 {
+    ctxt_switches(pid, &["voluntary_ctxt_switches:"])
+}
+
+/// All context switches (voluntary and not) of `pid`'s threads: each is
+/// one switch-out the sched_switch program takes stacks at.
+fn all_switches(pid: u32) -> u64 {
+    ctxt_switches(
+        pid,
+        &["voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:"],
+    )
+}
+
+fn ctxt_switches(pid: u32, keys: &[&str]) -> u64 {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return 0;
     };
     tasks
         .flatten()
         .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
-        .filter_map(|s| {
+        .map(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
-                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter_map(|l| keys.iter().find_map(|k| l.strip_prefix(k)))
+                .filter_map(|v| v.trim().parse::<u64>().ok())
+                .sum::<u64>()
         })
         .sum()
 }
@@ -108,8 +122,22 @@ fn window(ctx: &Ctx, pid: u32, log: &Path, n: usize, copy: bool) -> Result<Windo
     dp.wait_event(Duration::from_secs(60), "attached")?;
     let at = log_steps(log).len();
     let c0 = procs::cpu_ns(dp.pid()).unwrap_or(0);
+    let bpf0 = procs::bpf_prog_stats(dp.pid(), procs::PROG_TYPE_TRACEPOINT);
+    let sw0 = all_switches(pid);
     dp.wait_event(Duration::from_secs(300), "window")?;
+    let bpf1 = procs::bpf_prog_stats(dp.pid(), procs::PROG_TYPE_TRACEPOINT);
+    let sw1 = all_switches(pid);
     let dp_ns = procs::cpu_ns(dp.pid()).unwrap_or(0).saturating_sub(c0) as f64;
+    // The program's own run time over attached → window written (the gate
+    // is shut outside the window: those runs exit early), per switch-out
+    // of the target and per run (every switch on the machine runs it).
+    let prog = match (bpf0, bpf1) {
+        (Some((t0, n0)), Some((t1, n1))) if n1 > n0 && sw1 > sw0 => Some((
+            (t1 - t0) as f64 / (sw1 - sw0) as f64,
+            (t1 - t0) as f64 / (n1 - n0) as f64,
+        )),
+        _ => None,
+    };
     dp.wait_exit(Duration::from_secs(300))?;
     let _ = std::fs::remove_dir_all(&out);
     // The window opens at the boundary after `attached` and holds n steps;
@@ -118,6 +146,7 @@ fn window(ctx: &Ctx, pid: u32, log: &Path, n: usize, copy: bool) -> Result<Windo
     Ok(Window {
         step_ns: step,
         dynprof_ns_per_step: dp_ns / n as f64,
+        prog,
     })
 }
 
@@ -127,13 +156,41 @@ struct Window {
     step_ns: f64,
     /// dynprof's own CPU from `attached` to the window written, per step.
     dynprof_ns_per_step: f64,
+    /// The sched_switch program's run time (kernel bpf_stats) per
+    /// switch-out of the target, and per run.
+    prog: Option<(f64, f64)>,
 }
 
 pub fn run(ctx: &Ctx) -> Result<Section> {
-    let log = ctx.work.join("offcpu-pingpong.log");
+    let _stats = procs::BpfStats::on("offcpu");
+    let mut s = Section::new("");
+    for pinned in [false, true] {
+        s.figures.extend(placement(ctx, pinned)?);
+    }
+    Ok(s)
+}
+
+/// The section's figures for one placement of pingpong's two threads:
+/// where the scheduler puts them, or both on CPU 1 (`taskset -c 1`). On
+/// this machine a wakeup that must bring an idle vCPU out of halt costs
+/// tens of µs (the guest's haltpoll governor does not poll), so while the
+/// threads sit on two CPUs a step is many times slower than while they
+/// share one; which of the two a stretch gets depends on whatever else
+/// wakes up, dynprof included. Pinned, every switch is between the two
+/// threads on one CPU, and the step time shows the window's own cost.
+fn placement(ctx: &Ctx, pinned: bool) -> Result<Vec<Figure>> {
+    let tag = if pinned { "_pinned" } else { "" };
+    let log = ctx.work.join(format!("offcpu-pingpong{tag}.log"));
     let _ = std::fs::remove_file(&log);
-    let mut cmd = Command::new(ctx.fixtures.join("pingpong"));
+    let mut cmd = if pinned {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "1"]).arg(ctx.fixtures.join("pingpong"));
+        c
+    } else {
+        Command::new(ctx.fixtures.join("pingpong"))
+    };
     cmd.args(["--rounds", ROUNDS, "--log"]).arg(&log);
+    // taskset execs pingpong: the child's pid is pingpong's.
     let mut pp = Proc::spawn("pingpong", &mut cmd)?;
     let pid = pp.pid();
     let n = if ctx.quick() { 20 } else { 60 };
@@ -161,11 +218,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 let w = window(ctx, pid, &log, n, copy)?;
                 bare_stretch(&mut bare)?;
                 let b = (bare[bare.len() - 2] + bare[bare.len() - 1]) / 2.0;
-                if copy { &mut unwind } else { &mut fp }.push((
-                    w.step_ns,
-                    b,
-                    w.dynprof_ns_per_step,
-                ));
+                if copy { &mut unwind } else { &mut fp }.push((w, b));
             }
         }
         Ok((unwind, fp, per_step_switches))
@@ -174,59 +227,104 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let _ = pp.wait_exit(Duration::from_secs(10));
     let (unwind, fp, sw) = r?;
     let sw_step = stats::median(&sw).unwrap_or(f64::NAN);
+    let place = if pinned {
+        "threads pinned to one CPU"
+    } else {
+        "threads placed by the scheduler"
+    };
     say(format!(
-        "offcpu: {sw_step:.0} voluntary switches per step; unwind (window, bare) {unwind:?}; fp {fp:?}"
+        "offcpu ({place}): {sw_step:.0} voluntary switches per step; unwind (window step ns, bare step ns) {:?}; fp {:?}",
+        unwind
+            .iter()
+            .map(|(w, b)| (w.step_ns, *b))
+            .collect::<Vec<_>>(),
+        fp.iter().map(|(w, b)| (w.step_ns, *b)).collect::<Vec<_>>(),
     ));
-    type Runs = [(f64, f64, f64)];
+    type Runs = [(Window, f64)];
     let per_switch =
-        |v: &Runs| -> Vec<f64> { v.iter().map(|(w, b, _)| (w - b) / sw_step).collect() };
-    let ratio = |v: &Runs| -> Vec<f64> { v.iter().map(|(w, b, _)| w / b).collect() };
-    let dp_per_switch = |v: &Runs| -> Vec<f64> { v.iter().map(|(_, _, d)| d / sw_step).collect() };
-    let mut s = Section::new("");
-    s.figures.push(
+        |v: &Runs| -> Vec<f64> { v.iter().map(|(w, b)| (w.step_ns - b) / sw_step).collect() };
+    let ratio = |v: &Runs| -> Vec<f64> { v.iter().map(|(w, b)| w.step_ns / b).collect() };
+    let dp_per_switch = |v: &Runs| -> Vec<f64> {
+        v.iter()
+            .map(|(w, _)| w.dynprof_ns_per_step / sw_step)
+            .collect()
+    };
+    let mut figs = vec![
         Figure::new(
-            "offcpu_switches_per_step",
-            "pingpong: voluntary context switches per step (bare)",
+            &format!("offcpu_switches_per_step{tag}"),
+            &format!("pingpong ({place}): voluntary context switches per step (bare)"),
             Unit::Count,
             Goal::Info,
             "",
         )
         .samples(sw.clone()),
-    );
+    ];
     for (key, what, v) in [
         ("unwind", "with the user-stack copy (unwinding)", &unwind),
         ("fp", "frame pointers only (DYNPROF_STACK_COPY_KB=0)", &fp),
     ] {
-        s.figures.push(
+        figs.push(
             Figure::new(
-                &format!("offcpu_step_ratio_{key}"),
-                &format!("off-CPU window {what}: step time ÷ bare"),
+                &format!("offcpu_step_ratio_{key}{tag}"),
+                &format!("off-CPU window {what}, {place}: step time ÷ bare"),
                 Unit::Ratio,
                 Goal::Info,
                 "",
             )
             .samples(ratio(v)),
         );
-        s.figures.push(
+        figs.push(
             Figure::new(
-                &format!("offcpu_switch_ns_{key}"),
-                &format!("off-CPU window {what}: added per context switch"),
+                &format!("offcpu_switch_ns_{key}{tag}"),
+                &format!("off-CPU window {what}, {place}: added per context switch"),
                 Unit::Ns,
                 Goal::Info,
                 "",
             )
             .samples(per_switch(v)),
         );
-        s.figures.push(
+        figs.push(
             Figure::new(
-                &format!("offcpu_dynprof_ns_per_switch_{key}"),
-                &format!("off-CPU window {what}: dynprof's own CPU per switch (attach included)"),
+                &format!("offcpu_dynprof_ns_per_switch_{key}{tag}"),
+                &format!(
+                    "off-CPU window {what}, {place}: dynprof's own CPU per switch (attach included)"
+                ),
                 Unit::Ns,
                 Goal::Info,
                 "",
             )
             .samples(dp_per_switch(v)),
         );
+        let prog: Vec<(f64, f64)> = v.iter().filter_map(|(w, _)| w.prog).collect();
+        let mut f = Figure::new(
+            &format!("offcpu_prog_ns_per_switch_{key}{tag}"),
+            &format!(
+                "off-CPU window {what}, {place}: sched_switch program run time per switch-out of the target (kernel bpf_stats)"
+            ),
+            Unit::Ns,
+            Goal::Info,
+            "",
+        );
+        if prog.is_empty() {
+            f = f.missing("no run_time_ns in dynprof's program fdinfo (kernel.bpf_stats_enabled could not be set?)");
+        } else {
+            f = f.samples(prog.iter().map(|p| p.0).collect());
+        }
+        figs.push(f);
+        if !prog.is_empty() {
+            figs.push(
+                Figure::new(
+                    &format!("offcpu_prog_ns_per_run_{key}{tag}"),
+                    &format!(
+                        "off-CPU window {what}, {place}: sched_switch program run time per run (every switch on the machine)"
+                    ),
+                    Unit::Ns,
+                    Goal::Info,
+                    "",
+                )
+                .samples(prog.iter().map(|p| p.1).collect()),
+            );
+        }
     }
-    Ok(s)
+    Ok(figs)
 }

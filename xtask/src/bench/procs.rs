@@ -323,3 +323,66 @@ pub fn read_trimmed(p: impl AsRef<Path>) -> Option<String> {
         .ok()
         .map(|s| s.trim().to_string())
 }
+
+/// `BPF_PROG_TYPE_PERF_EVENT` in a program fd's fdinfo: dynprof's only
+/// program of that type is the cpu sampler.
+pub const PROG_TYPE_PERF_EVENT: &str = "7";
+/// `BPF_PROG_TYPE_TRACEPOINT`: dynprof's only one is the off-CPU
+/// collector's sched_switch program.
+pub const PROG_TYPE_TRACEPOINT: &str = "5";
+
+/// The kernel's total run time (ns) and run count of `pid`'s BPF programs
+/// of `prog_type`, from its fds' fdinfo (with `kernel.bpf_stats_enabled`).
+pub fn bpf_prog_stats(pid: u32, prog_type: &str) -> Option<(u64, u64)> {
+    let mut found = None;
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .ok()?
+        .flatten()
+    {
+        let Ok(text) = std::fs::read_to_string(e.path()) else {
+            continue;
+        };
+        let field = |k: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(k)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        if field("prog_type") != Some(prog_type) {
+            continue;
+        }
+        let (Some(t), Some(n)) = (
+            field("run_time_ns").and_then(|v| v.parse::<u64>().ok()),
+            field("run_cnt").and_then(|v| v.parse::<u64>().ok()),
+        ) else {
+            continue;
+        };
+        let (t0, n0) = found.unwrap_or((0, 0));
+        found = Some((t0 + t, n0 + n));
+    }
+    found
+}
+
+/// Turns the kernel's BPF run-time statistics on while alive, and back to
+/// what they were after.
+pub struct BpfStats(Option<String>);
+
+impl BpfStats {
+    const PATH: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    pub fn on(section: &str) -> Self {
+        let old = std::fs::read_to_string(Self::PATH).ok();
+        if std::fs::write(Self::PATH, "1").is_err() {
+            super::say(format!(
+                "{section}: could not turn kernel.bpf_stats_enabled on; no BPF run times"
+            ));
+        }
+        Self(old)
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        if let Some(v) = &self.0 {
+            let _ = std::fs::write(Self::PATH, v.trim());
+        }
+    }
+}

@@ -46,64 +46,6 @@ const CONDS: [&str; 7] = [
     "pyspy_native",
     "sampling_other",
 ];
-/// `BPF_PROG_TYPE_PERF_EVENT` in a program fd's fdinfo: dynprof's only
-/// program of that type is the cpu sampler.
-const PERF_EVENT_PROG_TYPE: &str = "7";
-
-/// The kernel's total run time of `pid`'s perf-event BPF programs (ns) and
-/// their run count, from its fds' fdinfo (with `kernel.bpf_stats_enabled`).
-fn perf_prog_stats(pid: u32) -> Option<(u64, u64)> {
-    let mut found = None;
-    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
-        .ok()?
-        .flatten()
-    {
-        let Ok(text) = std::fs::read_to_string(e.path()) else {
-            continue;
-        };
-        let field = |k: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(k)?.strip_prefix(':'))
-                .map(str::trim)
-        };
-        if field("prog_type") != Some(PERF_EVENT_PROG_TYPE) {
-            continue;
-        }
-        let (Some(t), Some(n)) = (
-            field("run_time_ns").and_then(|v| v.parse::<u64>().ok()),
-            field("run_cnt").and_then(|v| v.parse::<u64>().ok()),
-        ) else {
-            continue;
-        };
-        let (t0, n0) = found.unwrap_or((0, 0));
-        found = Some((t0 + t, n0 + n));
-    }
-    found
-}
-
-/// Turns the kernel's BPF run-time statistics on while alive, and back to
-/// what they were after.
-struct BpfStats(Option<String>);
-
-impl BpfStats {
-    const PATH: &str = "/proc/sys/kernel/bpf_stats_enabled";
-    fn on() -> Self {
-        let old = std::fs::read_to_string(Self::PATH).ok();
-        if std::fs::write(Self::PATH, "1").is_err() {
-            say("stacks: could not turn kernel.bpf_stats_enabled on; no BPF run times");
-        }
-        Self(old)
-    }
-}
-
-impl Drop for BpfStats {
-    fn drop(&mut self) {
-        if let Some(v) = &self.0 {
-            let _ = std::fs::write(Self::PATH, v.trim());
-        }
-    }
-}
-
 /// `run MODE N` → (wall ns, thread CPU ns).
 fn run_steps(py: &mut Proc, mode: &str, n: u64) -> Result<(f64, f64)> {
     py.send(&format!("run {mode} {n}"))?;
@@ -173,10 +115,10 @@ fn dynprof_window(ctx: &Ctx, py: &mut Proc, n: u64, copy: bool, python: bool) ->
         .arg(&out);
     let mut dp = Proc::spawn("dynprof attach --collect cpu", &mut cmd)?;
     dp.wait_event(Duration::from_secs(60), "attached")?;
-    let bpf0 = perf_prog_stats(dp.pid());
+    let bpf0 = procs::bpf_prog_stats(dp.pid(), procs::PROG_TYPE_PERF_EVENT);
     let (wall, cpu) = run_steps(py, "bare", n)?;
     let dp_cpu = procs::cpu_ns(dp.pid()).unwrap_or(0) as f64;
-    let bpf1 = perf_prog_stats(dp.pid());
+    let bpf1 = procs::bpf_prog_stats(dp.pid(), procs::PROG_TYPE_PERF_EVENT);
     let _ = dp.stop(Duration::from_secs(120));
     let dir = dp
         .events("window")
@@ -236,7 +178,7 @@ fn sampling_other(ctx: &Ctx, py: &mut Proc, n: u64) -> Result<(f64, f64)> {
 }
 
 pub fn run(ctx: &Ctx) -> Result<Section> {
-    let _stats = BpfStats::on();
+    let _stats = procs::BpfStats::on("stacks");
     let mut py = start_torch(ctx, 200)?;
     let (w, _) = run_steps(&mut py, "bare", 200)?;
     let seg_s = if ctx.quick() { 1.0 } else { 3.0 };
