@@ -3,17 +3,20 @@
 //! with frame-pointer stacks only (`DYNPROF_STACK_COPY_KB=0`).
 //!
 //! The target is tests/fixtures/pingpong: two threads bounce a byte over
-//! pipes, so every round trip blocks each thread once, and one step is
-//! `ROUNDS` round trips. Interleaved in one run: B U B F B U B F … B, where
-//! B is a bare stretch of steps (nothing attached), U a window
-//! `--collect offcpu` with the copy, F the same with frame pointers only.
-//! Each attached stretch is compared with the mean of the bare stretches
-//! around it. Step durations come from the fixture's own log
-//! (CLOCK_MONOTONIC before and after each step); switches per step from
-//! the kernel's `voluntary_ctxt_switches` of the target's threads over the
-//! bare stretches. The cost per switch is (window step − bare step) ÷
-//! switches per step: the sched_switch program, the ring, and dynprof's
-//! consumer competing for the 2 cores, i.e. what the target feels.
+//! pipes, so every round trip switches twice, and one step is `ROUNDS`
+//! round trips. Interleaved in one run: B U B F B U B F … B, where B is a
+//! bare stretch of steps (nothing attached), U a window `--collect offcpu`
+//! with the copy, F the same with frame pointers only. Each attached
+//! stretch is compared with the mean of the bare stretches around it.
+//! Step durations come from the fixture's own log (CLOCK_MONOTONIC before
+//! and after each step); switches per step from the kernel's voluntary and
+//! involuntary switch counts of the target's threads over the bare
+//! stretches. The cost per switch is (window step − bare step) ÷ switches
+//! per step: the sched_switch program, the ring, and dynprof's consumer
+//! competing for the 2 cores, i.e. what the target feels. The program's own
+//! share comes from the kernel's bpf_stats. All of it twice: with the
+//! threads where the scheduler puts them, and pinned to one CPU
+//! ([`placement`] says why).
 
 use std::{path::Path, process::Command, time::Duration};
 
@@ -30,13 +33,10 @@ use super::{
 const ROUNDS: &str = "2000";
 const SIGTERM: i32 = 15;
 
-/// Voluntary context switches of all of `pid`'s threads.
-fn switches(pid: u32) -> u64 {
-    ctxt_switches(pid, &["voluntary_ctxt_switches:"])
-}
-
-/// All context switches (voluntary and not) of `pid`'s threads: each is
-/// one switch-out the sched_switch program takes stacks at.
+/// All context switches of `pid`'s threads, voluntary and not: each is
+/// one switch-out the sched_switch program takes stacks at. (In a ping-
+/// pong about half are involuntary: the woken thread preempts its waker
+/// before the waker blocks.)
 fn all_switches(pid: u32) -> u64 {
     ctxt_switches(
         pid,
@@ -122,15 +122,22 @@ fn window(ctx: &Ctx, pid: u32, log: &Path, n: usize, copy: bool) -> Result<Windo
     dp.wait_event(Duration::from_secs(60), "attached")?;
     let at = log_steps(log).len();
     let c0 = procs::cpu_ns(dp.pid()).unwrap_or(0);
+    // The program's own run time over the window's middle steps (from the
+    // log: the window opens at the first boundary after `attached`). Not
+    // over attached → window written: outside the window the gate is shut
+    // and the runs exit early, and once the window is written the program
+    // no longer runs while the target goes on switching at its bare rate.
+    wait_steps(log, 0, at + 3)?;
     let bpf0 = procs::bpf_prog_stats(dp.pid(), procs::PROG_TYPE_TRACEPOINT);
     let sw0 = all_switches(pid);
-    dp.wait_event(Duration::from_secs(300), "window")?;
+    wait_steps(log, 0, at + n - 3)?;
     let bpf1 = procs::bpf_prog_stats(dp.pid(), procs::PROG_TYPE_TRACEPOINT);
     let sw1 = all_switches(pid);
+    dp.wait_event(Duration::from_secs(300), "window")?;
     let dp_ns = procs::cpu_ns(dp.pid()).unwrap_or(0).saturating_sub(c0) as f64;
-    // The program's own run time over attached → window written (the gate
-    // is shut outside the window: those runs exit early), per switch-out
-    // of the target and per run (every switch on the machine runs it).
+    // Per switch-out of the target and per run (every switch on the
+    // machine runs it, and one run serves both the thread switched out and
+    // the one switched in).
     let prog = match (bpf0, bpf1) {
         (Some((t0, n0)), Some((t1, n1))) if n1 > n0 && sw1 > sw0 => Some((
             (t1 - t0) as f64 / (sw1 - sw0) as f64,
@@ -201,9 +208,9 @@ fn placement(ctx: &Ctx, pinned: bool) -> Result<Vec<Figure>> {
         let mut per_step_switches = Vec::new();
         let mut bare_stretch = |bare: &mut Vec<f64>| -> Result<()> {
             let from = log_steps(&log).len();
-            let s0 = switches(pid);
+            let s0 = all_switches(pid);
             let to = wait_steps(&log, from, n)?;
-            let s1 = switches(pid);
+            let s1 = all_switches(pid);
             let k = log_steps(&log);
             let steps = (to - from) as f64;
             per_step_switches.push((s1 - s0) as f64 / steps);
@@ -233,7 +240,7 @@ fn placement(ctx: &Ctx, pinned: bool) -> Result<Vec<Figure>> {
         "threads placed by the scheduler"
     };
     say(format!(
-        "offcpu ({place}): {sw_step:.0} voluntary switches per step; unwind (window step ns, bare step ns) {:?}; fp {:?}",
+        "offcpu ({place}): {sw_step:.0} context switches per step; unwind (window step ns, bare step ns) {:?}; fp {:?}",
         unwind
             .iter()
             .map(|(w, b)| (w.step_ns, *b))
@@ -252,7 +259,7 @@ fn placement(ctx: &Ctx, pinned: bool) -> Result<Vec<Figure>> {
     let mut figs = vec![
         Figure::new(
             &format!("offcpu_switches_per_step{tag}"),
-            &format!("pingpong ({place}): voluntary context switches per step (bare)"),
+            &format!("pingpong ({place}): context switches per step, voluntary and not (bare)"),
             Unit::Count,
             Goal::Info,
             "",
