@@ -281,6 +281,32 @@ fn has_chain(stack: &[String], chain: &[String]) -> bool {
     stack.windows(chain.len()).any(|w| w == chain)
 }
 
+/// The chain fixture's window (`cpu_window`, 50 steps at 499 Hz): at
+/// least 80 % of its user-mode samples show the whole chain. Samples taken
+/// in the kernel (`_[k]` frames: a syscall, or the vDSO's clock_gettime
+/// falling back to one, as it does in a TCG VM) are left out: their user
+/// registers need bpf_task_pt_regs (docs/stacks.md), and the kernel-mode
+/// tests judge them.
+fn assert_user_mode_chain(what: &str, unwound: &[(Vec<String>, u64)]) {
+    let chain = expected_chain();
+    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
+    let (full, total) = chain_share(unwound, &chain, in_user);
+    eprintln!("{what}: {full} of {total} user-mode samples show the whole chain");
+    for (s, n) in unwound {
+        eprintln!("  {n:5} {}", s.join(";"));
+    }
+    // ~500 samples on an idle machine; 20 steps gave as few as 38 while
+    // other builds held both CPUs.
+    assert!(total >= 40, "too few user-mode samples: {unwound:?}");
+    // The leaf is in `burn` or below it (clock_gettime in the vDSO); allow
+    // those few.
+    assert!(
+        full as f64 >= 0.8 * total as f64,
+        "{full} of {total} user-mode samples show {}",
+        chain.join(";")
+    );
+}
+
 #[test]
 fn unwind_native_chain_without_frame_pointers() {
     require_privileges!();
@@ -288,35 +314,7 @@ fn unwind_native_chain_without_frame_pointers() {
     let chain = expected_chain();
 
     let unwound = cpu_window(p.pid, &dir.join("unwound"), None);
-    // Samples taken in the kernel (`_[k]` frames: a syscall, or the vDSO's
-    // clock_gettime falling back to one, as it does in a TCG VM) keep the
-    // frame-pointer user stack: their user registers need
-    // bpf_task_pt_regs (docs/stacks.md). The copy is judged on the rest.
-    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
-    let total: u64 = unwound
-        .iter()
-        .filter(|(s, _)| in_user(s))
-        .map(|s| s.1)
-        .sum();
-    let full: u64 = unwound
-        .iter()
-        .filter(|(s, _)| in_user(s) && has_chain(s, &chain))
-        .map(|s| s.1)
-        .sum();
-    eprintln!("unwound: {full} of {total} user-mode samples show the whole chain");
-    for (s, n) in &unwound {
-        eprintln!("  {n:5} {}", s.join(";"));
-    }
-    // 50 steps of 20 ms at 499 Hz: ~500 samples on an idle machine; 20
-    // steps gave as few as 38 while other builds held both CPUs.
-    assert!(total >= 40, "too few user-mode samples: {unwound:?}");
-    // The leaf is in `burn` or below it (clock_gettime in the vDSO, whose
-    // tables are not read); allow those few.
-    assert!(
-        full as f64 >= 0.8 * total as f64,
-        "{full} of {total} user-mode samples show {}",
-        chain.join(";")
-    );
+    assert_user_mode_chain("unwound", &unwound);
     // No sample shows a chain frame anywhere but in its place.
     for (s, _) in &unwound {
         if let Some(i) = s.iter().position(|f| f == "chain_01") {
@@ -372,20 +370,8 @@ fn unwind_native_chain_from_debug_frame() {
     );
     let dir = scratch_dir("unwind_native_chain_from_debug_frame");
     let mut p = Proc::spawn_ready(Command::new(&exe).args(["--step-ms", "20"]));
-    let chain = expected_chain();
     let unwound = cpu_window(p.pid, &dir.join("unwound"), None);
-    let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
-    let (full, total) = chain_share(&unwound, &chain, in_user);
-    eprintln!("from .debug_frame: {full} of {total} user-mode samples show the whole chain");
-    for (s, n) in &unwound {
-        eprintln!("  {n:5} {}", s.join(";"));
-    }
-    assert!(total >= 40, "too few user-mode samples: {unwound:?}");
-    assert!(
-        full as f64 >= 0.8 * total as f64,
-        "{full} of {total} user-mode samples show {}",
-        chain.join(";")
-    );
+    assert_user_mode_chain("from .debug_frame", &unwound);
     p.terminate();
     let _ = std::fs::remove_dir_all(&dir);
 }
