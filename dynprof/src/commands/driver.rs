@@ -359,9 +359,6 @@ pub async fn drive(
     lock: lock::TargetLock,
     wait: MarkerWait,
 ) -> Result<SessionSummary> {
-    // A bad DYNPROF_EVENT_LOOP_NICE is refused before anything is attached.
-    crate::sys::sched::wanted(std::env::var(crate::sys::sched::NICE_ENV).ok().as_deref())
-        .map_err(anyhow::Error::msg)?;
     let stdin_tty = std::io::stdin().is_terminal();
     let mode = d.window.mode(
         stdin_tty,
@@ -461,11 +458,6 @@ pub async fn drive(
     if !window_markers.is_empty() {
         session_needs.push(Need::AuxMarkers);
     }
-    // While CAP_SYS_NICE is still held (sys/sched.rs says why).
-    let priority = crate::sys::sched::raise_event_loop().map_err(anyhow::Error::msg)?;
-    if let Some(why) = &priority.not_raised {
-        log::warn!("the event loop stays at nice {}: {why}", priority.nice);
-    }
     let kept = crate::sys::caps::drop_after_attach(&session_needs)?;
     log::info!(
         "capabilities kept after attach: {}",
@@ -482,7 +474,6 @@ pub async fn drive(
         let mut line = attached_json(&session.target, &session.probes);
         line["usdt_semaphores"] = serde_json::to_value(&semaphores).unwrap_or_default();
         line["kernel"] = serde_json::to_value(&kernel_paths).unwrap_or_default();
-        line["event_loop"] = serde_json::to_value(&priority).unwrap_or_default();
         // Opt-in for `cargo xtask bench` (attach time, split by phase).
         if std::env::var_os("DYNPROF_ATTACH_TIMINGS").is_some_and(|v| v == "1") {
             line["timings_ms"] = serde_json::json!({"resolve_ms": resolve_ms, "load_ms": load_ms, "attach_ms": attach_ms});

@@ -22,7 +22,6 @@
 //! | `unixsock` | the agent's root-only unix socket: checked parent, stale-socket replacement |
 //! | `btf` | member offsets from the kernel's BTF (`task_struct.stack`) |
 //! | `vdso` | dynprof's own vDSO image, the target's `[vdso]` frames' tables and names |
-//! | `sched` | the event loop's CPU priority while attached (nice −10, reset on fork) |
 pub mod btf;
 pub mod caps;
 pub mod clock;
@@ -36,7 +35,6 @@ pub mod lock;
 pub mod memory;
 pub mod procmem;
 pub mod rootfs;
-pub mod sched;
 pub mod signal;
 pub mod targetdir;
 pub mod unixsock;

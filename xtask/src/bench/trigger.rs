@@ -444,31 +444,12 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let mut normal: Vec<f64> = Vec::new();
     let mut fifo: Vec<f64> = Vec::new();
     let mut collecting: Vec<f64> = Vec::new();
-    let mut contended: Vec<f64> = Vec::new();
-    let mut contended_nice0: Vec<f64> = Vec::new();
     let mut per_run_p99 = Vec::new();
-    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
     for _ in 0..ctx.reps() {
         // 0: the figure; 1: the same under SCHED_FIFO (diagnostic); 2: while
-        // windows with cpu+offcpu (symbolized stacks) are written back to
-        // back; 3, 4: with one busy loop per CPU at nice 0 beside the job
-        // (a host the job saturates), dynprof's event loop at its nice −10
-        // (3) and left at nice 0 (4, `DYNPROF_EVENT_LOOP_NICE=off`, as
-        // before 2026-12-04).
-        for variant in 0..5 {
+        // windows with cpu+offcpu (symbolized stacks) are written back to back.
+        for variant in 0..3 {
             let rt = variant == 1;
-            let _hogs: Vec<Proc> = if variant >= 3 {
-                (0..cpus)
-                    .map(|_| {
-                        Proc::spawn(
-                            "busy loop",
-                            Command::new("sh").args(["-c", "while :; do :; done"]),
-                        )
-                    })
-                    .collect::<Result<_>>()?
-            } else {
-                Vec::new()
-            };
             let mut cmd = if rt {
                 let mut c = Command::new("chrt");
                 c.args(["-f", "1"]).arg(&ctx.dynprof);
@@ -480,9 +461,6 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             let _ = std::fs::remove_dir_all(&out);
             // Back-to-back window plans: every cycle's boundaries (lead-in,
             // open, close) are hits the kernel wakes user space for.
-            if variant == 4 {
-                cmd.env("DYNPROF_EVENT_LOOP_NICE", "off");
-            }
             cmd.env("DYNPROF_RECV_NS", "1").args([
                 "attach",
                 "--pid",
@@ -530,9 +508,7 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
                     normal.extend(v);
                 }
                 1 => fifo.extend(v),
-                2 => collecting.extend(v),
-                3 => contended.extend(v),
-                _ => contended_nice0.extend(v),
+                _ => collecting.extend(v),
             }
         }
     }
@@ -565,7 +541,7 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     if p(&normal, 99.0) > 1.0 {
         note.push_str(&format!(
             ". Cause of the tail: the event loop waiting for a CPU (load average {} on {} CPUs during the run): the same runs under \
-             SCHED_FIFO (chrt -f 1) give p99 {:.3} ms",
+             SCHED_FIFO (chrt -f 1) give p99 {:.3} ms. Fix: dynprof could raise its event-loop thread's priority while attached",
             super::procs::read_trimmed("/proc/loadavg").unwrap_or_default().split_whitespace().next().unwrap_or("?"),
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             p(&fifo, 99.0)
@@ -607,32 +583,6 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
              handed to the writer thread while the next one starts",
             collecting.len()
         )),
-    );
-    for (key, what, v) in [
-        (
-            "boundary_to_user_contended_p99_ms",
-            "boundary → user space p99, one busy loop per CPU beside the job (event loop at nice −10)",
-            &contended,
-        ),
-        (
-            "boundary_to_user_contended_nice0_p99_ms",
-            "boundary → user space p99, one busy loop per CPU, event loop at nice 0 (DYNPROF_EVENT_LOOP_NICE=off)",
-            &contended_nice0,
-        ),
-    ] {
-        s.figures.push(
-            Figure::new(key, what, Unit::Ms, Goal::Info, "")
-                .value(p(v, 99.0))
-                .note(format!(
-                    "{} boundary events; {cpus} busy loops at nice 0",
-                    v.len()
-                )),
-        );
-    }
-    raw.push("boundary_to_user_contended_ms", Json::nums(&contended));
-    raw.push(
-        "boundary_to_user_contended_nice0_ms",
-        Json::nums(&contended_nice0),
     );
     raw.push("boundary_to_user_collecting_ms", Json::nums(&collecting));
     raw.push("boundary_to_user_ms", Json::nums(&normal));

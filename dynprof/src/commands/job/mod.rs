@@ -72,8 +72,6 @@ pub(super) const POLL: Duration = Duration::from_millis(20);
 
 pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     let trigger = job_trigger(&args)?;
-    crate::sys::sched::wanted(std::env::var(crate::sys::sched::NICE_ENV).ok().as_deref())
-        .map_err(anyhow::Error::msg)?;
     let start_at = args
         .start_at
         .map(|t| StartAt::new(t, args.window.start_step));
@@ -190,11 +188,6 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     }
     if args.follow {
         session_needs.push(crate::sys::caps::Need::LateRanks);
-    }
-    // While CAP_SYS_NICE is still held (sys/sched.rs says why).
-    let priority = crate::sys::sched::raise_event_loop().map_err(anyhow::Error::msg)?;
-    if let Some(why) = &priority.not_raised {
-        log::warn!("the event loop stays at nice {}: {why}", priority.nice);
     }
     let kept = crate::sys::caps::drop_after_attach(&session_needs)?;
     log::info!("capabilities kept after attach: {kept:?}");
