@@ -1,6 +1,7 @@
-//! CPython 3.12, 3.13 and 3.14 frames in cpu and offcpu windows, on real
-//! interpreters (issue 15, docs/stacks.md): the hot-function-under-caller
-//! and queue-wait checks of tests/python_frames.rs, with Debian trixie's
+//! CPython 3.11 (without PyTorch, and on arm64 in the arm64 VM), 3.12,
+//! 3.13 and 3.14 frames in cpu and offcpu windows, on real interpreters
+//! (issue 15, docs/stacks.md): the hot-function-under-caller and
+//! queue-wait checks of tests/python_frames.rs, with Debian trixie's
 //! python3.13 and sid's python3.14 run from root filesystems that `cargo xtask setup` builds
 //! under /var/cache/dynprof/python-rootfs (xtask/src/pyroots.rs), and the
 //! machine image's pyenv CPython 3.12 (shared libpython, so the
@@ -100,13 +101,48 @@ fn host_python312() -> Option<PathBuf> {
     None
 }
 
+/// Debian bookworm's own CPython 3.11 for the machine the test runs on:
+/// the host's /usr/bin/python3.11 on x86-64; on arm64 (the arm64 VM), the
+/// arm64 build that `cargo xtask setup` unpacks (xtask/src/pyroots.rs),
+/// run in place with the tree's zlib and expat. Kunpeng hosts are arm64,
+/// and 3.11's `_PyRuntime` layout differs there (a longer
+/// `pthread_mutex_t`). Missing: a skip line, or a failure under CI.
+fn debian_python311() -> Option<Interp> {
+    let (py, libs) = if cfg!(target_arch = "aarch64") {
+        let root = Path::new(ROOTFS_DIR).join("python3.11-arm64");
+        (
+            root.join("usr/bin/python3.11"),
+            Some(format!(
+                "{}:{}",
+                root.join("lib/aarch64-linux-gnu").display(),
+                root.join("usr/lib/aarch64-linux-gnu").display()
+            )),
+        )
+    } else {
+        (PathBuf::from("/usr/bin/python3.11"), None)
+    };
+    if py.is_file() {
+        return Some(Interp::Host(11, py, libs));
+    }
+    let msg = format!(
+        "no Debian CPython 3.11 at {} (cargo xtask setup)",
+        py.display()
+    );
+    if std::env::var_os("CI").is_some() {
+        panic!("{msg}; required under CI");
+    }
+    eprintln!("SKIPPED: {msg}");
+    None
+}
+
 /// Where the interpreter comes from.
 enum Interp {
     /// A Debian root filesystem's `/usr/bin/python3.MINOR`, chrooted in
     /// its own PID namespace.
     Rootfs(u8),
-    /// An interpreter on the host, by path.
-    Host(u8, PathBuf),
+    /// An interpreter on the host, by path, with the `LD_LIBRARY_PATH`
+    /// it needs (if any).
+    Host(u8, PathBuf, Option<String>),
 }
 
 /// py_hot.py running under an interpreter, ready.
@@ -125,8 +161,12 @@ impl Job {
     fn start(interp: &Interp, args: &[&str]) -> Option<Job> {
         let fixture = workspace_root().join("tests/fixtures/py_hot.py");
         match interp {
-            Interp::Host(_, py) => {
-                let proc = Proc::spawn_ready(Command::new(py).arg(&fixture).args(args));
+            Interp::Host(_, py, libs) => {
+                let mut cmd = Command::new(py);
+                if let Some(l) = libs {
+                    cmd.env("LD_LIBRARY_PATH", l);
+                }
+                let proc = Proc::spawn_ready(cmd.arg(&fixture).args(args));
                 let python = proc.host_pid();
                 Some(Job {
                     proc,
@@ -137,9 +177,15 @@ impl Job {
             Interp::Rootfs(minor) => {
                 let root = rootfs(*minor)?;
                 // The script goes inside the root (the chrooted interpreter
-                // sees only it), in a directory of this test's own.
-                let inside =
-                    PathBuf::from(format!("/tmp/dynprof-test-{}-{minor}", std::process::id()));
+                // sees only it), in a directory of this job's own: tests
+                // of one version run in parallel, and each removes its
+                // copy when it stops.
+                static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let inside = PathBuf::from(format!(
+                    "/tmp/dynprof-test-{}-{minor}-{n}",
+                    std::process::id()
+                ));
                 let host_side = root.join(inside.strip_prefix("/").unwrap());
                 std::fs::create_dir_all(&host_side).unwrap();
                 std::fs::copy(&fixture, host_side.join("py_hot.py")).unwrap();
@@ -187,16 +233,24 @@ impl Job {
 
 fn minor(interp: &Interp) -> u8 {
     match interp {
-        Interp::Rootfs(m) | Interp::Host(m, _) => *m,
+        Interp::Rootfs(m) | Interp::Host(m, ..) => *m,
     }
 }
 
 fn hot_function_under_its_caller(interp: Interp) {
+    hot_function_with(interp, "", &[]);
+}
+
+/// The cpu window's check on py_hot.py run with `extra` options, in a
+/// scratch directory of its own (`tag`: tests run in parallel).
+fn hot_function_with(interp: Interp, tag: &str, extra: &[&str]) {
     let minor = minor(&interp);
-    let dir = scratch_dir(&format!("python_versions_{minor}"));
+    let dir = scratch_dir(&format!("python_versions_{minor}{tag}"));
     let script =
         std::fs::read_to_string(workspace_root().join("tests/fixtures/py_hot.py")).unwrap();
-    let Some(job) = Job::start(&interp, &["--native-step", "--units", "100000"]) else {
+    let mut args = vec!["--native-step", "--units", "100000"];
+    args.extend_from_slice(extra);
+    let Some(job) = Job::start(&interp, &args) else {
         return;
     };
     let o = attach_py_hot(job.python, &dir.join("out"), "cpu");
@@ -348,10 +402,47 @@ fn check_hot(minor: u8, dir: &Path, script: &str, o: &std::process::Output) {
 }
 
 #[test]
+fn python311_hot_function_under_its_caller() {
+    require_privileges!();
+    let Some(py) = debian_python311() else { return };
+    hot_function_under_its_caller(py);
+}
+
+/// More Python threads than the eBPF program's walk of the interpreter's
+/// thread list reads (`MAX_PY_THREADS`, 64), all started after the main
+/// thread, which is then last in the list: the hot main thread is found
+/// only through `_PyRuntime`'s pointer to the thread holding the GIL, at
+/// the offset of this machine's table (on arm64, where it differs from
+/// x86-64's, a wrong offset leaves these samples without Python frames).
+#[test]
+fn python311_hot_function_behind_many_threads() {
+    require_privileges!();
+    let Some(py) = debian_python311() else { return };
+    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
+    hot_function_with(py, "_threads", &["--idle-threads", &n]);
+}
+
+/// 3.13's way to the running thread: the main interpreter's GIL holder,
+/// at the offset its `_Py_DebugOffsets` gives.
+#[test]
+fn python313_hot_function_behind_many_threads() {
+    require_privileges!();
+    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
+    hot_function_with(Interp::Rootfs(13), "_threads", &["--idle-threads", &n]);
+}
+
+#[test]
+fn python311_offcpu_queue_wait() {
+    require_privileges!();
+    let Some(py) = debian_python311() else { return };
+    offcpu_queue_wait(py);
+}
+
+#[test]
 fn python312_hot_function_under_its_caller() {
     require_privileges!();
     let Some(py) = host_python312() else { return };
-    hot_function_under_its_caller(Interp::Host(12, py));
+    hot_function_under_its_caller(Interp::Host(12, py, None));
 }
 
 #[test]
@@ -370,7 +461,7 @@ fn python314_hot_function_under_its_caller() {
 fn python312_offcpu_queue_wait() {
     require_privileges!();
     let Some(py) = host_python312() else { return };
-    offcpu_queue_wait(Interp::Host(12, py));
+    offcpu_queue_wait(Interp::Host(12, py, None));
 }
 
 #[test]

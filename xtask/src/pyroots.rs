@@ -24,9 +24,34 @@ pub const PYTHON_ROOTS: &[(&str, &str)] = &[("trixie", "3.13"), ("sid", "3.14")]
 const STAMP: &str = ".dynprof-rootfs-complete";
 const MIRROR: &str = "http://deb.debian.org/debian";
 
+/// Debian bookworm's arm64 CPython 3.11 (with its headers), unpacked under
+/// [`PYTHON_ROOTFS_DIR`] for tests/python_versions.rs in the arm64 VM and
+/// the arm64 layout check of `symbols::python`. Unpacked, not installed:
+/// its packages are Multi-Arch: same, and installing them would move the
+/// host's own python3.11 to their version. The binary runs from here (it
+/// finds its standard library beside itself) with the host's libc6:arm64
+/// and this tree's zlib and expat on `LD_LIBRARY_PATH`.
+pub const PYTHON311_ARM64: &str = "python3.11-arm64";
+const PYTHON311_ARM64_DEBS: &[&str] = &[
+    "python3.11-minimal:arm64",
+    "libpython3.11-minimal:arm64",
+    "libpython3.11-stdlib:arm64",
+    "libpython3.11-dev:arm64",
+    "zlib1g:arm64",
+    "libexpat1:arm64",
+];
+
 /// Builds the missing root filesystems. Not fatal: without them the
 /// version tests skip for a developer (and fail under CI).
 pub fn python_roots() {
+    let what = "arm64 python3.11 (bookworm, unpacked)";
+    match python311_arm64() {
+        Ok(state) => setup::say(what, &state),
+        Err(e) => setup::say(
+            what,
+            &format!("not unpacked ({e:#}); its tests skip (fail under CI)"),
+        ),
+    }
     for (suite, version) in PYTHON_ROOTS {
         let what = format!("python{version} root filesystem ({suite})");
         match one(suite, version) {
@@ -95,4 +120,40 @@ fn one(suite: &str, version: &str) -> Result<String> {
         "ok (built in {:.0} s)",
         started.elapsed().as_secs_f64()
     ))
+}
+
+fn python311_arm64() -> Result<String> {
+    let base = Path::new(PYTHON_ROOTFS_DIR);
+    let dir = base.join(PYTHON311_ARM64);
+    if dir.join(STAMP).is_file() {
+        return Ok("ok (already unpacked)".into());
+    }
+    let debs = crate::vm::arm64_debs(PYTHON311_ARM64_DEBS)?;
+    // A fixed name of ours: a half-unpacked tree is removed, never reused.
+    let tmp = base.join(format!("{PYTHON311_ARM64}.tmp"));
+    for d in [&tmp, &dir] {
+        if d.exists() {
+            std::fs::remove_dir_all(d).with_context(|| format!("removing {}", d.display()))?;
+        }
+    }
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    for deb in &debs {
+        util::run(Command::new("dpkg-deb").arg("-x").arg(deb).arg(&tmp))
+            .with_context(|| format!("unpacking {}", deb.display()))?;
+    }
+    let python = tmp.join("usr/bin/python3.11");
+    if !python.is_file() {
+        bail!("unpacked, but {} is missing", python.display());
+    }
+    std::fs::rename(&tmp, &dir)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+    std::fs::write(
+        dir.join(STAMP),
+        format!(
+            "bookworm arm64 python3.11: {}\n",
+            PYTHON311_ARM64_DEBS.join(" ")
+        ),
+    )
+    .with_context(|| format!("writing {}", dir.join(STAMP).display()))?;
+    Ok(format!("ok (unpacked {} packages)", debs.len()))
 }

@@ -38,6 +38,15 @@ pub fn cache_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/var/cache/dynprof/vm"))
 }
 
+/// Downloads (once, into the VM cache's private apt state: bookworm and
+/// bullseye) Debian packages for the arm64 VM; returns their .debs.
+pub fn arm64_debs(pkgs: &[&str]) -> Result<Vec<PathBuf>> {
+    let cache = cache_dir();
+    pkgs.iter()
+        .map(|p| download(&cache, p, Arch::Aarch64))
+        .collect()
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Arch {
     #[value(name = "x86_64")]
@@ -110,7 +119,8 @@ pub struct Options {
 
 /// The tests run in the arm64 VM: the host root's tools (make, python3,
 /// flock) are x86-64 there, so only tests whose targets are the fixtures,
-/// prebuilt for arm64 on the host, can run (not the Python USDT test).
+/// prebuilt for arm64 on the host, or the unpacked arm64 python3.11 can
+/// run (not the Python USDT test).
 const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
     ("kernel_compat", &[]),
     (
@@ -138,6 +148,19 @@ const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
     // And `.debug_frame` (built with -fno-unwind-tables
     // -fno-asynchronous-unwind-tables: arm64 gcc emits .eh_frame without
     // the first).
+    // Python frames on Debian's own arm64 CPython 3.11 (unpacked by
+    // `cargo xtask setup`): its `_PyRuntime` puts the current thread 16
+    // bytes further than x86-64's, and its native frames are unwound from
+    // `.eh_frame` by framehop's aarch64 unwinder. On cpu samples and at
+    // off-CPU switches.
+    (
+        "python_versions",
+        &[
+            "python311_hot_function_under_its_caller",
+            "python311_hot_function_behind_many_threads",
+            "python311_offcpu_queue_wait",
+        ],
+    ),
     (
         "unwind_native",
         &[

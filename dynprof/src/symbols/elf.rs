@@ -516,6 +516,25 @@ pub fn offset_to_vaddr(segments: &[(u64, u64, u64)], off: u64) -> Option<u64> {
         .and_then(|(o, _, vaddr)| vaddr.checked_add(off - o))
 }
 
+/// An instruction set dynprof reads: a USDT note's operand syntax and
+/// registers, and the structure layout of a C program built for it (glibc's
+/// `pthread_mutex_t` is 40 bytes on x86-64 and 48 on arm64, which moves
+/// fields that come after one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    X86_64,
+    Aarch64,
+}
+
+impl Arch {
+    /// dynprof's own: a probe is read through this kernel's `pt_regs`.
+    pub const HOST: Arch = if cfg!(target_arch = "aarch64") {
+        Arch::Aarch64
+    } else {
+        Arch::X86_64
+    };
+}
+
 /// An ELF file's headers, symbol tables and notes, read into memory.
 pub struct ElfImage {
     pub path: PathBuf,
@@ -613,6 +632,15 @@ impl ElfImage {
         };
         img.build_id = build_id;
         Ok(img)
+    }
+
+    /// The machine the file was built for, when dynprof reads that one.
+    pub fn arch(&self) -> Option<Arch> {
+        match self.file().architecture() {
+            object::Architecture::X86_64 => Some(Arch::X86_64),
+            object::Architecture::Aarch64 => Some(Arch::Aarch64),
+            _ => None,
+        }
     }
 
     pub fn file(&self) -> object::File<'_, &Sparse> {

@@ -7,6 +7,7 @@ use anyhow::{Result, bail};
 use dynprof_common::{MAX_MARKERS, reg_aarch64, reg_x86_64};
 
 use super::ElfImage;
+pub use super::elf::Arch;
 
 /// Where one USDT argument lives at the probe site.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,22 +138,6 @@ pub fn parse_notes(
         }
     }
     Ok(out)
-}
-
-/// The instruction set whose operand syntax and registers a note uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    X86_64,
-    Aarch64,
-}
-
-impl Arch {
-    /// dynprof's own: a probe is read through this kernel's `pt_regs`.
-    pub const HOST: Arch = if cfg!(target_arch = "aarch64") {
-        Arch::Aarch64
-    } else {
-        Arch::X86_64
-    };
 }
 
 /// Parses the note's argument string for this machine (see [`parse_args_for`]).

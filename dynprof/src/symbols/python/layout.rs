@@ -12,6 +12,8 @@
 use anyhow::{Result, bail, ensure};
 use dynprof_common::unwind::{PY_FRAME_VIA_CFRAME, PyOffsets};
 
+use crate::symbols::elf::Arch;
+
 /// How a version marks the frames that start one C-level
 /// `_PyEval_EvalFrameDefault` call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,9 +104,13 @@ pub const PY311: Layout = Layout {
 
 /// CPython 3.12, from the 3.12 headers' structures (`_PyRuntimeState`,
 /// `PyInterpreterState.threads`, `PyThreadState`, `_PyCFrame`,
-/// `_PyInterpreterFrame`, `PyCodeObject`). UNTESTED: no 3.12 interpreter
-/// is on the machines this is tested on, and 3.12 has no
-/// `_Py_DebugOffsets` to check it against at run time.
+/// `_PyInterpreterFrame`, `PyCodeObject`). Tested by running one build,
+/// pyenv's 3.12.1 (tests/python_versions.rs), and the same on arm64 by the
+/// cross compiler (computed, not run: no arm64 3.12 is available). 3.12
+/// has no `_Py_DebugOffsets` to check it against at run time, and no
+/// pointer to the running thread that dynprof reads: the thread is found
+/// in the interpreter's list, so a job with more than `MAX_PY_THREADS`
+/// Python threads can lose the frames of its oldest ones.
 pub const PY312: Layout = Layout {
     minor: 12,
     runtime_tstate_current: None,
@@ -412,12 +418,25 @@ pub fn from_debug_offsets(table: &[u8], minor: u8) -> Result<Layout> {
     })
 }
 
-/// The layout of CPython 3.`minor` without reading the target (3.11,
-/// 3.12); `None` for 3.13+ (their own table) and unknown versions.
-pub fn fixed(minor: u8) -> Option<Layout> {
-    match minor {
-        11 => Some(PY311),
-        12 => Some(PY312),
+/// CPython 3.11 built for arm64: `_PyRuntime.gilstate` comes after the
+/// GIL's two `pthread_mutex_t`, 8 bytes longer each than on x86-64 (checked
+/// against Debian's arm64 headers by `python311_offsets_match_the_headers`
+/// and on Debian's arm64 interpreter in the arm64 VM). Nothing else that
+/// dynprof reads moves.
+pub const PY311_AARCH64: Layout = Layout {
+    runtime_tstate_current: Some(592),
+    ..PY311
+};
+
+/// The layout of CPython 3.`minor` built for `arch`, without reading the
+/// target (3.11, 3.12); `None` for 3.13+ (their own table) and unknown
+/// versions. 3.12's fields are where they are on x86-64 (its GIL moved
+/// into the interpreter, past every field read here).
+pub fn fixed(minor: u8, arch: Arch) -> Option<Layout> {
+    match (minor, arch) {
+        (11, Arch::X86_64) => Some(PY311),
+        (11, Arch::Aarch64) => Some(PY311_AARCH64),
+        (12, _) => Some(PY312),
         _ => None,
     }
 }

@@ -20,7 +20,7 @@ use std::{collections::HashMap, path::PathBuf};
 use dynprof_common::unwind::{PyFrameRaw, PyOffsets};
 use object::{Object, ObjectSegment, ObjectSymbol};
 
-use super::ElfImage;
+use super::{ElfImage, elf::Arch};
 use crate::sys::{
     creds::{NsKind, ns_id},
     procmem::ProcMem,
@@ -29,7 +29,7 @@ use crate::sys::{
 pub mod layout;
 mod lines;
 
-pub use layout::{EntryMark, Layout, PY311, PY312};
+pub use layout::{EntryMark, Layout, PY311, PY311_AARCH64, PY312};
 pub use lines::line_of;
 
 /// Frame name used when prefixing Python frames.
@@ -128,13 +128,24 @@ pub fn detect(host_pid: u32) -> Option<Interpreter> {
             log::debug!("python: {path} has no _PyRuntime symbol");
             continue;
         };
-        return interpreter(host_pid, &path, minor, runtime);
+        let Some(arch) = img.arch() else {
+            log::warn!("python: PID {host_pid}: {path}: built for a machine dynprof does not read");
+            return None;
+        };
+        return interpreter(host_pid, &path, minor, arch, runtime);
     }
     None
 }
 
-/// The interpreter at `runtime` (`_PyRuntime`) in CPython 3.`minor`.
-fn interpreter(host_pid: u32, path: &str, minor: u8, runtime: u64) -> Option<Interpreter> {
+/// The interpreter at `runtime` (`_PyRuntime`) in CPython 3.`minor`,
+/// built for `arch`.
+fn interpreter(
+    host_pid: u32,
+    path: &str,
+    minor: u8,
+    arch: Arch,
+    runtime: u64,
+) -> Option<Interpreter> {
     let mem = ProcMem::open(host_pid)
         .map_err(|e| log::warn!("python: PID {host_pid}: /proc/{host_pid}/mem: {e}"))
         .ok()?;
@@ -156,7 +167,7 @@ fn interpreter(host_pid: u32, path: &str, minor: u8, runtime: u64) -> Option<Int
                 return None;
             }
         }
-    } else if let Some(l) = layout::fixed(minor) {
+    } else if let Some(l) = layout::fixed(minor, arch) {
         l
     } else {
         log::warn!(
@@ -687,16 +698,43 @@ mod tests {
         assert_eq!(shims, vec![0x30, 0x60]);
     }
 
-    /// [`PY311`] against the installed interpreter's own headers
-    /// (python3.11-dev), when they and a C compiler are present.
-    #[test]
-    fn python311_offsets_match_the_headers() {
-        let inc = std::path::Path::new("/usr/include/python3.11");
-        if !inc.join("internal/pycore_frame.h").exists() {
-            eprintln!("SKIPPED: no CPython 3.11 headers");
-            return;
-        }
-        let dir = std::env::temp_dir().join(format!("dynprof-pyoff-{}", std::process::id()));
+    /// The offsets of [`PY311`] and [`PY311_AARCH64`], in the order of
+    /// the C array below.
+    fn py311_fields(l: &Layout) -> Vec<u64> {
+        let o = l.offsets;
+        vec![
+            l.runtime_tstate_current.unwrap(),
+            l.runtime_interp_head,
+            o.interp_threads_head,
+            o.tstate_next,
+            o.tstate_native_thread_id,
+            o.tstate_cframe,
+            o.cframe_current_frame,
+            o.frame_code,
+            o.frame_previous,
+            o.frame_prev_instr,
+            o.frame_is_entry,
+            l.code_filename,
+            l.code_name,
+            l.code_qualname,
+            l.code_firstlineno,
+            l.code_linetable,
+            l.code_code_adaptive,
+            l.str_length,
+            l.str_state,
+            l.str_ascii_data,
+            l.str_compact_data,
+            l.bytes_size,
+            l.bytes_data,
+        ]
+    }
+
+    /// The 3.11 offsets that `cc` computes with `includes` (first the
+    /// directory of the target's `pyconfig.h`, then the headers), read
+    /// from the assembly of a constant array: nothing is run, so a cross
+    /// compiler gives the other machine's layout.
+    fn py311_offsets_by(cc: &str, includes: &[&std::path::Path]) -> Vec<u64> {
+        let dir = std::env::temp_dir().join(format!("dynprof-pyoff-{}-{cc}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let src = dir.join("off.c");
         std::fs::write(
@@ -707,9 +745,7 @@ mod tests {
 #include <internal/pycore_runtime.h>
 #include <internal/pycore_interp.h>
 #include <stddef.h>
-#include <stdio.h>
-int main(void) {
-  printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\n",
+unsigned long dynprof_offsets[] = {
     offsetof(_PyRuntimeState, gilstate.tstate_current),
     offsetof(_PyRuntimeState, interpreters.head),
     offsetof(PyInterpreterState, threads.head), offsetof(PyThreadState, next),
@@ -719,55 +755,82 @@ int main(void) {
     offsetof(_PyInterpreterFrame, is_entry), offsetof(PyCodeObject, co_filename),
     offsetof(PyCodeObject, co_name), offsetof(PyCodeObject, co_qualname),
     offsetof(PyCodeObject, co_firstlineno), offsetof(PyCodeObject, co_linetable),
-    offsetof(PyCodeObject, co_code_adaptive));
-  return 0;
-}
+    offsetof(PyCodeObject, co_code_adaptive),
+    offsetof(PyASCIIObject, length), offsetof(PyASCIIObject, state),
+    sizeof(PyASCIIObject), sizeof(PyCompactUnicodeObject),
+    offsetof(PyBytesObject, ob_base.ob_size), offsetof(PyBytesObject, ob_sval)};
 "#,
         )
         .unwrap();
-        let exe = dir.join("off");
-        let cc = std::process::Command::new("gcc")
-            .arg("-I")
-            .arg(inc)
-            .arg("-o")
-            .arg(&exe)
-            .arg(&src)
-            .output()
-            .expect("gcc");
-        assert!(
-            cc.status.success(),
-            "{}",
-            String::from_utf8_lossy(&cc.stderr)
-        );
-        let out = std::process::Command::new(&exe).output().unwrap();
-        let got: Vec<u64> = String::from_utf8_lossy(&out.stdout)
-            .split_whitespace()
-            .map(|v| v.parse().unwrap())
-            .collect();
-        let l = PY311;
-        let o = l.offsets;
-        assert_eq!(
-            got,
-            vec![
-                l.runtime_tstate_current.unwrap(),
-                l.runtime_interp_head,
-                o.interp_threads_head,
-                o.tstate_next,
-                o.tstate_native_thread_id,
-                o.tstate_cframe,
-                o.cframe_current_frame,
-                o.frame_code,
-                o.frame_previous,
-                o.frame_prev_instr,
-                o.frame_is_entry,
-                l.code_filename,
-                l.code_name,
-                l.code_qualname,
-                l.code_firstlineno,
-                l.code_linetable,
-                l.code_code_adaptive,
-            ]
-        );
+        let mut cmd = std::process::Command::new(cc);
+        for i in includes {
+            cmd.arg("-I").arg(i);
+        }
+        let out = cmd.arg("-S").arg("-o").arg("-").arg(&src).output();
         let _ = std::fs::remove_dir_all(&dir);
+        let out = out.unwrap_or_else(|e| panic!("{cc}: {e}"));
+        assert!(
+            out.status.success(),
+            "{cc}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // GCC writes each element as `.quad N` (x86-64) or `.xword N` (arm64).
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| {
+                let mut w = l.split_whitespace();
+                matches!(w.next(), Some(".quad" | ".xword")).then(|| w.next()?.parse().ok())?
+            })
+            .collect()
+    }
+
+    /// [`PY311`] against the installed interpreter's own headers
+    /// (python3.11-dev), when they and a C compiler are present.
+    #[test]
+    fn python311_offsets_match_the_headers() {
+        let inc = std::path::Path::new("/usr/include/python3.11");
+        if !inc.join("internal/pycore_frame.h").exists() {
+            eprintln!("SKIPPED: no CPython 3.11 headers");
+            return;
+        }
+        let got = py311_offsets_by("gcc", &[inc]);
+        assert_eq!(got, py311_fields(&PY311));
+        assert_eq!(layout::fixed(11, Arch::X86_64), Some(PY311));
+    }
+
+    /// [`PY311_AARCH64`] against Debian's arm64 `pyconfig.h`
+    /// (libpython3.11-dev:arm64, unpacked by `cargo xtask setup` beside the
+    /// arm64 interpreter that the arm64 VM runs) and the cross compiler's
+    /// glibc. Required under CI; a developer without them gets a skip line.
+    #[test]
+    fn python311_arm64_offsets_match_the_headers() {
+        let arm64 =
+            std::path::Path::new("/var/cache/dynprof/python-rootfs/python3.11-arm64/usr/include");
+        let inc = std::path::Path::new("/usr/include/python3.11");
+        let have_cc = std::process::Command::new("aarch64-linux-gnu-gcc")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !arm64
+            .join("aarch64-linux-gnu/python3.11/pyconfig.h")
+            .is_file()
+            || !inc.join("internal/pycore_frame.h").exists()
+            || !have_cc
+        {
+            let msg = format!(
+                "no arm64 CPython 3.11 headers in {} (cargo xtask setup), no host 3.11 \
+                 headers, or no aarch64-linux-gnu-gcc",
+                arm64.display()
+            );
+            assert!(std::env::var_os("CI").is_none(), "{msg}; required under CI");
+            eprintln!("SKIPPED: {msg}");
+            return;
+        }
+        let got = py311_offsets_by("aarch64-linux-gnu-gcc", &[arm64, inc]);
+        assert_eq!(got, py311_fields(&PY311_AARCH64));
+        assert_eq!(layout::fixed(11, Arch::Aarch64), Some(PY311_AARCH64));
+        // The one field that moves: the test would pass for a wrong table
+        // only if both machines agreed.
+        assert_ne!(py311_fields(&PY311), got);
     }
 }
