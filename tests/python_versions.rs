@@ -422,6 +422,20 @@ fn python311_hot_function_behind_many_threads() {
     hot_function_with(py, "_threads", &["--idle-threads", &n]);
 }
 
+/// 3.12's way to the running thread: the main interpreter's GIL holder
+/// (`_gil.last_holder`, at the offset of dynprof's 3.12 table).
+#[test]
+fn python312_hot_function_behind_many_threads() {
+    require_privileges!();
+    let Some(py) = host_python312() else { return };
+    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
+    hot_function_with(
+        Interp::Host(12, py, None),
+        "_threads",
+        &["--idle-threads", &n],
+    );
+}
+
 /// 3.13's way to the running thread: the main interpreter's GIL holder,
 /// at the offset its `_Py_DebugOffsets` gives.
 #[test]
@@ -429,6 +443,13 @@ fn python313_hot_function_behind_many_threads() {
     require_privileges!();
     let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
     hot_function_with(Interp::Rootfs(13), "_threads", &["--idle-threads", &n]);
+}
+
+#[test]
+fn python314_hot_function_behind_many_threads() {
+    require_privileges!();
+    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
+    hot_function_with(Interp::Rootfs(14), "_threads", &["--idle-threads", &n]);
 }
 
 #[test]

@@ -36,7 +36,7 @@ pub struct Layout {
     pub runtime_tstate_current: Option<u64>,
     /// `offsetof(_PyRuntimeState, interpreters.head)`.
     pub runtime_interp_head: u64,
-    /// `offsetof(PyInterpreterState, _gil.last_holder)` (3.13+).
+    /// `offsetof(PyInterpreterState, _gil.last_holder)` (3.12+).
     pub interp_gil_holder: Option<u64>,
     /// What the `cpu` program reads (the addresses and the PID namespace
     /// are filled in per target).
@@ -106,16 +106,14 @@ pub const PY311: Layout = Layout {
 /// `PyInterpreterState.threads`, `PyThreadState`, `_PyCFrame`,
 /// `_PyInterpreterFrame`, `PyCodeObject`). Tested by running one build,
 /// pyenv's 3.12.1 (tests/python_versions.rs), and the same on arm64 by the
-/// cross compiler (computed, not run: no arm64 3.12 is available). 3.12
-/// has no `_Py_DebugOffsets` to check it against at run time, and no
-/// pointer to the running thread that dynprof reads: the thread is found
-/// in the interpreter's list, so a job with more than `MAX_PY_THREADS`
-/// Python threads can lose the frames of its oldest ones.
+/// cross compiler (computed, not run: no arm64 3.12 is available), both by
+/// `python312_offsets_match_the_headers`. 3.12 has no `_Py_DebugOffsets`
+/// to check it against at run time.
 pub const PY312: Layout = Layout {
     minor: 12,
     runtime_tstate_current: None,
     runtime_interp_head: 40,
-    interp_gil_holder: None,
+    interp_gil_holder: Some(1048),
     offsets: PyOffsets {
         tstate_current: 0,
         interp_head: 0,

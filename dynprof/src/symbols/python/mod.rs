@@ -183,7 +183,7 @@ fn interpreter(
     if let Some(t) = layout.runtime_tstate_current {
         o.tstate_current = runtime.wrapping_add(t);
     }
-    // 3.13+: the main interpreter (static, inside _PyRuntime) owns its GIL;
+    // 3.12+: the main interpreter (static, inside _PyRuntime) owns its GIL;
     // its last holder is the likely sampled thread (checked by thread id).
     if let (Some(h), Ok(interp)) = (layout.interp_gil_holder, mem.u64(o.interp_head))
         && interp != 0
@@ -729,23 +729,8 @@ mod tests {
         ]
     }
 
-    /// The 3.11 offsets that `cc` computes with `includes` (first the
-    /// directory of the target's `pyconfig.h`, then the headers), read
-    /// from the assembly of a constant array: nothing is run, so a cross
-    /// compiler gives the other machine's layout.
-    fn py311_offsets_by(cc: &str, includes: &[&std::path::Path]) -> Vec<u64> {
-        let dir = std::env::temp_dir().join(format!("dynprof-pyoff-{}-{cc}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let src = dir.join("off.c");
-        std::fs::write(
-            &src,
-            r#"#define Py_BUILD_CORE 1
-#include <Python.h>
-#include <internal/pycore_frame.h>
-#include <internal/pycore_runtime.h>
-#include <internal/pycore_interp.h>
-#include <stddef.h>
-unsigned long dynprof_offsets[] = {
+    /// The 3.11 fields of [`py311_fields`], as C.
+    const PY311_C: &str = "
     offsetof(_PyRuntimeState, gilstate.tstate_current),
     offsetof(_PyRuntimeState, interpreters.head),
     offsetof(PyInterpreterState, threads.head), offsetof(PyThreadState, next),
@@ -758,8 +743,32 @@ unsigned long dynprof_offsets[] = {
     offsetof(PyCodeObject, co_code_adaptive),
     offsetof(PyASCIIObject, length), offsetof(PyASCIIObject, state),
     sizeof(PyASCIIObject), sizeof(PyCompactUnicodeObject),
-    offsetof(PyBytesObject, ob_base.ob_size), offsetof(PyBytesObject, ob_sval)};
-"#,
+    offsetof(PyBytesObject, ob_base.ob_size), offsetof(PyBytesObject, ob_sval)";
+
+    /// The offsets that `cc` computes for the C expressions `fields` with
+    /// `includes` (first the directory of the target's `pyconfig.h`, then
+    /// the headers), read from the assembly of a constant array: nothing
+    /// is run, so a cross compiler gives the other machine's layout.
+    fn offsets_by(cc: &str, includes: &[&std::path::Path], fields: &str) -> Vec<u64> {
+        let dir = std::env::temp_dir().join(format!(
+            "dynprof-pyoff-{}-{cc}-{}",
+            std::process::id(),
+            fields.len()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let src = dir.join("off.c");
+        std::fs::write(
+            &src,
+            format!(
+                "#define Py_BUILD_CORE 1
+#include <Python.h>
+#include <internal/pycore_frame.h>
+#include <internal/pycore_runtime.h>
+#include <internal/pycore_interp.h>
+#include <stddef.h>
+unsigned long dynprof_offsets[] = {{{fields}}};
+"
+            ),
         )
         .unwrap();
         let mut cmd = std::process::Command::new(cc);
@@ -784,6 +793,73 @@ unsigned long dynprof_offsets[] = {
             .collect()
     }
 
+    fn have_cross_cc() -> bool {
+        std::process::Command::new("aarch64-linux-gnu-gcc")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }
+
+    /// [`PY312`] against pyenv's 3.12 headers (the build
+    /// tests/python_versions.rs runs), compiled for x86-64 and, when the
+    /// cross compiler is there, for arm64 (3.12's pyconfig.h holds nothing
+    /// these structures depend on; glibc's types come from the compiler).
+    #[test]
+    fn python312_offsets_match_the_headers() {
+        let inc = std::path::Path::new("/root/.pyenv/versions/3.12.1/include/python3.12");
+        if !inc.join("internal/pycore_frame.h").exists() {
+            eprintln!("SKIPPED: no CPython 3.12 headers at {}", inc.display());
+            return;
+        }
+        let fields = "
+    offsetof(_PyRuntimeState, interpreters.head),
+    offsetof(PyInterpreterState, _gil.last_holder),
+    offsetof(PyInterpreterState, threads.head), offsetof(PyThreadState, next),
+    offsetof(PyThreadState, native_thread_id), offsetof(PyThreadState, cframe),
+    offsetof(_PyCFrame, current_frame), offsetof(_PyInterpreterFrame, f_code),
+    offsetof(_PyInterpreterFrame, previous), offsetof(_PyInterpreterFrame, prev_instr),
+    offsetof(_PyInterpreterFrame, owner), offsetof(PyCodeObject, co_filename),
+    offsetof(PyCodeObject, co_name), offsetof(PyCodeObject, co_qualname),
+    offsetof(PyCodeObject, co_firstlineno), offsetof(PyCodeObject, co_linetable),
+    offsetof(PyCodeObject, co_code_adaptive),
+    offsetof(PyASCIIObject, length), offsetof(PyASCIIObject, state),
+    sizeof(PyASCIIObject), sizeof(PyCompactUnicodeObject),
+    offsetof(PyBytesObject, ob_base.ob_size), offsetof(PyBytesObject, ob_sval)";
+        let l = PY312;
+        let o = l.offsets;
+        let want = vec![
+            l.runtime_interp_head,
+            l.interp_gil_holder.unwrap(),
+            o.interp_threads_head,
+            o.tstate_next,
+            o.tstate_native_thread_id,
+            o.tstate_cframe,
+            o.cframe_current_frame,
+            o.frame_code,
+            o.frame_previous,
+            o.frame_prev_instr,
+            o.frame_is_entry,
+            l.code_filename,
+            l.code_name,
+            l.code_qualname,
+            l.code_firstlineno,
+            l.code_linetable,
+            l.code_code_adaptive,
+            l.str_length,
+            l.str_state,
+            l.str_ascii_data,
+            l.str_compact_data,
+            l.bytes_size,
+            l.bytes_data,
+        ];
+        assert_eq!(offsets_by("gcc", &[inc], fields), want);
+        if have_cross_cc() {
+            assert_eq!(offsets_by("aarch64-linux-gnu-gcc", &[inc], fields), want);
+        } else {
+            eprintln!("SKIPPED (arm64 part): no aarch64-linux-gnu-gcc");
+        }
+    }
+
     /// [`PY311`] against the installed interpreter's own headers
     /// (python3.11-dev), when they and a C compiler are present.
     #[test]
@@ -793,7 +869,7 @@ unsigned long dynprof_offsets[] = {
             eprintln!("SKIPPED: no CPython 3.11 headers");
             return;
         }
-        let got = py311_offsets_by("gcc", &[inc]);
+        let got = offsets_by("gcc", &[inc], PY311_C);
         assert_eq!(got, py311_fields(&PY311));
         assert_eq!(layout::fixed(11, Arch::X86_64), Some(PY311));
     }
@@ -807,10 +883,7 @@ unsigned long dynprof_offsets[] = {
         let arm64 =
             std::path::Path::new("/var/cache/dynprof/python-rootfs/python3.11-arm64/usr/include");
         let inc = std::path::Path::new("/usr/include/python3.11");
-        let have_cc = std::process::Command::new("aarch64-linux-gnu-gcc")
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success());
+        let have_cc = have_cross_cc();
         if !arm64
             .join("aarch64-linux-gnu/python3.11/pyconfig.h")
             .is_file()
@@ -826,7 +899,7 @@ unsigned long dynprof_offsets[] = {
             eprintln!("SKIPPED: {msg}");
             return;
         }
-        let got = py311_offsets_by("aarch64-linux-gnu-gcc", &[arm64, inc]);
+        let got = offsets_by("aarch64-linux-gnu-gcc", &[arm64, inc], PY311_C);
         assert_eq!(got, py311_fields(&PY311_AARCH64));
         assert_eq!(layout::fixed(11, Arch::Aarch64), Some(PY311_AARCH64));
         // The one field that moves: the test would pass for a wrong table
