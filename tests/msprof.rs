@@ -205,6 +205,18 @@ fn pids_with(needles: &[&str]) -> Vec<u32> {
     out
 }
 
+/// CLOCK_MONOTONIC in ns: the clock of the trainer's log and of dynprof's
+/// timestamps.
+fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 #[test]
 fn msprof_runs_in_the_target_pidns_and_writes_start_stop_inside_the_window_steps() {
     require_privileges!();
@@ -232,7 +244,9 @@ fn msprof_runs_in_the_target_pidns_and_writes_start_stop_inside_the_window_steps
         let steps = wait_for_log_lines(&log, "step", k as usize, Duration::from_secs(60));
         let b = &steps[k as usize - 1];
         let w = window(i, k, b.after, &scratch);
+        let called = mono_ns();
         hook.on_window_start(&w, &target).unwrap();
+        let returned = mono_ns();
         // Window of 1 step: ends at the boundary k+1.
         let steps = wait_for_log_lines(&log, "step", k as usize + 1, Duration::from_secs(60));
         let e = steps[k as usize].clone();
@@ -268,14 +282,18 @@ fn msprof_runs_in_the_target_pidns_and_writes_start_stop_inside_the_window_steps
                 .starts_with(format!("/proc/{host}/root"))
         );
         let lat = meta["start_latency_ns"].as_u64().expect("latency recorded");
-        // The latency runs from the boundary to the end of the write, which
-        // began before msprof read the `start` (an order, not a duration).
+        // The latency runs from the window's boundary (`b.after`, given to
+        // the hook) to the end of the write of `start`: a moment inside the
+        // hook call, after the write began, which was before msprof read
+        // it. Orders on one clock, not durations.
         let write_begin = meta["start_write_begin_ns"].as_u64().unwrap();
-        assert!(write_begin <= start.ts(), "{write_begin} vs {start:?}");
+        let written = b.after + lat;
         assert!(
-            b.after + lat >= write_begin,
-            "{lat} from {b:?}, write began {write_begin}"
+            called <= write_begin && write_begin <= written && written <= returned,
+            "write {write_begin}..{written} (latency {lat} from {b:?}) not inside the hook call \
+             {called}..{returned}"
         );
+        assert!(write_begin <= start.ts(), "{write_begin} vs {start:?}");
         metas.push(meta);
     }
     // Repeated start/stop ERROR lines are recorded, not failures.

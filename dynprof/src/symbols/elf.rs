@@ -309,6 +309,17 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
     let sections = header
         .sections(endian, &loader.sparse)
         .map_err(|e| anyhow!("{e}"))?;
+    let readable_table = |h: &Elf::SectionHeader| {
+        let compressed = h.sh_flags(endian).into() & u64::from(elf::SHF_COMPRESSED) != 0;
+        h.file_range(endian)
+            .filter(|&(_, size)| size <= limits::EH_FRAME && !compressed)
+    };
+    // `Cfi::choose` keeps the larger table, so a `.debug_frame` no larger
+    // than a readable `.eh_frame` would be read for nothing.
+    let eh_frame_size = headers
+        .iter()
+        .filter(|h| sections.section_name(endian, *h).unwrap_or(&[]) == b".eh_frame")
+        .find_map(|h| readable_table(h).map(|r| r.1));
     for h in headers {
         let name = sections.section_name(endian, h).unwrap_or(&[]);
         let Some((off, size)) = h.file_range(endian) else {
@@ -321,11 +332,10 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
         // -fno-asynchronous-unwind-tables and -g has its tables only there
         // (`unwind_sections` picks). Not when compressed: dynprof reads no
         // compressed sections.
-        let compressed = h.sh_flags(endian).into() & u64::from(elf::SHF_COMPRESSED) != 0;
-        if (name == b".eh_frame" || name == b".eh_frame_hdr" || name == b".debug_frame")
-            && size <= limits::EH_FRAME
-            && !compressed
-        {
+        let table = name == b".eh_frame"
+            || name == b".eh_frame_hdr"
+            || (name == b".debug_frame" && eh_frame_size.is_none_or(|e| size > e));
+        if table && readable_table(h).is_some() {
             wanted.push(("unwind table", off, size, limits::EH_FRAME));
         }
         if name == b".gnu_debuglink" && size <= limits::DEBUGLINK {

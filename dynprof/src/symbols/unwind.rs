@@ -284,9 +284,10 @@ impl NativeUnwinder {
 
     /// Is `word`, found at `slot`, a return address into a file's code
     /// from which unwinding goes on for [`JIT_VALIDATE_FRAMES`] more
-    /// frames, each in a file's code and higher on the stack? A stale return address left below the live
-    /// frames (a `free` called earlier from the same depth, say) usually
-    /// unwinds into one plausible frame by chance, rarely into three.
+    /// frames, each in a file's code and higher on the stack? A stale
+    /// return address left below the live frames (a `free` called earlier
+    /// from the same depth, say) usually unwinds into one plausible frame
+    /// by chance, rarely into three.
     fn plausible_return(
         &mut self,
         word: u64,

@@ -428,9 +428,10 @@ fn msprof(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
 /// (torch_train.py, free-running) with `DYNPROF_RECV_NS=1` and a plan of
 /// back-to-back windows; each step line carries the kernel's ts_ns, recv_ns
 /// (CLOCK_MONOTONIC when the printer got it) and whether it woke dynprof.
-/// Only those that did are window boundaries; the rest are batched. Interleaved with a diagnostic run of the same command under
-/// `chrt -f 1` (SCHED_FIFO), which shows how much of the tail is the event
-/// loop waiting for a CPU.
+/// Only those that did are window boundaries; the rest are batched.
+/// Interleaved with a diagnostic run of the same command under `chrt -f 1`
+/// (SCHED_FIFO), which shows how much of the tail is the event loop
+/// waiting for a CPU.
 fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let script = crate::util::workspace_root().join("tests/fixtures/torch_train.py");
     let mut py = Proc::spawn(
