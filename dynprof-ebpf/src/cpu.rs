@@ -10,22 +10,27 @@ pub fn dynprof_cpu(ctx: PerfEventContext) -> u32 {
         return 0;
     }
     let kernel_stack = stack_id(&ctx, 0, drop_slot::CPU_STACK);
-    let mut sample = SampleEvent {
+    // Decided before the copy's own walks (the CPython frame chain), as the
+    // 5.10 verifier's budget needs: a stack id taken after them multiplied
+    // the states it explores past its 1M instructions.
+    let user_stack = if stack_copy::copy_expected(&ctx) {
+        STACK_EMPTY
+    } else {
+        stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::CPU_STACK)
+    };
+    let sample = SampleEvent {
         hdr: EventHeader {
             kind: kind::SAMPLE,
             tid,
             ts_ns: unsafe { bpf_ktime_get_ns() },
         },
-        // Walked below only where no stack copy stands in for it.
-        user_stack: STACK_EMPTY,
+        user_stack,
         kernel_stack,
         cpu: unsafe { bpf_get_smp_processor_id() },
         _pad: 0,
     };
     let flags = batched();
-    let fp_user = || stack_id(&ctx, BPF_F_USER_STACK as u64, drop_slot::CPU_STACK);
-    if !stack_copy::emit_with_stack(&ctx, sample, flags, fp_user) {
-        sample.user_stack = fp_user();
+    if !stack_copy::emit_with_stack(&ctx, sample, flags) {
         emit(sample, drop_slot::CPU, flags);
     }
     0

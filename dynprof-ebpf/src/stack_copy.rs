@@ -203,23 +203,32 @@ fn task_user_regs() -> Option<UserRegs> {
     })
 }
 
+/// Will [`emit_with_stack`] copy this sample's user stack? (The copy is on,
+/// and the user registers are the sample's own or the kernel can give
+/// them.) Asked before any walk: the cpu program then skips the kernel's
+/// frame-pointer walk of the user stack, which user space redoes from the
+/// copy (framehop follows frame pointers where code has no tables). The
+/// walk cost the target ~0.5 µs per sample and filled `STACKS` with
+/// stacks nobody read, whose hash collisions then dropped the kernel
+/// stacks that are read. A copy that fails after all (an unreadable
+/// stack, rare) leaves the sample without native user frames.
+#[inline(always)]
+pub fn copy_expected(ctx: &PerfEventContext) -> bool {
+    let max = unsafe { core::ptr::read_volatile(&STACK_COPY_BYTES) };
+    if max == 0 {
+        return false;
+    }
+    let regs = ctx.as_ptr() as *const u64;
+    let at = |i: usize| unsafe { *regs.add(i) };
+    (arch::is_user(at(arch::MODE)) && at(arch::SP) != 0)
+        || unsafe { core::ptr::read_volatile(&USER_REGS_FROM_TASK) } != user_regs::NONE
+}
+
 /// Emits `sample` with a copy of the user stack and returns true, or
 /// returns false (copy disabled, no user registers, unreadable stack) so
 /// that the caller emits the plain sample. A full ring counts a CPU drop.
-///
-/// `fp_user` walks the frame pointers of the user stack (a `STACKS` id).
-/// It is called only when no copy is emitted: with a copy, user space
-/// unwinds the same frames (framehop follows frame pointers where code has
-/// no tables), and the walk would cost the target ~0.5 µs per sample and
-/// fill `STACKS` with stacks nobody reads, whose hash collisions then
-/// drop the kernel stacks that are read.
 #[inline(always)]
-pub fn emit_with_stack<F: FnOnce() -> i32>(
-    ctx: &PerfEventContext,
-    mut sample: SampleEvent,
-    flags: u64,
-    fp_user: F,
-) -> bool {
+pub fn emit_with_stack(ctx: &PerfEventContext, mut sample: SampleEvent, flags: u64) -> bool {
     let max = unsafe { core::ptr::read_volatile(&STACK_COPY_BYTES) } as usize;
     let py = unsafe { core::ptr::read_volatile(&PY) };
     if max == 0 && py.interp_head == 0 {
@@ -249,16 +258,7 @@ pub fn emit_with_stack<F: FnOnce() -> i32>(
         task_user_regs()
     };
     sample.hdr.kind = SAMPLE_STACK;
-    emit_copy(
-        buf,
-        sample,
-        user,
-        py_count,
-        max,
-        flags,
-        drop_slot::CPU,
-        fp_user,
-    )
+    emit_copy(buf, sample, user, py_count, max, flags, drop_slot::CPU)
 }
 
 /// Returns `py_count` through the map value's memory, which the verifier
@@ -275,11 +275,9 @@ fn forget(buf: *mut StackSample, py_count: u32) -> u32 {
 }
 
 /// Fills `buf`'s header and emits it with a copy of the stack at `user`'s
-/// sp, or with the Python frames alone and the frame-pointer stack that
-/// `fp_user` gives; false when there was neither.
+/// sp, or with the Python frames alone; false when there was neither.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn emit_copy<F: FnOnce() -> i32>(
+fn emit_copy(
     buf: *mut StackSample,
     sample: SampleEvent,
     user: Option<UserRegs>,
@@ -287,7 +285,6 @@ fn emit_copy<F: FnOnce() -> i32>(
     max: usize,
     flags: u64,
     drop: u32,
-    fp_user: F,
 ) -> bool {
     let r = user.unwrap_or(UserRegs {
         ip: 0,
@@ -313,10 +310,8 @@ fn emit_copy<F: FnOnce() -> i32>(
     if py_count == 0 {
         return false;
     }
-    // Python frames without a stack copy: the native frames are the
-    // frame-pointer walk's.
+    // Python frames without a stack copy.
     unsafe {
-        (*buf).hdr.sample.user_stack = fp_user();
         (*buf).hdr.ip = 0;
         (*buf).hdr.sp = 0;
         (*buf).hdr.bp = 0;
@@ -428,16 +423,7 @@ pub fn emit_offcpu_stack(
         _pad: 0,
     };
     let copied = user.is_some();
-    emit_copy(
-        buf,
-        sample,
-        user,
-        py_count,
-        max,
-        flags,
-        drop_slot::OFFCPU,
-        || fp_stack,
-    );
+    emit_copy(buf, sample, user, py_count, max, flags, drop_slot::OFFCPU);
     if copied { OffCpuCopy::Copied } else { outcome }
 }
 

@@ -194,9 +194,20 @@ const VM_TESTS: &[(&str, &[&str])] = &[
         "aux_windows",
         &["aux_marker_attached_again_for_each_window"],
     ),
-    // The stack copy's constant-size reads are what the 5.10 verifier is
-    // strictest about. (The Python frame test takes 11 min under TCG: the
-    // CPython walk shares the cpu program, so this test loads it too.)
+    // The CPython frame walk on Debian's python3.11 (pure Python, no
+    // PyTorch, whose import takes minutes under TCG): cpu samples, the
+    // GIL holder behind 70 idle threads, and off-CPU switches. These load
+    // the cpu and sched_switch programs with the walk live, the largest
+    // programs the 5.10 verifier sees (for other targets it prunes the
+    // walk as dead code).
+    (
+        "python_versions",
+        &[
+            "python311_hot_function_under_its_caller",
+            "python311_hot_function_behind_many_threads",
+            "python311_offcpu_queue_wait",
+        ],
+    ),
     // A target in its own PID namespace (unshare), found by its inner PID.
     // (Not here: `library_only_in_the_target_mount_namespace`, whose
     // expected path is the host's, not the guest's 9p overlay path; the
@@ -204,9 +215,10 @@ const VM_TESTS: &[(&str, &[&str])] = &[
     // the window's first boundary; real PyTorch, whose import takes more
     // than the tests' 120 s under TCG.)
     ("containers", &["attach_by_inner_pid_in_pidns"]),
-    // And the user stacks of kernel-mode samples: unwound from
-    // bpf_task_pt_regs on 6.1, from the registers at the top of the task's
-    // kernel stack on 5.10.
+    // The stack copy, whose constant-size reads are what the 5.10 verifier
+    // is strictest about. And the user stacks of kernel-mode samples:
+    // unwound from bpf_task_pt_regs on 6.1, from the registers at the top
+    // of the task's kernel stack on 5.10.
     (
         "unwind_native",
         &[
