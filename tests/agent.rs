@@ -610,16 +610,6 @@ fn unix_now() -> f64 {
         .as_secs_f64()
 }
 
-fn mono_now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// How the test asks both "nodes" for a capture: it returns the common
 /// start instant in this host's CLOCK_MONOTONIC.
 enum Trigger {
@@ -722,7 +712,7 @@ fn two_nodes(tag: &str, trigger: Trigger) {
     let start_mono = match &trigger {
         Trigger::Http => {
             let start_at = unix_now() + 3.0;
-            let start_mono = mono_now_ns() + 3_000_000_000;
+            let start_mono = common::mono_ns() + 3_000_000_000;
             for (a, pid) in agents.iter().zip(&ranks.0) {
                 let body = format!(
                     r#"{{"pid": {pid}, "warmup": 1, "active": 3, "start_step": 40, "collect": ["offcpu"], "start_at": {start_at:.6}}}"#
@@ -757,7 +747,7 @@ fn two_nodes(tag: &str, trigger: Trigger) {
                 .unwrap()
                 .as_secs_f64();
             let ahead = mtime + CONFIG_LEAD_S as f64 - unix_now();
-            (mono_now_ns() as f64 + ahead * 1e9) as u64
+            (common::mono_ns() as f64 + ahead * 1e9) as u64
         }
         Trigger::ConfigMap(d) => {
             // Without metadata.dynprof_start_at: a log line on each node
@@ -776,7 +766,7 @@ fn two_nodes(tag: &str, trigger: Trigger) {
                 );
             }
             let start_at = unix_now() + CONFIG_LEAD_S as f64;
-            let start_mono = mono_now_ns() + CONFIG_LEAD_S * 1_000_000_000;
+            let start_mono = common::mono_ns() + CONFIG_LEAD_S * 1_000_000_000;
             kubelet_update(
                 d,
                 3,

@@ -9,16 +9,6 @@ use std::{process::Command, time::Duration};
 use common::*;
 use object::{Object as _, ObjectSymbol as _};
 
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 fn dynamic_symbols(path: &std::path::Path) -> Vec<String> {
     let data = std::fs::read(path).unwrap();
     let file = object::File::parse(&*data).unwrap();
@@ -121,7 +111,7 @@ fn trainer_logs_steps_backward_and_zero_grad() {
     let fx = fixtures();
     let dir = scratch_dir("fixtures_smoke-trainer");
     let log = dir.join("trainer.log");
-    let t0 = monotonic_ns();
+    let t0 = mono_ns();
     let mut p = Proc::spawn_ready(
         Command::new(&fx.trainer)
             .args([
@@ -141,7 +131,7 @@ fn trainer_logs_steps_backward_and_zero_grad() {
         .wait_timeout(Duration::from_secs(30))
         .expect("trainer did not finish");
     assert!(st.success(), "{st}");
-    let t1 = monotonic_ns();
+    let t1 = mono_ns();
     let lines = read_log(&log);
     check_steps(&lines, 3, t0, t1);
     let backward: Vec<_> = lines.iter().filter(|l| l.kind == "backward").collect();
@@ -180,7 +170,7 @@ fn run_acl(tag: &str, args: &[&str]) -> (Vec<LogLine>, Vec<AclLogLine>, u64, u64
     let dir = scratch_dir(&format!("fixtures_smoke-{tag}"));
     let log = dir.join("steps.log");
     let acl_log = dir.join("acl.log");
-    let t0 = monotonic_ns();
+    let t0 = mono_ns();
     let mut p = Proc::spawn_ready(
         Command::new(&fx.acl_trainer)
             .args(args)
@@ -192,7 +182,7 @@ fn run_acl(tag: &str, args: &[&str]) -> (Vec<LogLine>, Vec<AclLogLine>, u64, u64
         .wait_timeout(Duration::from_secs(30))
         .expect("acl_trainer did not finish");
     assert!(st.success(), "{st}");
-    let t1 = monotonic_ns();
+    let t1 = mono_ns();
     (read_log(&log), read_acl_log(&acl_log), t0, t1)
 }
 
@@ -332,7 +322,7 @@ fn acl_trainer_high_rate_mode_turns_the_log_off() {
 fn strtrainer_logs_steps() {
     let fx = fixtures();
     let log = scratch_dir("fixtures_smoke-strtrainer").join("steps.log");
-    let t0 = monotonic_ns();
+    let t0 = mono_ns();
     let mut p = Proc::spawn_ready(
         Command::new(&fx.strtrainer)
             .args(["--steps", "3", "--step-ms", "2", "--log"])
@@ -343,14 +333,14 @@ fn strtrainer_logs_steps() {
             .expect("strtrainer did not finish")
             .success()
     );
-    check_steps(&read_log(&log), 3, t0, monotonic_ns());
+    check_steps(&read_log(&log), 3, t0, mono_ns());
 }
 
 #[test]
 fn dlopen_trainer_loads_its_library_late() {
     let fx = fixtures();
     let log = scratch_dir("fixtures_smoke-dlopen").join("steps.log");
-    let t0 = monotonic_ns();
+    let t0 = mono_ns();
     let mut p = Proc::spawn_ready(
         Command::new(&fx.dlopen_trainer)
             .args([
@@ -381,7 +371,7 @@ fn dlopen_trainer_loads_its_library_late() {
         dl.before >= t0 + 200_000_000,
         "dlopen came before --delay-ms"
     );
-    check_steps(&lines, 3, t0, monotonic_ns());
+    check_steps(&lines, 3, t0, mono_ns());
     assert!(
         lines
             .iter()
@@ -394,7 +384,7 @@ fn dlopen_trainer_loads_its_library_late() {
 fn usdt_train_py_logs_steps() {
     let fx = fixtures();
     let log = scratch_dir("fixtures_smoke-usdt-py").join("steps.log");
-    let t0 = monotonic_ns();
+    let t0 = mono_ns();
     let mut p = Proc::spawn_ready(
         fx.python(&fx.usdt_train_py)
             .args(["--steps", "3", "--step-ms", "4", "--log"])
@@ -405,14 +395,14 @@ fn usdt_train_py_logs_steps() {
             .expect("usdt_train.py did not finish")
             .success()
     );
-    check_steps(&read_log(&log), 3, t0, monotonic_ns());
+    check_steps(&read_log(&log), 3, t0, mono_ns());
 }
 
 #[test]
 fn torch_train_py_logs_optimizer_steps_and_backward_passes() {
     let fx = fixtures();
     let log = scratch_dir("fixtures_smoke-torch").join("steps.log");
-    let t0 = monotonic_ns();
+    let t0 = mono_ns();
     let mut p = Proc::spawn_ready(
         fx.python(&fx.torch_train_py)
             .args([
@@ -433,7 +423,7 @@ fn torch_train_py_logs_optimizer_steps_and_backward_passes() {
             .success()
     );
     let lines = read_log(&log);
-    check_steps(&lines, 3, t0, monotonic_ns());
+    check_steps(&lines, 3, t0, mono_ns());
     assert_eq!(lines.iter().filter(|l| l.kind == "backward").count(), 6);
 }
 

@@ -205,18 +205,6 @@ fn pids_with(needles: &[&str]) -> Vec<u32> {
     out
 }
 
-/// CLOCK_MONOTONIC in ns: the clock of the trainer's log and of dynprof's
-/// timestamps.
-fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 #[test]
 fn msprof_runs_in_the_target_pidns_and_writes_start_stop_inside_the_window_steps() {
     require_privileges!();

@@ -694,3 +694,15 @@ pub fn window_folded(out: &Path, name: &str, stderr: &str) -> (PathBuf, Vec<(Vec
 pub fn emulated() -> bool {
     std::env::var_os("DYNPROF_TEST_EMULATED").is_some()
 }
+
+/// CLOCK_MONOTONIC in ns: the clock of the fixtures' logs and of dynprof's
+/// timestamps.
+pub fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

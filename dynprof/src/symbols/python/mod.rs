@@ -698,13 +698,11 @@ mod tests {
         assert_eq!(shims, vec![0x30, 0x60]);
     }
 
-    /// The offsets of [`PY311`] and [`PY311_AARCH64`], in the order of
-    /// the C array below.
-    fn py311_fields(l: &Layout) -> Vec<u64> {
+    /// The offsets that 3.11 and 3.12 share the C expressions of, from
+    /// `PyInterpreterState.threads.head` on (see the C arrays below).
+    fn shared_fields(l: &Layout) -> Vec<u64> {
         let o = l.offsets;
         vec![
-            l.runtime_tstate_current.unwrap(),
-            l.runtime_interp_head,
             o.interp_threads_head,
             o.tstate_next,
             o.tstate_native_thread_id,
@@ -727,6 +725,14 @@ mod tests {
             l.bytes_size,
             l.bytes_data,
         ]
+    }
+
+    /// The offsets of [`PY311`] and [`PY311_AARCH64`], in the order of
+    /// [`PY311_C`].
+    fn py311_fields(l: &Layout) -> Vec<u64> {
+        let mut v = vec![l.runtime_tstate_current.unwrap(), l.runtime_interp_head];
+        v.extend(shared_fields(l));
+        v
     }
 
     /// The 3.11 fields of [`py311_fields`], as C.
@@ -825,33 +831,8 @@ unsigned long dynprof_offsets[] = {{{fields}}};
     offsetof(PyASCIIObject, length), offsetof(PyASCIIObject, state),
     sizeof(PyASCIIObject), sizeof(PyCompactUnicodeObject),
     offsetof(PyBytesObject, ob_base.ob_size), offsetof(PyBytesObject, ob_sval)";
-        let l = PY312;
-        let o = l.offsets;
-        let want = vec![
-            l.runtime_interp_head,
-            l.interp_gil_holder.unwrap(),
-            o.interp_threads_head,
-            o.tstate_next,
-            o.tstate_native_thread_id,
-            o.tstate_cframe,
-            o.cframe_current_frame,
-            o.frame_code,
-            o.frame_previous,
-            o.frame_prev_instr,
-            o.frame_is_entry,
-            l.code_filename,
-            l.code_name,
-            l.code_qualname,
-            l.code_firstlineno,
-            l.code_linetable,
-            l.code_code_adaptive,
-            l.str_length,
-            l.str_state,
-            l.str_ascii_data,
-            l.str_compact_data,
-            l.bytes_size,
-            l.bytes_data,
-        ];
+        let mut want = vec![PY312.runtime_interp_head, PY312.interp_gil_holder.unwrap()];
+        want.extend(shared_fields(&PY312));
         assert_eq!(offsets_by("gcc", &[inc], fields), want);
         if have_cross_cc() {
             assert_eq!(offsets_by("aarch64-linux-gnu-gcc", &[inc], fields), want);
