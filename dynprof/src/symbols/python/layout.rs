@@ -418,7 +418,7 @@ pub fn from_debug_offsets(table: &[u8], minor: u8) -> Result<Layout> {
 
 /// CPython 3.11 built for arm64: `_PyRuntime.gilstate` comes after the
 /// GIL's two `pthread_mutex_t`, 8 bytes longer each than on x86-64 (checked
-/// against Debian's arm64 headers by `python311_offsets_match_the_headers`
+/// against Debian's arm64 headers by `python311_arm64_offsets_match_the_headers`
 /// and on Debian's arm64 interpreter in the arm64 VM). Nothing else that
 /// dynprof reads moves.
 pub const PY311_AARCH64: Layout = Layout {
