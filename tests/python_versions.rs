@@ -241,6 +241,13 @@ fn hot_function_under_its_caller(interp: Interp) {
     hot_function_with(interp, "", &[]);
 }
 
+/// The cpu window's check with more idle Python threads (started after the
+/// main thread) than the eBPF program's walk of the thread list reads.
+fn hot_function_behind_many_threads(interp: Interp) {
+    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
+    hot_function_with(interp, "_threads", &["--idle-threads", &n]);
+}
+
 /// The cpu window's check on py_hot.py run with `extra` options, in a
 /// scratch directory of its own (`tag`: tests run in parallel).
 fn hot_function_with(interp: Interp, tag: &str, extra: &[&str]) {
@@ -418,8 +425,7 @@ fn python311_hot_function_under_its_caller() {
 fn python311_hot_function_behind_many_threads() {
     require_privileges!();
     let Some(py) = debian_python311() else { return };
-    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
-    hot_function_with(py, "_threads", &["--idle-threads", &n]);
+    hot_function_behind_many_threads(py);
 }
 
 /// 3.12's way to the running thread: the main interpreter's GIL holder
@@ -428,12 +434,7 @@ fn python311_hot_function_behind_many_threads() {
 fn python312_hot_function_behind_many_threads() {
     require_privileges!();
     let Some(py) = host_python312() else { return };
-    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
-    hot_function_with(
-        Interp::Host(12, py, None),
-        "_threads",
-        &["--idle-threads", &n],
-    );
+    hot_function_behind_many_threads(Interp::Host(12, py, None));
 }
 
 /// 3.13's way to the running thread: the main interpreter's GIL holder,
@@ -441,15 +442,13 @@ fn python312_hot_function_behind_many_threads() {
 #[test]
 fn python313_hot_function_behind_many_threads() {
     require_privileges!();
-    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
-    hot_function_with(Interp::Rootfs(13), "_threads", &["--idle-threads", &n]);
+    hot_function_behind_many_threads(Interp::Rootfs(13));
 }
 
 #[test]
 fn python314_hot_function_behind_many_threads() {
     require_privileges!();
-    let n = (dynprof_common::unwind::MAX_PY_THREADS + 6).to_string();
-    hot_function_with(Interp::Rootfs(14), "_threads", &["--idle-threads", &n]);
+    hot_function_behind_many_threads(Interp::Rootfs(14));
 }
 
 #[test]

@@ -698,11 +698,5 @@ pub fn emulated() -> bool {
 /// CLOCK_MONOTONIC in ns: the clock of the fixtures' logs and of dynprof's
 /// timestamps.
 pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    dynprof::sys::clock::monotonic_ns()
 }

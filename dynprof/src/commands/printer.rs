@@ -7,6 +7,7 @@ use serde_json::json;
 use crate::{
     probes::Role,
     session::{CompletedStep, Ctx, Decoded, EndReason, Observer},
+    sys::clock::monotonic_ns,
 };
 
 /// Lines are buffered and written once per batch of events: at a
@@ -131,14 +132,4 @@ impl<C> Observer<C> for StepPrinter {
 fn recv_ns_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("DYNPROF_RECV_NS").is_some_and(|v| v == "1"))
-}
-
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
