@@ -117,6 +117,17 @@ pub struct Options {
     pub repeat: u32,
 }
 
+/// Debian's python3.11 running py_hot.py (tests/python_versions.rs), in
+/// both architectures' VMs.
+const PYTHON311_VM_TESTS: (&str, &[&str]) = (
+    "python_versions",
+    &[
+        "python311_hot_function_under_its_caller",
+        "python311_hot_function_behind_many_threads",
+        "python311_offcpu_queue_wait",
+    ],
+);
+
 /// The tests run in the arm64 VM: the host root's tools (make, python3,
 /// flock) are x86-64 there, so only tests whose targets are the fixtures,
 /// prebuilt for arm64 on the host, or the unpacked arm64 python3.11 can
@@ -139,6 +150,12 @@ const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
         "windows",
         &["windows_plan_records_exactly_the_planned_steps"],
     ),
+    // Python frames on Debian's own arm64 CPython 3.11 (unpacked by
+    // `cargo xtask setup`): its `_PyRuntime` puts the current thread 16
+    // bytes further than x86-64's, and its native frames are unwound from
+    // `.eh_frame` by framehop's aarch64 unwinder. On cpu samples and at
+    // off-CPU switches.
+    PYTHON311_VM_TESTS,
     // arm64's registers in the stack copy (x29, x30, sp, pc, pstate) and
     // framehop's aarch64 unwinder, on the cross-built `deepstack`; in
     // kernel mode, the registers read at the top of the task's kernel
@@ -148,19 +165,6 @@ const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
     // And `.debug_frame` (built with -fno-unwind-tables
     // -fno-asynchronous-unwind-tables: arm64 gcc emits .eh_frame without
     // the first).
-    // Python frames on Debian's own arm64 CPython 3.11 (unpacked by
-    // `cargo xtask setup`): its `_PyRuntime` puts the current thread 16
-    // bytes further than x86-64's, and its native frames are unwound from
-    // `.eh_frame` by framehop's aarch64 unwinder. On cpu samples and at
-    // off-CPU switches.
-    (
-        "python_versions",
-        &[
-            "python311_hot_function_under_its_caller",
-            "python311_hot_function_behind_many_threads",
-            "python311_offcpu_queue_wait",
-        ],
-    ),
     (
         "unwind_native",
         &[
@@ -200,14 +204,7 @@ const VM_TESTS: &[(&str, &[&str])] = &[
     // the cpu and sched_switch programs with the walk live, the largest
     // programs the 5.10 verifier sees (for other targets it prunes the
     // walk as dead code).
-    (
-        "python_versions",
-        &[
-            "python311_hot_function_under_its_caller",
-            "python311_hot_function_behind_many_threads",
-            "python311_offcpu_queue_wait",
-        ],
-    ),
+    PYTHON311_VM_TESTS,
     // A target in its own PID namespace (unshare), found by its inner PID.
     // (Not here: `library_only_in_the_target_mount_namespace`, whose
     // expected path is the host's, not the guest's 9p overlay path; the
