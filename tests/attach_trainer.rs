@@ -184,6 +184,72 @@ fn attach_strtrainer_std_string_filter_mangled() {
     );
 }
 
+/// Idle steps reach dynprof through the kernel's step log, 16,384 words
+/// read on each tick, and through the ring buffer once 8,192 of them are
+/// unread. dynprof is stopped while the trainer makes 20,000 steps, more
+/// than the log holds: every step must still arrive once, numbered in
+/// order, each stamped inside its own call as the trainer logged it.
+#[test]
+fn attach_trainer_stalled_reader_loses_no_step() {
+    require_privileges!();
+    let fx = fixtures();
+    let log = scratch_dir("attach_trainer-stalled").join("trainer.log");
+    let mut p = Proc::spawn_ready(
+        Command::new(&fx.trainer)
+            .args([
+                "--steps",
+                "0",
+                "--step-us",
+                "100",
+                "--backward-per-step",
+                "0",
+            ])
+            .arg("--log")
+            .arg(&log),
+    );
+    wait_for_log_lines(&log, "step", 1, T);
+    const N: u64 = 30_000;
+    let mut d = Dynprof::attach(
+        p.pid,
+        &["--marker", "exe:optimizer_step", "--steps", &N.to_string()],
+    );
+    d.wait_event("step", T);
+    d.signal(libc::SIGSTOP);
+    let stopped_at = log_lines_of(&log, "step").len();
+    wait_for_log_lines(&log, "step", stopped_at + 20_000, T);
+    d.signal(libc::SIGCONT);
+    let run = d.finish(T);
+    run.assert_success();
+    let sum = run.summary();
+    assert_eq!(sum["steps"], N, "{sum}");
+    assert_eq!(sum["drops"]["step"], 0, "{sum}");
+    let steps = run.steps();
+    assert_eq!(steps.len() as u64, N);
+    let calls = wait_log_covering(&log, "step", steps.last().unwrap().1, T);
+    // Hit k is the trainer's call `first + k - 1`: find `first` by the first
+    // event's time, then check every event against its own call.
+    let first = calls
+        .iter()
+        .position(|c| c.before <= steps[0].1 && steps[0].1 <= c.after)
+        .unwrap_or_else(|| panic!("step 1 at {} lies in no logged call", steps[0].1));
+    for (n, &(k, ts)) in steps.iter().enumerate() {
+        assert_eq!(
+            k,
+            n as u64 + 1,
+            "steps must be numbered 1, 2, ... once each"
+        );
+        let c = &calls[first + n];
+        assert!(
+            c.before <= ts && ts <= c.after,
+            "step {k} at {ts} is not inside trainer call {} [{}, {}]",
+            c.index,
+            c.before,
+            c.after
+        );
+    }
+    assert!(p.is_running(), "the trainer must survive the attach");
+}
+
 #[test]
 fn attach_trainer_live_text_output() {
     require_privileges!();

@@ -6,6 +6,7 @@
 //! space's marker or API table.
 #![no_std]
 
+pub mod steplog;
 pub mod unwind;
 
 /// `bpf_ringbuf_submit`/`query` flags (include/uapi/linux/bpf.h).
@@ -292,6 +293,9 @@ pub struct KernelState {
     pub step_hits: u64,
     /// 1 while the current step lies inside a window.
     pub gate: u64,
+    /// Host tid of the latest step hit: the tid of steps read from the
+    /// step log ([`steplog`]), whose slots have no room for one.
+    pub last_step_tid: u64,
 }
 
 /// Common header of every ring-buffer event.

@@ -24,7 +24,7 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_USER_STACK, pt_regs},
+    bindings::{BPF_F_MMAPABLE, BPF_F_USER_STACK, pt_regs},
     helpers::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
         bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, generated,
@@ -39,6 +39,7 @@ use dynprof_common::{
     API_STACK_DEPTH, ApiEvent, ApiStack, EventHeader, KernelState, MAX_APIS, MAX_MARKERS,
     MAX_PROBE_ADDRS, MarkerConfig, OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY,
     SampleEvent, StepEvent, THREAD_MAPS_MIN, arg_mode, drop_slot, kind, reg, ringbuf, role,
+    steplog,
 };
 
 /// Host tgid of the target, set by user space before load.
@@ -65,6 +66,10 @@ static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(drop_slot::COUNT,
 /// Size is set by user space at load (`--ring-buffer-kb`).
 #[map]
 pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
+/// Steps outside windows, one word each, read by user space through mmap
+/// instead of the ring buffer: see `dynprof_common::steplog`.
+#[map]
+static STEP_LOG: Array<u64> = Array::with_max_entries(steplog::MAP_ENTRIES, BPF_F_MMAPABLE);
 #[map]
 static STACKS: StackTrace = StackTrace::with_max_entries(16384, 0);
 #[map]

@@ -107,8 +107,22 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
             None => (false, false),
         };
         let was_open = unsafe { (*state).gate != 0 };
-        unsafe { (*state).gate = open as u64 };
-        (k, open, wake || open != was_open)
+        unsafe {
+            (*state).gate = open as u64;
+            (*state).last_step_tid = tid as u64;
+        }
+        let wake = wake || open != was_open;
+        // A step user space need not act on, outside any window: one word
+        // in the step log instead of a ring-buffer record, unless the
+        // reader has fallen behind (then the ring buffer holds it, and the
+        // slot, which may still be unread, is left alone).
+        if !wake && !open && log_has_room(k) {
+            if let Some(slot) = STEP_LOG.get_ptr_mut(steplog::slot_index(k)) {
+                unsafe { core::ptr::write_volatile(slot, steplog::pack(k, marker, ts_ns)) };
+                return 0;
+            }
+        }
+        (k, open, wake)
     } else {
         unsafe { ((*state).step_hits, (*state).gate != 0, false) }
     };
@@ -134,6 +148,15 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
         flags,
     );
     0
+}
+
+/// Fewer than `steplog::MAX_UNREAD` steps before `k` are unread.
+#[inline(always)]
+fn log_has_room(k: u64) -> bool {
+    match STEP_LOG.get(0) {
+        Some(c) => k.wrapping_sub(unsafe { core::ptr::read_volatile(c) }) < steplog::MAX_UNREAD,
+        None => false,
+    }
 }
 
 /// An empty uprobe, the baseline that `cargo xtask bench` compares the

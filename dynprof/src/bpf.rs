@@ -49,8 +49,11 @@ pub const SEMAPHORE_ENV: &str = "DYNPROF_USDT_SEMAPHORE";
 
 mod markers;
 mod preflight;
+mod steplog;
 mod task_regs;
+
 pub use preflight::preflight;
+pub use steplog::{LoggedStep, StepLog};
 
 /// Per-marker hook state kept for detach: the perf event with the program
 /// on it (closing it removes the uprobe and, with `ref_ctr_offset`, lowers
@@ -572,6 +575,16 @@ impl Kernel {
             .take_map("EVENTS")
             .ok_or_else(|| anyhow!("EVENTS ring buffer already taken"))?;
         Ok(RingBuf::try_from(map)?)
+    }
+
+    /// Maps the idle step log (`dynprof_common::steplog`); call once, with
+    /// [`Self::take_events`]: whoever reads the ring must read the log too.
+    pub fn take_step_log(&mut self) -> Result<StepLog> {
+        match self.ebpf.take_map("STEP_LOG") {
+            Some(aya::maps::Map::Array(data)) => StepLog::map(data),
+            Some(_) => bail!("STEP_LOG is not an array map"),
+            None => bail!("STEP_LOG already taken"),
+        }
     }
 
     /// Takes the stack-trace map (for symbolization off the event loop).

@@ -36,6 +36,7 @@ use serde_json::{Value, json};
 use crate::{
     bpf::Kernel,
     probes::{self, MarkerArg},
+    session::{Decoded, events::decode},
     target::Target,
     types::HostPid,
 };
@@ -120,16 +121,28 @@ fn attach(pid: HostPid, marker: &MarkerArg, a: &ProbeCostArgs) -> Result<Attache
         "attach_ms": (t_attached - t_loaded).as_secs_f64() * 1e3,
     });
     let mut ring = kernel.take_events()?;
+    let mut log = kernel.take_step_log()?;
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let every = a.drain_every_ms;
     let drain = std::thread::spawn(move || -> Result<u64> {
         let mut events = 0u64;
+        let mut logged = Vec::new();
         loop {
+            // As the session reads them: ring events and logged steps, the
+            // latter counted as the events they replace.
             while let Some(item) = ring.next() {
-                let _ = item.len();
+                if let Some(Decoded::Step(s)) = decode(&item)
+                    && s.role == dynprof_common::role::STEP
+                {
+                    log.read(Some(s.step), &mut logged);
+                    log.passed(s.step);
+                }
                 events += 1;
             }
+            log.read(None, &mut logged);
+            events += logged.len() as u64;
+            logged.clear();
             if stop2.load(Ordering::Relaxed) {
                 return Ok(events);
             }
@@ -142,8 +155,12 @@ fn attach(pid: HostPid, marker: &MarkerArg, a: &ProbeCostArgs) -> Result<Attache
                 events: libc::POLLIN,
                 revents: 0,
             };
-            // SAFETY: one valid pollfd; a short timeout to see `stop`.
-            if unsafe { libc::poll(&mut fd, 1, 50) } < 0 {
+            // SAFETY: one valid pollfd.
+            // 1 ms: hitloop hits ~2M times a second, and the step log holds
+            // `steplog::MAX_UNREAD` (8,192) unread steps before the kernel
+            // falls back to the ring buffer; a job's steps come at most tens
+            // of thousands a second, which the session's 100 ms tick reads.
+            if unsafe { libc::poll(&mut fd, 1, 1) } < 0 {
                 let e = std::io::Error::last_os_error();
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     return Err(e).context("poll");

@@ -20,8 +20,10 @@ use tokio::{
 pub use clock::{CompletedStep, StepClock, StepSummary};
 pub use events::{Decoded, StackCopy};
 
+use dynprof_common::{EventHeader, StepEvent, kind, role};
+
 use crate::{
-    bpf::Kernel,
+    bpf::{Kernel, LoggedStep, StepLog},
     output::model::Drops,
     probes::{ResolvedProbe, Role},
     target::Target,
@@ -150,6 +152,8 @@ impl Session {
     ) -> Result<SessionSummary> {
         let started = Instant::now();
         let ring: RingBuf<MapData> = self.kernel.take_events()?;
+        // Idle steps come through the step log, not the ring: read both.
+        let mut log = self.kernel.take_step_log()?;
         // SAFETY: both fds are owned by the values moved into the AsyncFd and
         // stay open exactly as long as it is registered.
         let mut ring =
@@ -196,7 +200,7 @@ impl Session {
                     // drain marks the ring ready again instead of being lost
                     // (the next would be a tick away).
                     guard.clear_ready();
-                    let stop = self.drain(guard.get_inner_mut(), observers, &limits)?;
+                    let stop = self.drain(guard.get_inner_mut(), &mut log, observers, &limits)?;
                     if let Some(r) = stop { break 'outer r; }
                 }
                 // What it emitted before it died is read below.
@@ -211,7 +215,7 @@ impl Session {
                 _ = tick.tick() => {
                     // Most events are written without a wakeup (see
                     // `PlanConfig::wakes`): the tick is when they are read.
-                    if let Some(r) = self.drain(ring.get_mut(), observers, &limits)? { break 'outer r; }
+                    if let Some(r) = self.drain(ring.get_mut(), &mut log, observers, &limits)? { break 'outer r; }
                     let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
                     for o in observers.iter_mut() {
                         o.on_tick(&mut ctx)?;
@@ -227,7 +231,7 @@ impl Session {
         // to the output (an interrupted or detached window keeps the steps it
         // recorded); only a step limit cuts it short.
         if end != EndReason::StepsReached {
-            while let Some(r) = self.drain(ring.get_mut(), observers, &limits)? {
+            while let Some(r) = self.drain(ring.get_mut(), &mut log, observers, &limits)? {
                 if r == EndReason::StepsReached {
                     end = r;
                     break;
@@ -263,23 +267,79 @@ impl Session {
         })
     }
 
-    /// Hands every event waiting in the ring to the observers.
+    /// Hands every event waiting in the ring, and every step waiting in the
+    /// step log, to the observers, in step order.
     fn drain<C>(
         &mut self,
         ring: &mut RingBuf<MapData>,
+        log: &mut StepLog,
         observers: &mut [Box<dyn Observer<C>>],
         limits: &Limits,
     ) -> Result<Option<EndReason>> {
+        let mut logged = Vec::new();
         while let Some(item) = ring.next() {
             let Some(ev) = events::decode(&item) else {
                 continue;
             };
             drop(item);
+            // The logged steps before this event's step come first: a step
+            // event begins step k, an aux hit belongs to step k.
+            if let Decoded::Step(s) = &ev {
+                if s.role == dynprof_common::role::STEP {
+                    log.read(Some(s.step), &mut logged);
+                    log.passed(s.step);
+                } else {
+                    log.read(Some(s.step.saturating_add(1)), &mut logged);
+                }
+                if let Some(r) = self.dispatch_logged(&mut logged, observers, limits)? {
+                    return Ok(Some(r));
+                }
+            }
             if let Some(r) = self.dispatch(&ev, observers, limits)? {
                 return Ok(Some(r));
             }
         }
-        Ok(None)
+        log.read(None, &mut logged);
+        self.dispatch_logged(&mut logged, observers, limits)
+    }
+
+    /// Dispatches steps read from the step log as the step events the ring
+    /// would have carried. Their slots have no room for a tid: they carry
+    /// the tid of the latest step hit (the training thread, in practice).
+    fn dispatch_logged<C>(
+        &mut self,
+        logged: &mut Vec<LoggedStep>,
+        observers: &mut [Box<dyn Observer<C>>],
+        limits: &Limits,
+    ) -> Result<Option<EndReason>> {
+        if logged.is_empty() {
+            return Ok(None);
+        }
+        let tid = self
+            .kernel
+            .state()
+            .map(|s| s.last_step_tid as u32)
+            .unwrap_or(0);
+        let mut end = None;
+        for l in logged.drain(..) {
+            if end.is_some() {
+                continue;
+            }
+            let ev = Decoded::Step(StepEvent {
+                hdr: EventHeader {
+                    kind: kind::STEP,
+                    tid,
+                    ts_ns: l.ts_ns,
+                },
+                marker: l.marker,
+                role: role::STEP,
+                step: l.step,
+                gate: 0,
+                woke: 0,
+            });
+            end = self.dispatch(&ev, observers, limits)?;
+        }
+        Ok(end)
     }
 
     fn dispatch<C>(

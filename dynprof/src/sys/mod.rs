@@ -15,6 +15,7 @@
 //! | `lock` | one controller per target: the flock under /run/dynprof |
 //! | `kallsyms` | a copy of `/proc/kallsyms` taken before the capabilities are dropped |
 //! | `kernel` | probe the running kernel's BPF features (helpers, map types, PMU formats) |
+//! | `mapmem` | a BPF array map's values mapped into dynprof (the idle step log) |
 //! | `memory` | dynprof's peak RSS; unnamed spill files for window events |
 //! | `procmem` | read a target's memory (`/proc/PID/mem`): CPython code objects |
 //! | `signal` | SIGTERM to dynprof's own children (the agent's captures) |
@@ -32,6 +33,7 @@ pub mod hostfs;
 pub mod kallsyms;
 pub mod kernel;
 pub mod lock;
+pub mod mapmem;
 pub mod memory;
 pub mod procmem;
 pub mod rootfs;
