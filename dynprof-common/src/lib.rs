@@ -293,9 +293,6 @@ pub struct KernelState {
     pub step_hits: u64,
     /// 1 while the current step lies inside a window.
     pub gate: u64,
-    /// Host tid of the latest step hit: the tid of steps read from the
-    /// step log ([`steplog`]), whose slots have no room for one.
-    pub last_step_tid: u64,
 }
 
 /// Common header of every ring-buffer event.

@@ -13,8 +13,12 @@
 //! events carry.
 //!
 //! Layout of the `STEP_LOG` array: word 0 is the reader's cursor (the next
-//! step index it will read, written by user space only); word `1 + (k mod
-//! LEN)` is the slot of step k. A slot is one word, written by one store, so
+//! step index it will read, written by user space only); word 1 is the tid
+//! of the latest step hit (written by the kernel: no slot has room for a
+//! tid, and a map lookup through bpf(2) may be refused once dynprof has
+//! dropped its capabilities, on kernels before 6.4 with
+//! `unprivileged_bpf_disabled` set); word `2 + (k mod LEN)` is the slot
+//! of step k. A slot is one word, written by one store, so
 //! a reader never sees half of one (8-byte aligned stores are single-copy
 //! atomic on x86-64 and arm64) and no ordering between words is needed:
 //!
@@ -40,8 +44,12 @@
 const LEN_BITS: u32 = 14;
 /// Slots in the log (a power of two).
 pub const LEN: u64 = 1 << LEN_BITS;
-/// Entries of the `STEP_LOG` map: the cursor, then the slots.
-pub const MAP_ENTRIES: u32 = 1 + LEN as u32;
+/// Entries of the `STEP_LOG` map: the cursor, the tid, then the slots.
+pub const MAP_ENTRIES: u32 = 2 + LEN as u32;
+/// Index of the reader's cursor.
+pub const CURSOR: u32 = 0;
+/// Index of the latest step hit's tid.
+pub const LAST_TID: u32 = 1;
 /// Unread steps past which the kernel writes to the ring buffer instead.
 pub const MAX_UNREAD: u64 = LEN / 2;
 
@@ -55,7 +63,7 @@ const TAG_MASK: u64 = (1 << (64 - TAG_SHIFT)) - 1;
 /// The map index of step `k`'s slot.
 #[inline(always)]
 pub fn slot_index(k: u64) -> u32 {
-    1 + (k & (LEN - 1)) as u32
+    2 + (k & (LEN - 1)) as u32
 }
 
 #[inline(always)]

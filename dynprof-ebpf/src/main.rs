@@ -6,7 +6,8 @@
 //! All decisions about what a hit *means* are made in user space.
 //! Events are written without waking the reader, except at the step hits
 //! user space acts on (`PlanConfig::wakes`) or when the ring is filling: a
-//! wakeup per event would cost more than the probe itself.
+//! wakeup per event would cost more than the probe itself. Steps outside
+//! windows are not ring events at all but one word in `STEP_LOG`.
 #![no_std]
 #![no_main]
 // `atomic_xadd` lowers to BPF_XADD; `AtomicU64::fetch_add` is not offered

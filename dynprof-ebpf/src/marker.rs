@@ -107,10 +107,7 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
             None => (false, false),
         };
         let was_open = unsafe { (*state).gate != 0 };
-        unsafe {
-            (*state).gate = open as u64;
-            (*state).last_step_tid = tid as u64;
-        }
+        unsafe { (*state).gate = open as u64 };
         let wake = wake || open != was_open;
         // A step user space need not act on, outside any window: one word
         // in the step log instead of a ring-buffer record, unless the
@@ -119,6 +116,9 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
         if !wake && !open && log_has_room(k) {
             if let Some(slot) = STEP_LOG.get_ptr_mut(steplog::slot_index(k)) {
                 unsafe { core::ptr::write_volatile(slot, steplog::pack(k, marker, ts_ns)) };
+                if let Some(t) = STEP_LOG.get_ptr_mut(steplog::LAST_TID) {
+                    unsafe { core::ptr::write_volatile(t, tid as u64) };
+                }
                 return 0;
             }
         }
@@ -153,7 +153,7 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
 /// Fewer than `steplog::MAX_UNREAD` steps before `k` are unread.
 #[inline(always)]
 fn log_has_room(k: u64) -> bool {
-    match STEP_LOG.get(0) {
+    match STEP_LOG.get(steplog::CURSOR) {
         Some(c) => k.wrapping_sub(unsafe { core::ptr::read_volatile(c) }) < steplog::MAX_UNREAD,
         None => false,
     }

@@ -69,7 +69,7 @@ impl StepLog {
         let words = MappedWords::map(map.fd().as_fd(), steplog::MAP_ENTRIES as usize)
             .context("mapping the step log (BPF_F_MMAPABLE array, Linux 5.5)")?;
         // Hit 1 begins step 1: nothing before it is ever written.
-        words.store(0, 1);
+        words.store(steplog::CURSOR as usize, 1);
         Ok(StepLog {
             words,
             next: 1,
@@ -82,14 +82,19 @@ impl StepLog {
     pub fn read(&mut self, limit: Option<u64>, out: &mut Vec<LoggedStep>) {
         let now = crate::sys::clock::monotonic_ns();
         self.next = scan(self.next, limit, |i| self.words.load(i as usize), now, out);
-        self.words.store(0, self.next);
+        self.words.store(steplog::CURSOR as usize, self.next);
+    }
+
+    /// The tid of the latest logged step hit.
+    pub fn last_tid(&self) -> u32 {
+        self.words.load(steplog::LAST_TID as usize) as u32
     }
 
     /// A ring event for step `k` was read: the log's steps up to it are done.
     pub fn passed(&mut self, k: u64) {
         if k >= self.next {
             self.next = k + 1;
-            self.words.store(0, self.next);
+            self.words.store(steplog::CURSOR as usize, self.next);
         }
     }
 }
@@ -103,7 +108,7 @@ mod tests {
 
     /// The log after steps `ks` were logged (the others went to the ring).
     fn log(ks: &[u64]) -> Vec<u64> {
-        let mut v = vec![0u64; 1 + LEN as usize];
+        let mut v = vec![0u64; steplog::MAP_ENTRIES as usize];
         for &k in ks {
             v[steplog::slot_index(k) as usize] = pack(k, 3, T0 + k * 1000);
         }
@@ -144,7 +149,7 @@ mod tests {
         assert_eq!(steps(&out), [LEN + 4]);
         assert_eq!(next, LEN + 5);
         // Nothing written at all: nothing read.
-        let zero = vec![0u64; 1 + LEN as usize];
+        let zero = vec![0u64; steplog::MAP_ENTRIES as usize];
         out.clear();
         assert_eq!(scan(1, None, |i| zero[i as usize], T0, &mut out), 1);
         assert!(out.is_empty());

@@ -291,7 +291,7 @@ impl Session {
                 } else {
                     log.read(Some(s.step.saturating_add(1)), &mut logged);
                 }
-                if let Some(r) = self.dispatch_logged(&mut logged, observers, limits)? {
+                if let Some(r) = self.dispatch_logged(log, &mut logged, observers, limits)? {
                     return Ok(Some(r));
                 }
             }
@@ -300,14 +300,15 @@ impl Session {
             }
         }
         log.read(None, &mut logged);
-        self.dispatch_logged(&mut logged, observers, limits)
+        self.dispatch_logged(log, &mut logged, observers, limits)
     }
 
     /// Dispatches steps read from the step log as the step events the ring
     /// would have carried. Their slots have no room for a tid: they carry
-    /// the tid of the latest step hit (the training thread, in practice).
+    /// the tid of the latest logged hit (the training thread, in practice).
     fn dispatch_logged<C>(
         &mut self,
+        log: &StepLog,
         logged: &mut Vec<LoggedStep>,
         observers: &mut [Box<dyn Observer<C>>],
         limits: &Limits,
@@ -315,11 +316,7 @@ impl Session {
         if logged.is_empty() {
             return Ok(None);
         }
-        let tid = self
-            .kernel
-            .state()
-            .map(|s| s.last_step_tid as u32)
-            .unwrap_or(0);
+        let tid = log.last_tid();
         let mut end = None;
         for l in logged.drain(..) {
             if end.is_some() {

@@ -43,6 +43,12 @@ pub enum Need {
     /// or more (Debian's and Ubuntu's kernel patch), where perf_event_open
     /// needs CAP_SYS_ADMIN whatever else the caller holds.
     PerfParanoid,
+    /// Added by this module, never asked for: a kernel before 5.19 with
+    /// `kernel.unprivileged_bpf_disabled` set refuses every bpf(2) command
+    /// to a caller without CAP_BPF (or CAP_SYS_ADMIN), map reads included.
+    /// The session reads its maps to the end (lost events, hits per
+    /// marker), so it keeps CAP_BPF there.
+    BpfSyscall,
 }
 
 use Capability::*;
@@ -118,6 +124,11 @@ const PERF_PARANOID: Req = (
     "perf_event_paranoid is 3 or more on this host (a Debian/Ubuntu kernel patch): \
      perf_event_open, for the cpu and offcpu collectors, needs CAP_SYS_ADMIN",
 );
+const BPF_SYSCALL: Req = (
+    CAP_BPF,
+    "this kernel (before 5.19, kernel.unprivileged_bpf_disabled set) refuses every bpf(2) \
+     command without it: reading the lost-event counters and marker hits",
+);
 const JOB_DIR: Req = (
     CAP_DAC_OVERRIDE,
     "to write profiler_config.json into the job's directory, owned by the job's user",
@@ -153,6 +164,7 @@ impl Need {
             Need::TorchNpuDp => vec![PTRACE, JOB_DIR, JOB_FILE_OWNER],
             Need::Chown => vec![WINDOW_OWNER],
             Need::PerfParanoid => vec![PERF_PARANOID],
+            Need::BpfSyscall => vec![BPF_SYSCALL],
         }
     }
 }
@@ -173,12 +185,52 @@ fn perf_event_paranoid() -> i32 {
         .unwrap_or(2)
 }
 
+/// What the host adds to a session's needs.
+#[derive(Clone, Copy, Debug)]
+pub struct Host {
+    /// `kernel.perf_event_paranoid`.
+    pub paranoid: i32,
+    /// Every bpf(2) command needs CAP_BPF (see [`Need::BpfSyscall`]).
+    pub bpf_cmds_gated: bool,
+}
+
+impl Host {
+    fn read() -> Host {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        // Unreadable: assume set, the distributions' default.
+        let disabled = std::fs::read_to_string("/proc/sys/kernel/unprivileged_bpf_disabled")
+            .map(|s| s.trim() != "0")
+            .unwrap_or(true);
+        Host {
+            paranoid: perf_event_paranoid(),
+            bpf_cmds_gated: bpf_cmds_gated(release.trim(), disabled),
+        }
+    }
+}
+
+/// Before 5.19 ("bpf: refine kernel.unprivileged_bpf_disabled behaviour"),
+/// `__sys_bpf` returned EPERM for every command while the sysctl was set
+/// and the caller lacked CAP_BPF and CAP_SYS_ADMIN. An unparsable release
+/// counts as old: keeping CAP_BPF is the side that still works.
+pub fn bpf_cmds_gated(release: &str, unprivileged_bpf_disabled: bool) -> bool {
+    unprivileged_bpf_disabled
+        && crate::compat::parse_version(release).is_none_or(|(a, b, _)| (a, b) < (5, 19))
+}
+
 /// `needs` plus what this host adds: with `perf_event_paranoid` at 3 or
-/// more, the perf-event collectors need [`Need::PerfParanoid`].
-pub fn with_host_needs(needs: &[Need], paranoid: i32) -> Vec<Need> {
+/// more, the perf-event collectors need [`Need::PerfParanoid`]; where every
+/// bpf(2) command is gated, the session needs [`Need::BpfSyscall`] unless
+/// it keeps CAP_BPF or CAP_SYS_ADMIN anyway.
+pub fn with_host_needs(needs: &[Need], host: Host) -> Vec<Need> {
     let mut v = needs.to_vec();
-    if paranoid >= 3 && needs.iter().any(|n| matches!(n, Need::Cpu | Need::Offcpu)) {
+    if host.paranoid >= 3 && needs.iter().any(|n| matches!(n, Need::Cpu | Need::Offcpu)) {
         v.push(Need::PerfParanoid);
+    }
+    if host.bpf_cmds_gated {
+        let kept = set_of(&v, true);
+        if !kept.contains(&CAP_BPF) && !kept.contains(&CAP_SYS_ADMIN) {
+            v.push(Need::BpfSyscall);
+        }
     }
     v
 }
@@ -244,13 +296,14 @@ fn name(n: Need) -> &'static str {
         Need::TorchNpuDp => "collector torch-npu-dp",
         Need::Chown => "--chown",
         Need::PerfParanoid => "perf_event_paranoid",
+        Need::BpfSyscall => "unprivileged_bpf_disabled",
     }
 }
 
 /// Fails, naming each missing capability and what needs it, unless the
 /// effective set holds everything `needs` asks for.
 pub fn check(needs: &[Need]) -> Result<()> {
-    let needs = &with_host_needs(needs, perf_event_paranoid());
+    let needs = &with_host_needs(needs, Host::read());
     let eff = caps::read(None, CapSet::Effective).context("reading dynprof's capabilities")?;
     let miss = missing(needs, &eff);
     if miss.is_empty() {
@@ -296,7 +349,7 @@ pub fn drop_after_attach(needs: &[Need]) -> Result<Vec<Capability>> {
         // Kernel stacks are named later, without CAP_SYSLOG.
         let _ = super::kallsyms::snapshot();
     }
-    let needs = &with_host_needs(needs, perf_event_paranoid());
+    let needs = &with_host_needs(needs, Host::read());
     let wanted = set_of(needs, true);
     let permitted = caps::read(None, CapSet::Permitted).context("reading CapPrm")?;
     let effective = caps::read(None, CapSet::Effective).context("reading CapEff")?;
@@ -558,11 +611,39 @@ mod tests {
 
     #[test]
     fn a_paranoid_3_kernel_keeps_sys_admin_for_the_perf_event_collectors() {
-        let plain = with_host_needs(&[Need::Attach, Need::Cpu], 2);
+        let host = |paranoid| Host {
+            paranoid,
+            bpf_cmds_gated: false,
+        };
+        let plain = with_host_needs(&[Need::Attach, Need::Cpu], host(2));
         assert!(!set_of(&plain, true).contains(&CAP_SYS_ADMIN));
-        let debian = with_host_needs(&[Need::Attach, Need::Cpu], 3);
+        let debian = with_host_needs(&[Need::Attach, Need::Cpu], host(3));
         assert!(set_of(&debian, true).contains(&CAP_SYS_ADMIN));
         // Without a perf-event collector nothing is added.
-        assert_eq!(with_host_needs(&[Need::Attach, Need::Api], 3).len(), 2);
+        assert_eq!(
+            with_host_needs(&[Need::Attach, Need::Api], host(3)).len(),
+            2
+        );
+    }
+
+    #[test]
+    fn a_kernel_that_gates_every_bpf_command_keeps_cap_bpf_for_the_map_reads() {
+        // Debian 11 and openEuler 22.03 (5.10) with the sysctl set: gated.
+        assert!(bpf_cmds_gated("5.10.0-30-amd64", true));
+        assert!(bpf_cmds_gated("5.10.0-60.18.0.50.oe2203.aarch64", true));
+        assert!(bpf_cmds_gated("garbage", true));
+        assert!(!bpf_cmds_gated("5.10.0-30-amd64", false));
+        assert!(!bpf_cmds_gated("5.19.0", true));
+        assert!(!bpf_cmds_gated("6.1.0-50-amd64", true));
+        let gated = Host {
+            paranoid: 2,
+            bpf_cmds_gated: true,
+        };
+        // Following steps only keeps CAP_SYS_PTRACE; there it keeps CAP_BPF.
+        let steps = with_host_needs(&[Need::Attach], gated);
+        assert_eq!(sorted(&set_of(&steps, true)), vec![CAP_SYS_PTRACE, CAP_BPF]);
+        // A session that keeps CAP_SYS_ADMIN (api) needs nothing more.
+        let api = with_host_needs(&[Need::Attach, Need::Api], gated);
+        assert!(!api.contains(&Need::BpfSyscall));
     }
 }
