@@ -83,7 +83,10 @@ fn attach_trainer_one_event_per_optimizer_step_inside_its_call() {
     // Read from the kernel's HITS map at the end, after the capability
     // drop (on 5.10 that needs CAP_BPF kept: every bpf(2) is gated there).
     let hits = sum["marker_hits"]["optimizer_step"].as_u64().unwrap_or(0);
-    assert!(hits >= 25, "the kernel counted {hits} hits for 25 steps: {sum}");
+    assert!(
+        hits >= 25,
+        "the kernel counted {hits} hits for 25 steps: {sum}"
+    );
     // Step times: p50 between the shortest and longest logged step period.
     let periods: Vec<u64> = m
         .windows(2)

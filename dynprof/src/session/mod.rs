@@ -285,7 +285,7 @@ impl Session {
             // The logged steps before this event's step come first: a step
             // event begins step k, an aux hit belongs to step k.
             if let Decoded::Step(s) = &ev {
-                if s.role == dynprof_common::role::STEP {
+                if s.role == role::STEP {
                     log.read(Some(s.step), &mut logged);
                     log.passed(s.step);
                 } else {
