@@ -14,11 +14,10 @@
 //!
 //! Layout of the `STEP_LOG` array: word 0 is the reader's cursor (the next
 //! step index it will read, written by user space only); word 1 is the tid
-//! of the latest step hit (written by the kernel: no slot has room for a
-//! tid, and a map lookup through bpf(2) may be refused once dynprof has
-//! dropped its capabilities, on kernels before 6.4 with
-//! `unprivileged_bpf_disabled` set); word `2 + (k mod LEN)` is the slot
-//! of step k. A slot is one word, written by one store, so
+//! of the latest logged step hit (written by the kernel: no slot has room
+//! for a tid, and here it costs no bpf(2) call, which kernels before 5.19
+//! with `unprivileged_bpf_disabled` set refuse without CAP_BPF); word
+//! `2 + (k mod LEN)` is the slot of step k. A slot is one word, written by one store, so
 //! a reader never sees half of one (8-byte aligned stores are single-copy
 //! atomic on x86-64 and arm64) and no ordering between words is needed:
 //!
@@ -33,7 +32,8 @@
 //! - `marker` is the step marker's index (`MAX_MARKERS` = 64 fits 6 bits).
 //! - `ts_ns`: `bpf_ktime_get_ns` modulo 2^45 (9.8 hours): the reader
 //!   restores the high bits from its own CLOCK_MONOTONIC, since it reads a
-//!   slot within a tick or two of its write.
+//!   slot within a tick or two of its write (a dynprof stopped for longer
+//!   than 4.9 hours would misdate the steps logged before it stopped).
 //!
 //! The kernel logs a step only while fewer than `LEN / 2` steps are unread
 //! (`k - cursor`); past that (a reader that stalls, or more than ~80,000
@@ -48,7 +48,7 @@ pub const LEN: u64 = 1 << LEN_BITS;
 pub const MAP_ENTRIES: u32 = 2 + LEN as u32;
 /// Index of the reader's cursor.
 pub const CURSOR: u32 = 0;
-/// Index of the latest step hit's tid.
+/// Index of the latest logged step hit's tid.
 pub const LAST_TID: u32 = 1;
 /// Unread steps past which the kernel writes to the ring buffer instead.
 pub const MAX_UNREAD: u64 = LEN / 2;
