@@ -243,7 +243,10 @@ impl Session {
         // can take a while, and the target should not pay for a step
         // marker or a sched_switch program nobody reads any more (nor fill
         // the ring with steps counted as lost). The maps stay readable.
-        let drops = self.kernel.drops().unwrap_or_default();
+        let drops = self.kernel.drops().unwrap_or_else(|e| {
+            log::warn!("the kernel's lost-event counters could not be read: {e:#}");
+            Drops::default()
+        });
         self.kernel.detach_all();
         let marker_hits = marker_hits(&self.kernel, &self.probes);
         let mut ctx = Ctx {

@@ -79,7 +79,13 @@ impl Scheduler {
         // Collectors filled their own drop slots, counted from their arm
         // (the gate still closed), which is exact even when the open event
         // was read late; the window counts only the step markers' losses.
-        let drops_now = kernel.drops().unwrap_or_default();
+        // Unreadable counters make the losses unknown: not complete.
+        let drops_now = kernel.drops().unwrap_or_else(|e| {
+            errors.push(format!(
+                "the kernel's lost-event counters could not be read, so losses are unknown: {e:#}"
+            ));
+            Default::default()
+        });
         data.drops.step = drops_delta(&drops_now, &w.drops_at_open).step;
         let over = &data.budget.dropped_over_budget;
         if over.total() > 0 {
