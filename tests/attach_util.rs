@@ -378,7 +378,7 @@ pub const TORCH_STEPS: usize = 12;
 /// step, attaches with `--marker auto --steps TORCH_STEPS`, checks every event
 /// against the log and returns (run, log path).
 pub fn torch_auto(
-    python: &str,
+    mut python: std::process::Command,
     tag: &str,
     args: &[&str],
     timeout: Duration,
@@ -386,7 +386,7 @@ pub fn torch_auto(
     let fx = fixtures();
     let log = scratch_dir(tag).join("steps.log");
     let p = Proc::spawn_ready(
-        std::process::Command::new(python)
+        python
             .arg(&fx.torch_train_py)
             .args(["--steps", "0"])
             .args(args)

@@ -26,7 +26,7 @@ fn pytorch2_auto_sgd_grad_accumulation() {
     };
     let v = check_version(&py);
     let (run, _) = torch_auto(
-        &py,
+        std::process::Command::new(&py),
         "pytorch2_attach-sgd-accum",
         &["--optimizer", "sgd", "--accum", "3"],
         T,
@@ -47,7 +47,7 @@ fn pytorch2_auto_adam_dataloader() {
     };
     let v = check_version(&py);
     let (run, _) = torch_auto(
-        &py,
+        std::process::Command::new(&py),
         "pytorch2_attach-adam-dl",
         &["--optimizer", "adam", "--dataloader"],
         T,

@@ -1,5 +1,6 @@
 //! `dynprof attach --marker auto` on real PyTorch (Debian's python3-torch
-//! 1.13 under /usr/bin/python3), checked against tests/fixtures/torch_train.py's
+//! 1.13 under /usr/bin/python3; in the arm64 VM, bookworm's arm64 build:
+//! `torch_python`), checked against tests/fixtures/torch_train.py's
 //! own time.monotonic_ns() log: one step event per optimizer.step(), inside
 //! that call's interval; backward passes counted as aux.
 #[path = "attach_util.rs"]
@@ -12,7 +13,7 @@ use attach_util::*;
 use common::*;
 
 fn torch13(tag: &str, args: &[&str]) -> Finished {
-    torch_auto(PYTHON3, tag, args, Duration::from_secs(300)).0
+    torch_auto(torch_python(), tag, args, Duration::from_secs(300)).0
 }
 
 fn assert_torch13_marker(run: &Finished) {

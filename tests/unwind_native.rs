@@ -379,7 +379,9 @@ fn unwind_native_chain_from_debug_frame() {
 /// Debian's torch 1.13 job (`tests/fixtures/torch_train.py`): libpython
 /// and libtorch are built without frame pointers. With the stack copy,
 /// most samples are at least 12 user frames deep with a named torch frame;
-/// with frame pointers only (the old path), few are.
+/// with frame pointers only (the old path), few are. In the arm64 VM the
+/// same job runs on bookworm's arm64 torch 1.13, unwound by framehop's
+/// aarch64 unwinder.
 #[test]
 fn unwind_native_pytorch_stacks_are_deep() {
     require_privileges!();
@@ -419,10 +421,22 @@ fn unwind_native_pytorch_stacks_are_deep() {
         "{total} / {total_fp} samples"
     );
     assert!(good as f64 >= 0.6 * total as f64, "{good} of {total}");
-    assert!(
-        good_fp as f64 <= 0.2 * total_fp as f64,
-        "{good_fp} of {total_fp}"
-    );
+    if cfg!(target_arch = "aarch64") {
+        // Debian's arm64 libtorch keeps frame records in much of its code:
+        // frame pointers alone reached 12 deep in 55 % of the samples in
+        // the arm64 5.10 guest (66 % with the copy). The copy must not do
+        // worse than them.
+        assert!(
+            good as f64 / total as f64 >= good_fp as f64 / total_fp as f64 - 0.05,
+            "unwound {good} of {total}, frame pointers only {good_fp} of {total_fp}"
+        );
+    } else {
+        // On x86-64 (built without frame pointers) they get nowhere.
+        assert!(
+            good_fp as f64 <= 0.2 * total_fp as f64,
+            "{good_fp} of {total_fp}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

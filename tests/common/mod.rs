@@ -57,6 +57,41 @@ pub fn dynprof_bin() -> PathBuf {
 /// Debian's python3 (3.11, built with USDT probes; python3-torch lives there).
 pub const PYTHON3: &str = "/usr/bin/python3";
 
+/// Debian bookworm's arm64 python3.11 with python3-torch 1.13 and its
+/// dependencies, unpacked by `cargo xtask setup` (xtask/src/pyroots.rs).
+pub const TORCH_ARM64_ROOT: &str = "/var/cache/dynprof/python-rootfs/torch1.13-arm64";
+
+/// Debian's PyTorch 1.13 under its python3.11, for the machine the test
+/// runs on: the host's [`PYTHON3`] on x86-64; on arm64 (the arm64 VM;
+/// Kunpeng hosts are arm64) the tree at [`TORCH_ARM64_ROOT`], run in place
+/// with its libraries on `LD_LIBRARY_PATH` and the host's arm64 glibc.
+pub fn torch_python() -> Command {
+    if cfg!(target_arch = "aarch64") {
+        let root = Path::new(TORCH_ARM64_ROOT);
+        let py = root.join("usr/bin/python3.11");
+        assert!(
+            py.is_file(),
+            "no arm64 PyTorch at {} (cargo xtask setup unpacks it)",
+            root.display()
+        );
+        let mut cmd = Command::new(py);
+        // libgloo is in /usr/lib, not the multiarch directory.
+        let dirs = [
+            "lib/aarch64-linux-gnu",
+            "usr/lib/aarch64-linux-gnu",
+            "usr/lib",
+        ];
+        let path: Vec<String> = dirs
+            .iter()
+            .map(|d| root.join(d).display().to_string())
+            .collect();
+        cmd.env("LD_LIBRARY_PATH", path.join(":"));
+        cmd
+    } else {
+        Command::new(PYTHON3)
+    }
+}
+
 /// A fresh, empty scratch directory `<target>/test-tmp/<tag>` (removed first
 /// if it exists). Use the test name as tag so parallel tests never share one.
 pub fn scratch_dir(tag: &str) -> PathBuf {
@@ -96,9 +131,10 @@ pub struct Fixtures {
 }
 
 impl Fixtures {
-    /// `Command` running a fixture script under Debian's /usr/bin/python3.
+    /// `Command` running a fixture script under Debian's python3 with
+    /// PyTorch ([`torch_python`]: the arm64 tree on arm64).
     pub fn python(&self, script: &Path) -> Command {
-        let mut cmd = Command::new(PYTHON3);
+        let mut cmd = torch_python();
         cmd.arg(script);
         cmd
     }
@@ -381,9 +417,11 @@ pub fn wait_ready(child: &mut Child) -> Result<u32> {
         let _ = tx.send(res);
         let _ = std::io::copy(&mut r, &mut std::io::sink());
     });
-    let line = match rx.recv_timeout(Duration::from_secs(120)) {
+    // Importing PyTorch takes minutes under TCG.
+    let limit = if emulated() { 900 } else { 120 };
+    let line = match rx.recv_timeout(Duration::from_secs(limit)) {
         Ok(r) => r.context("reading the child's stdout")?,
-        Err(_) => bail!("no `ready <pid>` line within 120 s"),
+        Err(_) => bail!("no `ready <pid>` line within {limit} s"),
     };
     if line.is_empty() {
         let st = child.try_wait().ok().flatten();

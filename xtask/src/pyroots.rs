@@ -41,11 +41,27 @@ const PYTHON311_ARM64_DEBS: &[&str] = &[
     "libexpat1:arm64",
 ];
 
+/// Debian bookworm's arm64 PyTorch 1.13 (`python3-torch`) with its whole
+/// dependency closure (388 packages, ~950 MB unpacked), unpacked under
+/// [`PYTHON_ROOTFS_DIR`] for the real-PyTorch tests in the arm64 VM
+/// (Kunpeng hosts are arm64). Unpacked, not installed, for the reason
+/// given at [`PYTHON311_ARM64`]: the tests run its python3.11 in place
+/// with the tree's libraries on `LD_LIBRARY_PATH`.
+pub const TORCH_ARM64: &str = "torch1.13-arm64";
+
 /// Builds the missing root filesystems. Not fatal: without them the
 /// version tests skip for a developer (and fail under CI).
 pub fn python_roots() {
     let what = "arm64 python3.11 (bookworm, unpacked)";
     match python311_arm64() {
+        Ok(state) => setup::say(what, &state),
+        Err(e) => setup::say(
+            what,
+            &format!("not unpacked ({e:#}); its tests skip (fail under CI)"),
+        ),
+    }
+    let what = "arm64 PyTorch 1.13 (bookworm, unpacked)";
+    match torch_arm64() {
         Ok(state) => setup::say(what, &state),
         Err(e) => setup::say(
             what,
@@ -156,4 +172,76 @@ fn python311_arm64() -> Result<String> {
     )
     .with_context(|| format!("writing {}", dir.join(STAMP).display()))?;
     Ok(format!("ok (unpacked {} packages)", debs.len()))
+}
+
+fn torch_arm64() -> Result<String> {
+    let base = Path::new(PYTHON_ROOTFS_DIR);
+    let dir = base.join(TORCH_ARM64);
+    if dir.join(STAMP).is_file() {
+        return Ok("ok (already unpacked)".into());
+    }
+    std::fs::create_dir_all(base).with_context(|| format!("creating {}", base.display()))?;
+    let lock_path = base.join(format!("{TORCH_ARM64}.lock"));
+    let lock = std::fs::File::create(&lock_path)
+        .with_context(|| format!("creating {}", lock_path.display()))?;
+    lock.lock()
+        .with_context(|| format!("locking {}", lock_path.display()))?;
+    if dir.join(STAMP).is_file() {
+        return Ok("ok (unpacked by another setup meanwhile)".into());
+    }
+    let started = std::time::Instant::now();
+    let debs_dir = base.join(format!("{TORCH_ARM64}.debs"));
+    let debs = crate::vm::arm64_closure("python3-torch", &debs_dir)?;
+    // Fixed names of ours: a half-unpacked tree is removed, never reused.
+    let tmp = base.join(format!("{TORCH_ARM64}.tmp"));
+    for d in [&tmp, &dir] {
+        if d.exists() {
+            std::fs::remove_dir_all(d).with_context(|| format!("removing {}", d.display()))?;
+        }
+    }
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    // Not glibc: the binaries run with the host's libc6:arm64 and its
+    // loader (/lib/ld-linux-aarch64.so.1), which a libc.so.6 of another
+    // build on LD_LIBRARY_PATH would not match.
+    let mut unpacked = 0;
+    for deb in &debs {
+        let name = deb.file_name().unwrap_or_default().to_string_lossy();
+        if name.starts_with("libc6_") {
+            continue;
+        }
+        util::run(Command::new("dpkg-deb").arg("-x").arg(deb).arg(&tmp))
+            .with_context(|| format!("unpacking {}", deb.display()))?;
+        unpacked += 1;
+    }
+    // What update-alternatives would have linked: the reference BLAS and
+    // LAPACK that libtorch and numpy load by their sonames.
+    let multiarch = tmp.join("usr/lib/aarch64-linux-gnu");
+    for (sub, lib) in [("blas", "libblas.so.3"), ("lapack", "liblapack.so.3")] {
+        if multiarch.join(sub).join(lib).exists() && !multiarch.join(lib).exists() {
+            std::os::unix::fs::symlink(format!("{sub}/{lib}"), multiarch.join(lib))
+                .with_context(|| format!("linking {lib}"))?;
+        }
+    }
+    for want in [
+        "usr/bin/python3.11",
+        "usr/lib/python3/dist-packages/torch/__init__.py",
+        "usr/lib/aarch64-linux-gnu/libtorch_cpu.so.1.13",
+    ] {
+        if !tmp.join(want).exists() {
+            bail!("unpacked, but {} is missing", tmp.join(want).display());
+        }
+    }
+    std::fs::rename(&tmp, &dir)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+    std::fs::write(
+        dir.join(STAMP),
+        "bookworm arm64 python3-torch and its dependencies\n",
+    )
+    .with_context(|| format!("writing {}", dir.join(STAMP).display()))?;
+    // The tree is what the tests use; the 220 MB of packages are not kept.
+    let _ = std::fs::remove_dir_all(&debs_dir);
+    Ok(format!(
+        "ok (unpacked {unpacked} packages in {:.0} s)",
+        started.elapsed().as_secs_f64()
+    ))
 }

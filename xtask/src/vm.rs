@@ -47,6 +47,12 @@ pub fn arm64_debs(pkgs: &[&str]) -> Result<Vec<PathBuf>> {
         .collect()
 }
 
+/// Downloads (once) bookworm's arm64 `pkg` and its whole dependency
+/// closure into `into`; returns the .debs.
+pub fn arm64_closure(pkg: &str, into: &Path) -> Result<Vec<PathBuf>> {
+    image::closure_arm64(&cache_dir(), pkg, into)
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Arch {
     #[value(name = "x86_64")]
@@ -172,8 +178,15 @@ const VM_TESTS_AARCH64: &[(&str, &[&str])] = &[
             "unwind_native_chain_from_debug_frame",
             "unwind_native_kernel_mode_samples_keep_their_user_stack",
             "unwind_native_through_the_vdso",
+            // libtorch's arm64 code unwound from its `.eh_frame`.
+            "unwind_native_pytorch_stacks_are_deep",
         ],
     ),
+    // Real PyTorch on arm64: bookworm's arm64 python3-torch 1.13 (unpacked
+    // by `cargo xtask setup`), whose import takes minutes under TCG. The
+    // step marker (`--marker auto`) resolved in arm64 libtorch, one step
+    // per optimizer.step() inside its call, backward passes as aux.
+    ("pytorch_attach", &["pytorch_auto_sgd"]),
 ];
 
 /// The tests run in the VM: (test binary, exact test names; empty = all).
@@ -209,8 +222,8 @@ const VM_TESTS: &[(&str, &[&str])] = &[
     // (Not here: `library_only_in_the_target_mount_namespace`, whose
     // expected path is the host's, not the guest's 9p overlay path; the
     // msprof stand-in, a Python program that under TCG starts 1.4 s after
-    // the window's first boundary; real PyTorch, whose import takes more
-    // than the tests' 120 s under TCG.)
+    // the window's first boundary; real PyTorch, whose import takes
+    // minutes under TCG: it runs in the arm64 guest, where it matters.)
     ("containers", &["attach_by_inner_pid_in_pidns"]),
     // The stack copy, whose constant-size reads are what the 5.10 verifier
     // is strictest about. And the user stacks of kernel-mode samples:

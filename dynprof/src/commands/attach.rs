@@ -19,7 +19,8 @@ Step marker (repeatable). Default: auto.
   usdt:OBJECT:PROVIDER:NAME[,OPT...]
   python:FUNC                   a Python function (USDT function__return)
 OPT: role=step|aux   arg=N:cstr|str   prefix=TEXT | eq=TEXT   name=LABEL
-Example: libtorch_cpu:c10::ivalue::ConstantString::create(std::string),arg=1:str,prefix=Optimizer.step#";
+Example (x86-64; arm64 passes this function's name in arg=0, docs/attach.md):
+  libtorch_cpu:c10::ivalue::ConstantString::create(std::string),arg=1:str,prefix=Optimizer.step#";
 
 #[derive(Args, Debug, Clone)]
 pub struct AttachArgs {

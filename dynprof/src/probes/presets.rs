@@ -5,13 +5,27 @@ use super::spec::{self, MarkerArg, MarkerSpec};
 use crate::target::Mapping;
 
 /// PyTorch's optimizer wrapper names its record_function `Optimizer.step#<Class>.step`.
-/// On torch 1.13 the name reaches `ConstantString::create(std::string)` as
-/// argument 1 (argument 0 is the hidden return slot); `record_function_enter_new`
-/// is never hit there. Torch 2.x passes it to both, so `create` works on both
-/// and is tried first; 2.x builds without it fall back to `enter_new`.
+/// On torch 1.13 the name reaches `ConstantString::create(std::string)`;
+/// `record_function_enter_new` is never hit there. Torch 2.x passes it to
+/// both, so `create` works on both and is tried first; 2.x builds without
+/// it fall back to `enter_new`.
+///
+/// Both return a class by value (`c10::intrusive_ptr`), so the caller
+/// passes a hidden result pointer, and where it goes is the ABI's choice:
+/// x86-64 (SysV) passes it as argument 0 (rdi), which moves the name to
+/// argument 1 (rsi); arm64 (AAPCS64) passes it in x8, outside the argument
+/// registers, and the name stays argument 0 (x0). With x86-64's index on
+/// arm64 the filter read the wrong register and no step ever matched.
+#[cfg(not(target_arch = "aarch64"))]
 pub const TORCH_STEP: &[&str] = &[
     "libtorch_cpu:c10::ivalue::ConstantString::create(std::string),arg=1:str,prefix=Optimizer.step#,name=Optimizer.step",
     "libtorch_cpu:torch::autograd::profiler::record_function_enter_new,arg=1:str,prefix=Optimizer.step#,name=Optimizer.step",
+];
+/// [`TORCH_STEP`] for arm64: the hidden result pointer is in x8.
+#[cfg(target_arch = "aarch64")]
+pub const TORCH_STEP: &[&str] = &[
+    "libtorch_cpu:c10::ivalue::ConstantString::create(std::string),arg=0:str,prefix=Optimizer.step#,name=Optimizer.step",
+    "libtorch_cpu:torch::autograd::profiler::record_function_enter_new,arg=0:str,prefix=Optimizer.step#,name=Optimizer.step",
 ];
 /// One hit per backward pass.
 pub const TORCH_AUX: &str = "libtorch_cpu:torch::autograd::Engine::execute,role=aux,name=backward";

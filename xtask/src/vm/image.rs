@@ -45,11 +45,21 @@ pub(super) fn download(cache: &Path, pkg: &str, arch: Arch) -> Result<PathBuf> {
     if let Some(p) = find()? {
         return Ok(p);
     }
+    std::fs::create_dir_all(&debs)?;
+    update_lists(cache)?;
+    say(&format!("downloading {pkg}"));
+    util::run(apt(cache).current_dir(&debs).args(["download", pkg]))
+        .with_context(|| format!("downloading {pkg} (is the kernel version right?)"))?;
+    find()?.with_context(|| format!("{pkg} downloaded, but no .deb in {}", debs.display()))
+}
+
+/// Writes the private sources (bullseye and bookworm) and updates their
+/// lists.
+fn update_lists(cache: &Path) -> Result<()> {
     let a = cache.join("apt");
     for d in ["lists/partial", "cache/archives/partial"] {
         std::fs::create_dir_all(a.join(d))?;
     }
-    std::fs::create_dir_all(&debs)?;
     let sources = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bullseye main\n\
                    deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm main\n";
     std::fs::write(a.join("sources.list"), sources)?;
@@ -60,10 +70,43 @@ pub(super) fn download(cache: &Path, pkg: &str, arch: Arch) -> Result<PathBuf> {
     util::run(apt(cache).arg("update")).context(
         "apt-get update of the private bullseye/bookworm sources failed; check access to deb.debian.org",
     )?;
-    say(&format!("downloading {pkg}"));
-    util::run(apt(cache).current_dir(&debs).args(["download", pkg]))
-        .with_context(|| format!("downloading {pkg} (is the kernel version right?)"))?;
-    find()?.with_context(|| format!("{pkg} downloaded, but no .deb in {}", debs.display()))
+    Ok(())
+}
+
+/// Downloads bookworm's arm64 `pkg` with everything it depends on, as if
+/// nothing were installed (an empty dpkg status), into `into`; returns the
+/// .debs. apt checks every file against the signed lists.
+pub(super) fn closure_arm64(cache: &Path, pkg: &str, into: &Path) -> Result<Vec<PathBuf>> {
+    update_lists(cache)?;
+    std::fs::create_dir_all(into.join("partial"))?;
+    let status = into.join("empty-dpkg-status");
+    std::fs::write(&status, "")?;
+    say(&format!("downloading arm64 {pkg} and its dependencies"));
+    util::run(
+        apt(cache)
+            .arg("-oAPT::Architecture=arm64")
+            .arg(format!("-oDir::State::status={}", status.display()))
+            .arg(format!("-oDir::Cache::archives={}", into.display()))
+            // Our own state only: the host's dpkg lock is not ours to take.
+            .arg("-oDebug::NoLocking=1")
+            .args([
+                "-t",
+                "bookworm",
+                "--no-install-recommends",
+                "--download-only",
+            ])
+            .args(["-y", "install", pkg]),
+    )
+    .with_context(|| format!("downloading arm64 {pkg} with its dependencies"))?;
+    let mut debs = Vec::new();
+    for e in std::fs::read_dir(into)? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "deb") {
+            debs.push(p);
+        }
+    }
+    debs.sort();
+    Ok(debs)
 }
 
 /// The unpacked kernel package (boot/ and lib/modules/).
