@@ -90,8 +90,16 @@ impl StepLog {
         self.words.load(steplog::LAST_TID as usize) as u32
     }
 
-    /// A ring event for step `k` was read: the log's steps up to it are done.
-    pub fn passed(&mut self, k: u64) {
+    /// A ring event that begins step `k` was read: appends to `out` the
+    /// logged steps before it (they happened first), and marks the log
+    /// done up to `k`.
+    pub fn ring_step(&mut self, k: u64, out: &mut Vec<LoggedStep>) {
+        self.read(Some(k), out);
+        self.passed(k);
+    }
+
+    /// The log's steps up to `k` are done.
+    fn passed(&mut self, k: u64) {
         if k >= self.next {
             self.next = k + 1;
             self.words.store(steplog::CURSOR as usize, self.next);

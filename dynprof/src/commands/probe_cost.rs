@@ -135,8 +135,7 @@ fn attach(pid: HostPid, marker: &MarkerArg, a: &ProbeCostArgs) -> Result<Attache
                 if let Some(Decoded::Step(s)) = decode(&item)
                     && s.role == dynprof_common::role::STEP
                 {
-                    log.read(Some(s.step), &mut logged);
-                    log.passed(s.step);
+                    log.ring_step(s.step, &mut logged);
                 }
                 events += 1;
             }

@@ -289,8 +289,7 @@ impl Session {
             // event begins step k, an aux hit belongs to step k.
             if let Decoded::Step(s) = &ev {
                 if s.role == role::STEP {
-                    log.read(Some(s.step), &mut logged);
-                    log.passed(s.step);
+                    log.ring_step(s.step, &mut logged);
                 } else {
                     log.read(Some(s.step.saturating_add(1)), &mut logged);
                 }
