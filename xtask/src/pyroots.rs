@@ -52,31 +52,34 @@ pub const TORCH_ARM64: &str = "torch1.13-arm64";
 /// Builds the missing root filesystems. Not fatal: without them the
 /// version tests skip for a developer (and fail under CI).
 pub fn python_roots() {
-    let what = "arm64 python3.11 (bookworm, unpacked)";
-    match python311_arm64() {
-        Ok(state) => setup::say(what, &state),
-        Err(e) => setup::say(
-            what,
-            &format!("not unpacked ({e:#}); its tests skip (fail under CI)"),
-        ),
-    }
-    let what = "arm64 PyTorch 1.13 (bookworm, unpacked)";
-    match torch_arm64() {
-        Ok(state) => setup::say(what, &state),
-        Err(e) => setup::say(
-            what,
-            &format!("not unpacked ({e:#}); its tests skip (fail under CI)"),
-        ),
-    }
+    report(
+        "arm64 python3.11 (bookworm, unpacked)",
+        python311_arm64(),
+        "not unpacked",
+        "its tests skip (fail under CI)",
+    );
+    report(
+        "arm64 PyTorch 1.13 (bookworm, unpacked)",
+        torch_arm64(),
+        "not unpacked",
+        "its tests skip (fail under CI)",
+    );
     for (suite, version) in PYTHON_ROOTS {
-        let what = format!("python{version} root filesystem ({suite})");
-        match one(suite, version) {
-            Ok(state) => setup::say(&what, &state),
-            Err(e) => setup::say(
-                &what,
-                &format!("not built ({e:#}); tests/python_versions.rs will skip (fail under CI)"),
-            ),
-        }
+        report(
+            &format!("python{version} root filesystem ({suite})"),
+            one(suite, version),
+            "not built",
+            "tests/python_versions.rs will skip (fail under CI)",
+        );
+    }
+}
+
+/// One line of setup's summary: the tree's state, or why it is missing
+/// and what that costs.
+fn report(what: &str, r: Result<String>, failed: &str, consequence: &str) {
+    match r {
+        Ok(state) => setup::say(what, &state),
+        Err(e) => setup::say(what, &format!("{failed} ({e:#}); {consequence}")),
     }
 }
 
