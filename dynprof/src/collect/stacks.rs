@@ -11,9 +11,10 @@
 //! Samples that came with a copy of the user stack are unwound from
 //! `.eh_frame` as they arrive ([`StackStore::unwind`]) and get an id of
 //! their own, at or above [`UNWOUND_BASE`], kept with the frame-pointer id
-//! of the same sample: of the two, the frame-pointer stack is used where it
-//! is deeper and agrees with the unwound one on every unwound frame (it
-//! went on where the copy ended), the unwound stack everywhere else.
+//! of the same sample: the unwound stack is used, continued by the
+//! frame-pointer stack where that went on past the unwound stack's last
+//! frame (the copy ended there, or a frame could not be unwound;
+//! [`continue_with_fp`]).
 //! CPython frames read at the same sample are named on arrival too and
 //! spliced in where `_PyEval_EvalFrameDefault` runs (`symbols::python`).
 use std::{cell::RefCell, collections::HashMap, rc::Rc};
@@ -236,8 +237,9 @@ impl StackStore {
         self.unwound.get(usize::try_from(i).ok()?)
     }
 
-    /// The addresses of an unwound id, or of its frame-pointer stack where
-    /// that is deeper and agrees on every unwound frame.
+    /// The addresses of an unwound id, continued by its frame-pointer
+    /// stack where that went on past the unwound one's last frame
+    /// ([`continue_with_fp`]).
     fn unwound_addresses(&mut self, kernel: &Kernel, id: i32) -> Option<Vec<u64>> {
         let e = self.unwound_entry(id)?;
         let (fp_id, ips) = (e.fp_id, e.ips.clone().unwrap_or_default());
@@ -246,11 +248,10 @@ impl StackStore {
                 Some(r) => r,
                 None => kernel.stack(fp_id as u32),
             };
-            if let Ok(fp) = &fp {
-                let n = fp.iter().position(|&ip| ip == 0).unwrap_or(fp.len());
-                if n > ips.len() && fp[..ips.len()] == ips[..] {
-                    return Some(fp[..n].to_vec());
-                }
+            if let Ok(fp) = &fp
+                && let Some(joined) = continue_with_fp(&ips, fp)
+            {
+                return Some(joined);
             }
             self.raw.insert((false, fp_id), fp);
         }
@@ -330,6 +331,18 @@ impl StackStore {
                 vec![vec![lost()]]
             }
         };
+        // Nothing unwound and the walk's stack lost (a `STACKS` bucket
+        // taken, counted in the `*_stack` drops): the sample's Python
+        // frames stand on a marked loss, not on nothing.
+        let mut groups = groups;
+        if groups.is_empty()
+            && !is_kernel
+            && self.unwound_entry(id).is_some_and(|e| {
+                e.ips.as_ref().is_none_or(Vec::is_empty) && e.fp_id < 0 && e.fp_id != STACK_EMPTY
+            })
+        {
+            groups.push(vec![lost()]);
+        }
         let frames = match self.unwound_entry(id) {
             Some(e) if !is_kernel && !e.py.is_empty() => python::splice(groups, &e.py, &e.anchors),
             _ => groups.into_iter().rev().flatten().collect(),
@@ -342,6 +355,43 @@ impl StackStore {
         cache.insert(id, frames.clone());
         frames
     }
+}
+
+/// The unwound stack `ips` (leaf first) continued by the frame-pointer
+/// stack `fp` of the same sample, where `fp` holds the unwound stack's
+/// last frame and goes on past it, or `fp` itself where nothing was
+/// unwound; `None` where neither holds.
+///
+/// The unwinding stops where the stack copy ends (a deep stack) or where
+/// a frame cannot be unwound; the kernel's frame-pointer walk covers the
+/// whole stack but skips or garbles frames in code without frame records.
+/// So the unwound frames are kept, and the walk's frames are taken only
+/// from the point where both stacks met: its entry of the unwound stack's
+/// last address. On arm64 the two rarely agree from the leaf (a leaf
+/// function keeps its return address in x30, which the walk never sees),
+/// so agreeing on a prefix, as on x86-64, is not required. Under recursion
+/// the last address may occur several times: its n-th occurrence in `fp`
+/// is taken, n being its count in `ips` (the walk may skip a frame, never
+/// add one).
+pub fn continue_with_fp(ips: &[u64], fp: &[u64]) -> Option<Vec<u64>> {
+    let fp = &fp[..fp.iter().position(|&ip| ip == 0).unwrap_or(fp.len())];
+    let Some((&last, _)) = ips.split_last() else {
+        // Nothing unwound (no copy: only Python frames were read): the
+        // walk is the native stack.
+        return (!fp.is_empty()).then(|| fp.to_vec());
+    };
+    let nth = ips.iter().filter(|&&a| a == last).count();
+    let at = fp
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| **a == last)
+        .nth(nth - 1)
+        .map(|(i, _)| i)?;
+    let tail = &fp[at + 1..];
+    if tail.is_empty() {
+        return None;
+    }
+    Some(ips.iter().chain(tail).copied().collect())
 }
 
 /// Host tid → thread name, read from /proc the first time a tid is seen
@@ -380,5 +430,60 @@ impl ThreadNames {
                 names.push((tid, n.clone()));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::continue_with_fp;
+
+    #[test]
+    fn an_unwound_prefix_of_the_walk_takes_its_deeper_frames() {
+        // x86-64: both agree from the leaf; the copy ended after 3 frames.
+        let fp = [1, 2, 3, 4, 5, 0, 0];
+        assert_eq!(continue_with_fp(&[1, 2, 3], &fp), Some(vec![1, 2, 3, 4, 5]));
+    }
+
+    #[test]
+    fn the_walk_continues_from_where_it_met_the_unwound_stack() {
+        // arm64: the walk missed the leaf's caller (0x20, held in x30) and
+        // garbled nothing after; the unwound stack stopped at 0x40.
+        let ips = [0x10, 0x20, 0x30, 0x40];
+        let fp = [0x10, 0x30, 0x40, 0x50, 0x60];
+        assert_eq!(
+            continue_with_fp(&ips, &fp),
+            Some(vec![0x10, 0x20, 0x30, 0x40, 0x50, 0x60])
+        );
+    }
+
+    #[test]
+    fn no_meeting_point_or_nothing_past_it_keeps_the_unwound_stack() {
+        // The walk never reached the unwound stack's last frame: its
+        // frames are not known to belong above it.
+        assert_eq!(continue_with_fp(&[1, 2, 3], &[1, 7, 8, 9]), None);
+        // The walk ended where the unwinding did.
+        assert_eq!(continue_with_fp(&[1, 2, 3], &[1, 3, 0]), None);
+    }
+
+    #[test]
+    fn nothing_unwound_takes_the_whole_walk() {
+        // A sample with Python frames but no copy (DYNPROF_STACK_COPY_KB=0):
+        // its native frames are the walk's.
+        assert_eq!(continue_with_fp(&[], &[1, 2, 0]), Some(vec![1, 2]));
+        assert_eq!(continue_with_fp(&[], &[0, 0]), None);
+    }
+
+    #[test]
+    fn under_recursion_the_matching_occurrence_is_taken() {
+        // f (0xf) recursed: the copy held two of its frames, the walk all
+        // three. The tail starts after the walk's second one.
+        let ips = [1, 0xf, 0xf];
+        let fp = [1, 0xf, 0xf, 0xf, 0x99];
+        assert_eq!(
+            continue_with_fp(&ips, &fp),
+            Some(vec![1, 0xf, 0xf, 0xf, 0x99])
+        );
+        // The walk holds fewer occurrences than the copy: no meeting point.
+        assert_eq!(continue_with_fp(&ips, &[1, 0xf, 0x99]), None);
     }
 }
