@@ -533,8 +533,9 @@ fn unwind_native_pytorch_stacks_are_deep() {
 /// of a oneDNN-like preamble and loop, tests/fixtures/deepstack.c) under
 /// the same 12-deep chain. The samples must show the whole chain with one
 /// `[jit]` leaf under `burn`: the unwinder recovers the JIT frame's caller
-/// by scanning its stack (docs/stacks.md). Before, such samples stopped at
-/// a bare `[unknown]` leaf with nothing above it.
+/// by scanning its stack (docs/stacks.md); on arm64, where the leaf kernel
+/// keeps its return address in x30, from that register. Before, such
+/// samples stopped at a bare `[unknown]` leaf with nothing above it.
 #[test]
 fn unwind_native_through_jit_code() {
     require_privileges!();

@@ -190,7 +190,9 @@ impl NativeUnwinder {
     /// in a file's code *and* from which the unwinding goes on sensibly
     /// (one more frame in code, higher on the stack), as Breakpad's stack
     /// scanning does; a stale return address left below the frame fails
-    /// that check far more often than not. docs/stacks.md.
+    /// that check far more often than not. On arm64 a leaf's return
+    /// address is in x30 instead, and is tried first
+    /// ([`Self::link_register`]). docs/stacks.md.
     ///
     /// Each frame comes with its stack pointer: frame `i`'s locals lie in
     /// `sps[i]..sps[i + 1]` (see [`frame_holding`]).
@@ -210,11 +212,16 @@ impl NativeUnwinder {
             let next = match self.kind(addr.address_for_lookup(), &mut lookup) {
                 None => break,
                 Some(Kind::Anonymous) => {
-                    let Some((ra, slot)) = self.scan(&r, stack, base, &mut lookup) else {
+                    let leaf = out.len() == 1;
+                    let found = leaf
+                        .then(|| self.link_register(&regs, &r, stack, base, &mut lookup))
+                        .flatten()
+                        .or_else(|| self.scan(&r, stack, base, &mut lookup));
+                    let Some((ra, caller_sp)) = found else {
                         break;
                     };
                     self.jit_scans += 1;
-                    r.set_sp(slot + 8);
+                    r.set_sp(caller_sp);
                     Some(ra)
                 }
                 Some(Kind::File { .. }) => {
@@ -262,7 +269,8 @@ impl NativeUnwinder {
     }
 
     /// The return address of the JIT frame whose stack pointer is
-    /// `at.sp()`, and the stack slot it was found in.
+    /// `at.sp()`, and its caller's stack pointer (just above the stack slot
+    /// the address was found in).
     fn scan(
         &mut self,
         at: &arch::Regs,
@@ -274,24 +282,59 @@ impl NativeUnwinder {
         let mut slot = at.sp();
         while slot < at.sp().saturating_add(JIT_SCAN_BYTES) && slot.saturating_add(8) <= end {
             let word = read_word(stack, base, slot).ok()?;
-            if self.plausible_return(word, slot, at, stack, base, lookup) {
-                return Some((word, slot));
+            if self.plausible_return(word, slot + 8, at, stack, base, lookup) {
+                return Some((word, slot + 8));
             }
             slot += 8;
         }
         None
     }
 
-    /// Is `word`, found at `slot`, a return address into a file's code
-    /// from which unwinding goes on for [`JIT_VALIDATE_FRAMES`] more
-    /// frames, each in a file's code and higher on the stack? A stale
-    /// return address left below the live frames (a `free` called earlier
-    /// from the same depth, say) usually unwinds into one plausible frame
-    /// by chance, rarely into three.
+    /// arm64: a leaf in code without tables (a JIT kernel; an instruction
+    /// single-stepped in the `[uprobes]` page at a probed function's
+    /// entry) keeps its return address in x30, never on the stack, where
+    /// [`Self::scan`] looks. Its caller's stack pointer is unknown (the
+    /// leaf may have saved registers below it): the lowest 16-byte aligned
+    /// one from `sp` up from which the unwinding goes on sensibly is taken
+    /// ([`Self::plausible_return`]). `None` on x86-64, where a call pushes
+    /// the return address.
+    fn link_register(
+        &mut self,
+        regs: &UserRegs,
+        at: &arch::Regs,
+        stack: &[u8],
+        base: u64,
+        lookup: &mut impl FnMut(u64) -> Lookup,
+    ) -> Option<(u64, u64)> {
+        if !cfg!(target_arch = "aarch64") {
+            return None;
+        }
+        // Pointer authentication signs the bits above the 48-bit address.
+        let lr = regs.lr & (u64::MAX >> 16);
+        if lr == 0 {
+            return None;
+        }
+        let end = base.saturating_add(stack.len() as u64);
+        let mut sp = at.sp();
+        while sp < at.sp().saturating_add(JIT_SCAN_BYTES) && sp <= end {
+            if self.plausible_return(lr, sp, at, stack, base, lookup) {
+                return Some((lr, sp));
+            }
+            sp += 16;
+        }
+        None
+    }
+
+    /// Is `word` a return address into a file's code from which, with
+    /// `caller_sp` as the caller's stack pointer, unwinding goes on for
+    /// [`JIT_VALIDATE_FRAMES`] more frames, each in a file's code and
+    /// higher on the stack? A stale return address left below the live
+    /// frames (a `free` called earlier from the same depth, say) usually
+    /// unwinds into one plausible frame by chance, rarely into three.
     fn plausible_return(
         &mut self,
         word: u64,
-        slot: u64,
+        caller_sp: u64,
         at: &arch::Regs,
         stack: &[u8],
         base: u64,
@@ -305,7 +348,7 @@ impl NativeUnwinder {
             return false;
         }
         let mut r = *at;
-        r.set_sp(slot + 8);
+        r.set_sp(caller_sp);
         let mut read = |addr: u64| read_word(stack, base, addr);
         let mut addr = word;
         for _ in 0..JIT_VALIDATE_FRAMES {
