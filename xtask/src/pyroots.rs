@@ -83,6 +83,19 @@ fn report(what: &str, r: Result<String>, failed: &str, consequence: &str) {
     }
 }
 
+/// Creates `base` and holds `base/NAME.lock` until the returned file is
+/// dropped, so that two setups (CI and a developer's, say) never build
+/// the same tree at once.
+fn lock_tree(base: &Path, name: &str) -> Result<std::fs::File> {
+    std::fs::create_dir_all(base).with_context(|| format!("creating {}", base.display()))?;
+    let path = base.join(format!("{name}.lock"));
+    let lock =
+        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    lock.lock()
+        .with_context(|| format!("locking {}", path.display()))?;
+    Ok(lock)
+}
+
 fn one(suite: &str, version: &str) -> Result<String> {
     let base = Path::new(PYTHON_ROOTFS_DIR);
     let dir = base.join(format!("python{version}"));
@@ -91,12 +104,7 @@ fn one(suite: &str, version: &str) -> Result<String> {
         return Ok("ok (already built)".into());
     }
     setup::ensure_packages(&[("mmdebstrap", "root filesystems with python3.13/3.14")])?;
-    std::fs::create_dir_all(base).with_context(|| format!("creating {}", base.display()))?;
-    let lock_path = base.join(format!("python{version}.lock"));
-    let lock = std::fs::File::create(&lock_path)
-        .with_context(|| format!("creating {}", lock_path.display()))?;
-    lock.lock()
-        .with_context(|| format!("locking {}", lock_path.display()))?;
+    let _lock = lock_tree(base, &format!("python{version}"))?;
     if dir.join(STAMP).is_file() && dir.join(&python).is_file() {
         return Ok("ok (built by another setup meanwhile)".into());
     }
@@ -183,12 +191,7 @@ fn torch_arm64() -> Result<String> {
     if dir.join(STAMP).is_file() {
         return Ok("ok (already unpacked)".into());
     }
-    std::fs::create_dir_all(base).with_context(|| format!("creating {}", base.display()))?;
-    let lock_path = base.join(format!("{TORCH_ARM64}.lock"));
-    let lock = std::fs::File::create(&lock_path)
-        .with_context(|| format!("creating {}", lock_path.display()))?;
-    lock.lock()
-        .with_context(|| format!("locking {}", lock_path.display()))?;
+    let _lock = lock_tree(base, TORCH_ARM64)?;
     if dir.join(STAMP).is_file() {
         return Ok("ok (unpacked by another setup meanwhile)".into());
     }
