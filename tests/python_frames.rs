@@ -304,24 +304,20 @@ fn python_frames_thread_without_the_gil() {
     let (_, stacks) = cpu_window(p.pid, &dir.join("out"));
     p.terminate();
     // Samples in zlib's compressor (user mode: no kernel frames).
-    let in_zlib: Vec<&(Vec<String>, u64)> = stacks
-        .iter()
+    let in_zlib: Vec<(Vec<String>, u64)> = stacks
+        .into_iter()
         .filter(|(s, _)| {
             s.iter()
                 .any(|f| f.starts_with("deflate") || f.contains("libz.so"))
                 && !s.iter().any(|f| f.ends_with("_[k]"))
         })
         .collect();
-    let total: u64 = in_zlib.iter().map(|s| s.1).sum();
-    let named: u64 = in_zlib
-        .iter()
-        .filter(|(s, _)| {
-            s.iter()
-                .filter_map(|f| py_fn(f))
-                .any(|f| f == "zlib_worker")
-        })
-        .map(|s| s.1)
-        .sum();
+    let total = weight(&in_zlib, |_| true);
+    let named = weight(&in_zlib, |s| {
+        s.iter()
+            .filter_map(|f| py_fn(f))
+            .any(|f| f == "zlib_worker")
+    });
     for (s, n) in in_zlib.iter().take(5) {
         eprintln!("  {n:5} {}", s.join(";"));
     }

@@ -208,10 +208,8 @@ fn chain_share(
     chain: &[String],
     keep: impl Fn(&[String]) -> bool,
 ) -> (u64, u64) {
-    let kept = stacks.iter().filter(|(s, _)| keep(s));
-    let total = kept.clone().map(|s| s.1).sum();
-    let full = kept.filter(|(s, _)| has_chain(s, chain)).map(|s| s.1).sum();
-    (full, total)
+    let full = weight(stacks, |s| keep(s) && has_chain(s, chain));
+    (full, weight(stacks, keep))
 }
 
 /// CPU samples taken in the kernel (here: `read` of /dev/zero, 12 frames
@@ -246,12 +244,10 @@ fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
             .position(|f| f.ends_with("_[k]"))
             .is_some_and(|k| k > 0 && s[k - 1].contains("read"))
     };
-    let total: u64 = stacks.iter().filter(|(s, _)| in_read(s)).map(|s| s.1).sum();
-    let named: u64 = stacks
-        .iter()
-        .filter(|(s, _)| in_read(s) && s.iter().any(|f| f == "vfs_read_[k]"))
-        .map(|s| s.1)
-        .sum();
+    let total = weight(&stacks, |s| in_read(s));
+    let named = weight(&stacks, |s| {
+        in_read(s) && s.iter().any(|f| f == "vfs_read_[k]")
+    });
     assert!(
         named as f64 >= 0.8 * total as f64,
         "{named} of {total} kernel-mode samples in `read` name vfs_read"
@@ -333,11 +329,7 @@ fn unwind_native_chain_without_frame_pointers() {
 
     let fp_only = cpu_window(p.pid, &dir.join("fp"), Some("0"));
     let total_fp: u64 = fp_only.iter().map(|s| s.1).sum();
-    let full_fp: u64 = fp_only
-        .iter()
-        .filter(|(s, _)| has_chain(s, &chain))
-        .map(|s| s.1)
-        .sum();
+    let full_fp = weight(&fp_only, |s| has_chain(s, &chain));
     eprintln!("frame pointers only: {full_fp} of {total_fp} samples show the whole chain");
     for (s, n) in &fp_only {
         eprintln!("  {n:5} {}", s.join(";"));
@@ -395,17 +387,13 @@ fn unwind_native_pytorch_stacks_are_deep() {
     let args = ["--cpu-hz", "999", "--active", "600"];
     let deep_named = |stacks: &[(Vec<String>, u64)]| -> (u64, u64) {
         let total = stacks.iter().map(|s| s.1).sum();
-        let good = stacks
-            .iter()
-            .filter(|(s, _)| {
-                let user: Vec<&String> = s.iter().filter(|f| !f.ends_with("_[k]")).collect();
-                user.len() >= 12
-                    && user
-                        .iter()
-                        .any(|f| f.starts_with("at::") || f.starts_with("torch::"))
-            })
-            .map(|s| s.1)
-            .sum();
+        let good = weight(stacks, |s| {
+            let user: Vec<&String> = s.iter().filter(|f| !f.ends_with("_[k]")).collect();
+            user.len() >= 12
+                && user
+                    .iter()
+                    .any(|f| f.starts_with("at::") || f.starts_with("torch::"))
+        });
         (good, total)
     };
     // The kernel lowers this when sampling interrupts take too long (a
@@ -476,16 +464,8 @@ fn unwind_native_pytorch_stacks_are_deep() {
             .position(|f| f.starts_with("[py] "))
             .is_some_and(|i| i > 0 && s[i - 1] == "_PyEval_EvalFrameDefault")
     };
-    let loop_n: u64 = unwound
-        .iter()
-        .filter(|(s, _)| in_loop(s))
-        .map(|s| s.1)
-        .sum();
-    let joined_n: u64 = unwound
-        .iter()
-        .filter(|(s, _)| in_loop(s) && joined(s))
-        .map(|s| s.1)
-        .sum();
+    let loop_n = weight(&unwound, |s| in_loop(s));
+    let joined_n = weight(&unwound, |s| in_loop(s) && joined(s));
     eprintln!("under [py] main: {loop_n} of {total}, joined to the evaluator: {joined_n}");
     assert!(
         loop_n as f64 >= 0.8 * total as f64,
@@ -546,18 +526,11 @@ fn unwind_native_through_jit_code() {
     let unwound = cpu_window(p.pid, &dir.join("unwound"), None);
     p.terminate();
     let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
-    let user: Vec<&(Vec<String>, u64)> = unwound.iter().filter(|(s, _)| in_user(s)).collect();
-    let total: u64 = user.iter().map(|s| s.1).sum();
-    let in_jit: u64 = user
-        .iter()
-        .filter(|(s, _)| s.last().is_some_and(|f| f == "[jit]"))
-        .map(|s| s.1)
-        .sum();
-    let full: u64 = user
-        .iter()
-        .filter(|(s, _)| s.ends_with(&chain))
-        .map(|s| s.1)
-        .sum();
+    let total = weight(&unwound, in_user);
+    let in_jit = weight(&unwound, |s| {
+        in_user(s) && s.last().is_some_and(|f| f == "[jit]")
+    });
+    let full = weight(&unwound, |s| in_user(s) && s.ends_with(&chain));
     eprintln!(
         "{in_jit} of {total} user-mode samples in JIT code, {full} with the whole chain above it"
     );
@@ -578,7 +551,7 @@ fn unwind_native_through_jit_code() {
     );
     // No sample shows a frame between burn and the JIT code, or the chain
     // out of order.
-    for (s, _) in &user {
+    for (s, _) in unwound.iter().filter(|(s, _)| in_user(s)) {
         if let Some(i) = s.iter().position(|f| f == "[jit]") {
             assert!(
                 i > 0 && s[i - 1] == "burn" && i == s.len() - 1,
@@ -610,18 +583,13 @@ fn unwind_native_through_the_vdso() {
     }
     let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
     let leaf_in_vdso = |s: &[String]| s.last().is_some_and(|f| f.ends_with(" [vdso]"));
-    let weight = |keep: &dyn Fn(&[String]) -> bool| -> u64 {
-        unwound
-            .iter()
-            .filter(|(s, _)| in_user(s) && keep(s))
-            .map(|s| s.1)
-            .sum()
-    };
-    let total = weight(&|_| true);
-    let in_vdso = weight(&leaf_in_vdso);
+    let user_weight =
+        |keep: &dyn Fn(&[String]) -> bool| weight(&unwound, |s| in_user(s) && keep(s));
+    let total = user_weight(&|_| true);
+    let in_vdso = user_weight(&leaf_in_vdso);
     // The chain, then libc's clock_gettime, then the vDSO's: nothing
     // lost or guessed in between.
-    let full = weight(&|s| {
+    let full = user_weight(&|s| {
         let n = s.len();
         leaf_in_vdso(s)
             && n >= chain.len() + 2
@@ -680,11 +648,7 @@ fn assert_chain_named(stacks: &[(Vec<String>, u64)], how: &str) {
 /// Checks that a window of a stripped `deepstack` whose debug file was not
 /// used names no chain frame at all.
 fn assert_no_chain_frame(stacks: &[(Vec<String>, u64)], why: &str) {
-    let named: u64 = stacks
-        .iter()
-        .filter(|(s, _)| s.iter().any(|f| f.starts_with("chain_")))
-        .map(|s| s.1)
-        .sum();
+    let named = weight(stacks, |s| s.iter().any(|f| f.starts_with("chain_")));
     let total: u64 = stacks.iter().map(|s| s.1).sum();
     eprintln!("{why}: {named} of {total} samples name a chain frame");
     assert!(total >= 40, "too few samples: {stacks:?}");
@@ -754,17 +718,9 @@ fn unwind_native_names_from_minidebuginfo() {
         let mut p = Proc::spawn_ready(Command::new(dir.join(exe)).args(["--step-ms", "20"]));
         let stacks = cpu_window(p.pid, &dir.join(format!("{exe}-out")), None);
         p.terminate();
-        let total: u64 = stacks.iter().filter(|(s, _)| in_user(s)).map(|s| s.1).sum();
-        let full: u64 = stacks
-            .iter()
-            .filter(|(s, _)| in_user(s) && has_chain(s, &chain))
-            .map(|s| s.1)
-            .sum();
-        let named: u64 = stacks
-            .iter()
-            .filter(|(s, _)| s.iter().any(|f| f.starts_with("chain_")))
-            .map(|s| s.1)
-            .sum();
+        let total = weight(&stacks, |s| in_user(s));
+        let full = weight(&stacks, |s| in_user(s) && has_chain(s, &chain));
+        let named = weight(&stacks, |s| s.iter().any(|f| f.starts_with("chain_")));
         eprintln!(
             "{exe}: {full} of {total} user-mode samples show the whole chain; {named} name a chain frame"
         );
@@ -1044,12 +1000,8 @@ fn unwind_native_names_jit_code_from_the_perf_map() {
     p.terminate();
     let _ = std::fs::remove_file(&map);
     let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
-    let total: u64 = stacks.iter().filter(|(s, _)| in_user(s)).map(|s| s.1).sum();
-    let full: u64 = stacks
-        .iter()
-        .filter(|(s, _)| in_user(s) && s.ends_with(&chain))
-        .map(|s| s.1)
-        .sum();
+    let total = weight(&stacks, |s| in_user(s));
+    let full = weight(&stacks, |s| in_user(s) && s.ends_with(&chain));
     eprintln!("{full} of {total} user-mode samples end in the named JIT frame under the chain");
     for (s, n) in stacks.iter().take(5) {
         eprintln!("  {n:5} {}", s.join(";"));

@@ -657,6 +657,12 @@ pub fn prof_dir(out: &Path, stderr: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("no PROF_ directory in {}: {stderr}", out.display()))
 }
 
+/// The summed weight (samples, or µs off-CPU) of the folded stacks for
+/// which `keep` holds: what the stack tests compare with a total.
+pub fn weight(stacks: &[(Vec<String>, u64)], keep: impl Fn(&[String]) -> bool) -> u64 {
+    stacks.iter().filter(|(s, _)| keep(s)).map(|(_, n)| n).sum()
+}
+
 /// The offcpu check of `py_hot.py --queue` (tests/python_frames.rs,
 /// tests/python_versions.rs), 40 steps: the training thread waits in
 /// `train_step -> wait_for_batch -> Queue.get` for what a `producer`
@@ -675,20 +681,12 @@ pub fn check_offcpu_queue_wait(stacks: &[(Vec<String>, u64)], label: &str) {
             .collect()
     };
     let total: u64 = stacks.iter().map(|s| s.1).sum();
-    let waiting: u64 = stacks
-        .iter()
-        .filter(|(s, _)| {
-            py_names(s)
-                .windows(3)
-                .any(|w| w == ["train_step", "wait_for_batch", "Queue.get"])
-        })
-        .map(|s| s.1)
-        .sum();
-    let producing: u64 = stacks
-        .iter()
-        .filter(|(s, _)| py_names(s).iter().any(|f| f == "producer"))
-        .map(|s| s.1)
-        .sum();
+    let waiting = weight(stacks, |s| {
+        py_names(s)
+            .windows(3)
+            .any(|w| w == ["train_step", "wait_for_batch", "Queue.get"])
+    });
+    let producing = weight(stacks, |s| py_names(s).iter().any(|f| f == "producer"));
     eprintln!(
         "{label}: off-CPU µs: {total} in all, {waiting} waiting for a batch, {producing} in producer"
     );

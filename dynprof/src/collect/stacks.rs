@@ -275,19 +275,20 @@ impl StackStore {
     }
 
     fn part(&mut self, kernel: &Kernel, id: i32, is_kernel: bool) -> Vec<String> {
+        let lost = || {
+            if is_kernel {
+                "[lost kernel stack]_[k]"
+            } else {
+                "[lost user stack]"
+            }
+            .to_string()
+        };
         if id == STACK_EMPTY {
             return Vec::new();
         }
         if id < 0 {
             // Counted by the kernel in the *_STACK drop slot.
-            return vec![
-                if is_kernel {
-                    "[lost kernel stack]_[k]"
-                } else {
-                    "[lost user stack]"
-                }
-                .to_string(),
-            ];
+            return vec![lost()];
         }
         let cache = if is_kernel { &self.kernel } else { &self.user };
         if let Some(s) = cache.get(&id) {
@@ -302,15 +303,7 @@ impl StackStore {
         };
         // User frames as leaf-first groups (one per address: a function
         // and what was inlined into it there), for `python::splice`.
-        let lost = || {
-            if is_kernel {
-                "[lost kernel stack]_[k]"
-            } else {
-                "[lost user stack]"
-            }
-            .to_string()
-        };
-        let groups: Vec<Vec<String>> = match lookup {
+        let mut groups: Vec<Vec<String>> = match lookup {
             Ok(ips) => match &mut self.sym {
                 Some(sym) if is_kernel => sym
                     .kernel_stack(&ips)
@@ -331,21 +324,26 @@ impl StackStore {
                 vec![vec![lost()]]
             }
         };
-        // Nothing unwound and the walk's stack lost (a `STACKS` bucket
-        // taken, counted in the `*_stack` drops): the sample's Python
-        // frames stand on a marked loss, not on nothing.
-        let mut groups = groups;
-        if groups.is_empty()
-            && !is_kernel
-            && self.unwound_entry(id).is_some_and(|e| {
-                e.ips.as_ref().is_none_or(Vec::is_empty) && e.fp_id < 0 && e.fp_id != STACK_EMPTY
-            })
-        {
-            groups.push(vec![lost()]);
-        }
-        let frames = match self.unwound_entry(id) {
-            Some(e) if !is_kernel && !e.py.is_empty() => python::splice(groups, &e.py, &e.anchors),
-            _ => groups.into_iter().rev().flatten().collect(),
+        let frames = match self.unwound_entry(id).filter(|_| !is_kernel) {
+            Some(e) => {
+                // Nothing unwound and the walk's stack lost (a `STACKS`
+                // bucket taken, counted in the `*_stack` drops): the
+                // sample's Python frames stand on a marked loss, not on
+                // nothing.
+                if groups.is_empty()
+                    && e.ips.as_ref().is_none_or(Vec::is_empty)
+                    && e.fp_id < 0
+                    && e.fp_id != STACK_EMPTY
+                {
+                    groups.push(vec![lost()]);
+                }
+                if e.py.is_empty() {
+                    groups.into_iter().rev().flatten().collect()
+                } else {
+                    python::splice(groups, &e.py, &e.anchors)
+                }
+            }
+            None => groups.into_iter().rev().flatten().collect(),
         };
         let cache = if is_kernel {
             &mut self.kernel
