@@ -80,6 +80,18 @@ fn window_of(
     env: &[(&str, &str)],
     args: &[&str],
 ) -> (PathBuf, Vec<(Vec<String>, u64)>) {
+    let (prof, stacks, _) = window_logged(pid, out, collect, env, args);
+    (prof, stacks)
+}
+
+/// [`window_of`], also returning dynprof's stderr.
+fn window_logged(
+    pid: u32,
+    out: &Path,
+    collect: &str,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> (PathBuf, Vec<(Vec<String>, u64)>, String) {
     let mut cmd = Command::new(dynprof_bin());
     cmd.args([
         "attach",
@@ -98,9 +110,10 @@ fn window_of(
     .arg(out)
     .envs(env.iter().copied());
     let o = cmd.output().unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
-    window_folded(out, collect, &stderr)
+    let (prof, stacks) = window_folded(out, collect, &stderr);
+    (prof, stacks, stderr)
 }
 
 /// meta.json's `kernel.kernel_mode_stacks` of a window.
@@ -507,6 +520,21 @@ fn unwind_native_pytorch_stacks_are_deep() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// (by stack scan, from the link register): the counts of the cpu
+/// window's debug line.
+fn recovered_counts(log: &str) -> (u64, u64) {
+    let line = log
+        .lines()
+        .find(|l| l.contains("callers of frames without tables recovered:"))
+        .unwrap_or_else(|| panic!("no unwinding summary in the debug log: {log}"));
+    let rest = line.split("recovered: ").nth(1).unwrap();
+    let mut nums = rest
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|w| !w.is_empty())
+        .map(|w| w.parse::<u64>().unwrap());
+    (nums.next().unwrap(), nums.next().unwrap())
+}
+
 /// PyTorch spends most of a convolution in oneDNN's JIT kernels: code in
 /// anonymous executable memory, with no unwind tables and rbp used as a
 /// general register. `deepstack --jit` burns its CPU in such code (a copy
@@ -523,10 +551,33 @@ fn unwind_native_through_jit_code() {
     let mut chain = expected_chain();
     chain.push("[jit]".to_string());
 
-    let unwound = cpu_window(p.pid, &dir.join("unwound"), None);
+    let (_, unwound, log) = window_logged(
+        p.pid,
+        &dir.join("unwound"),
+        "cpu",
+        &[("RUST_LOG", "dynprof::collect::cpu=debug")],
+        &[
+            "--marker",
+            "exe:step_marker",
+            "--cpu-hz",
+            "499",
+            "--active",
+            "50",
+        ],
+    );
     p.terminate();
     let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
     let total = weight(&unwound, in_user);
+    // The window's debug line counts the JIT frames' callers by the way
+    // they were found: on x86-64 a call pushes the return address, which
+    // the scan finds; on arm64 the leaf kernel's is in x30.
+    let (scanned, from_lr) = recovered_counts(&log);
+    eprintln!("callers recovered: {scanned} by stack scan, {from_lr} from the link register");
+    let by_the_way = if cfg!(target_arch = "aarch64") {
+        from_lr
+    } else {
+        scanned
+    };
     let in_jit = weight(&unwound, |s| {
         in_user(s) && s.last().is_some_and(|f| f == "[jit]")
     });
@@ -548,6 +599,13 @@ fn unwind_native_through_jit_code() {
         full as f64 >= 0.95 * in_jit as f64,
         "{full} of {in_jit} JIT samples show {}",
         chain.join(";")
+    );
+    // Each sample's copy is unwound once, and every sample showing the
+    // chain above its [jit] leaf needed its leaf's caller recovered, the
+    // architecture's way.
+    assert!(
+        by_the_way >= full,
+        "{by_the_way} callers recovered that way for {full} samples with the chain: {log}"
     );
     // No sample shows a frame between burn and the JIT code, or the chain
     // out of order.

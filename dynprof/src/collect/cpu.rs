@@ -142,12 +142,17 @@ impl Collector for CpuCollector {
         ModuleRef::merge(&mut data.modules, self.store.borrow().unresolved_modules());
         {
             let mut store = self.store.borrow_mut();
+            let recovered = store.take_recovered();
             if store.unwind_count > 0 {
                 log::debug!(
-                    "cpu: {} stack copies unwound in {:?} ({:?} each, tables loaded included)",
+                    "cpu: {} stack copies unwound in {:?} ({:?} each, tables loaded included); \
+                     callers of frames without tables recovered: {} by stack scan, {} from \
+                     the link register",
                     store.unwind_count,
                     store.unwind_time,
-                    store.unwind_time / store.unwind_count as u32
+                    store.unwind_time / store.unwind_count as u32,
+                    recovered.scanned,
+                    recovered.link_register
                 );
             }
             if store.unwound_over_cap > 0 {

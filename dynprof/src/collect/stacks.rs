@@ -28,7 +28,7 @@ use crate::{
     session::StackCopy,
     symbols::{
         python::{self, PyNames},
-        unwind::{NativeUnwinder, frame_holding},
+        unwind::{NativeUnwinder, Recovered, frame_holding},
     },
 };
 
@@ -171,6 +171,12 @@ impl StackStore {
             py,
             anchors,
         })
+    }
+
+    /// Callers recovered without tables since the last call (for the
+    /// per-window debug line).
+    pub fn take_recovered(&mut self) -> Recovered {
+        self.unwinder.take_recovered()
     }
 
     /// The named frames, and the addresses of the shims that end their

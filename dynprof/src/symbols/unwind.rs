@@ -169,13 +169,30 @@ pub struct NativeUnwinder {
     cache: arch::Cache,
     /// Mapping ranges already looked up, and what they hold.
     seen: Vec<(Range<u64>, Kind)>,
-    /// Frames recovered by scanning a JIT frame's stack (for the summary).
-    pub jit_scans: u64,
+    /// Frames recovered without tables since the last
+    /// [`Self::take_recovered`].
+    recovered: Recovered,
+}
+
+/// Callers of frames without tables (JIT code, the `[uprobes]` page)
+/// recovered by [`NativeUnwinder::unwind`], by way; logged per window so
+/// that a debug log shows how much of a profile rests on them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Recovered {
+    /// From a validated return address found by scanning the stack.
+    pub scanned: u64,
+    /// From arm64's link register at the leaf.
+    pub link_register: u64,
 }
 
 impl NativeUnwinder {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The callers recovered without tables since the last call.
+    pub fn take_recovered(&mut self) -> Recovered {
+        std::mem::take(&mut self.recovered)
     }
 
     /// Unwinds a stack copy (`stack` holds the bytes from `regs.sp` up)
@@ -213,14 +230,23 @@ impl NativeUnwinder {
                 None => break,
                 Some(Kind::Anonymous) => {
                     let leaf = out.len() == 1;
-                    let found = leaf
+                    let found = match leaf
                         .then(|| self.link_register(&regs, &r, stack, base, &mut lookup))
                         .flatten()
-                        .or_else(|| self.scan(&r, stack, base, &mut lookup));
+                    {
+                        Some(f) => {
+                            self.recovered.link_register += 1;
+                            Some(f)
+                        }
+                        None => {
+                            let f = self.scan(&r, stack, base, &mut lookup);
+                            self.recovered.scanned += u64::from(f.is_some());
+                            f
+                        }
+                    };
                     let Some((ra, caller_sp)) = found else {
                         break;
                     };
-                    self.jit_scans += 1;
                     r.set_sp(caller_sp);
                     Some(ra)
                 }
