@@ -527,6 +527,7 @@ fn recovered_counts(log: &str) -> (u64, u64) {
         .lines()
         .find(|l| l.contains("callers of frames without tables recovered:"))
         .unwrap_or_else(|| panic!("no unwinding summary in the debug log: {log}"));
+    eprintln!("{line}");
     let rest = line.split("recovered: ").nth(1).unwrap();
     let mut nums = rest
         .split(|c: char| !c.is_ascii_digit())
