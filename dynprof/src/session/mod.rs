@@ -151,6 +151,12 @@ impl Session {
         mut commands: Option<mpsc::UnboundedReceiver<C>>,
     ) -> Result<SessionSummary> {
         let started = Instant::now();
+        // A boundary's wakeup should not wait out a busy job's time slice
+        // (sys::sched). Per thread: this is the event loop's.
+        match crate::sys::sched::set_slice(crate::sys::sched::configured_slice_us()) {
+            Ok(s) => log::debug!("event loop time slice: {s:?}"),
+            Err(e) => log::debug!("event loop time slice: not set: {e}"),
+        }
         let ring: RingBuf<MapData> = self.kernel.take_events()?;
         // Idle steps come through the step log, not the ring: read both.
         let mut log = self.kernel.take_step_log()?;

@@ -22,6 +22,7 @@
 //! | `configmap` | read a `--config-dir` file, plain or through a ConfigMap's root-owned `..data` links |
 //! | `unixsock` | the agent's root-only unix socket: checked parent, stale-socket replacement |
 //! | `btf` | member offsets from the kernel's BTF (`task_struct.stack`) |
+//! | `sched` | the event loop's short time slice (6.12+); the writer's background priority |
 //! | `vdso` | dynprof's own vDSO image, the target's `[vdso]` frames' tables and names |
 pub mod btf;
 pub mod caps;
@@ -37,6 +38,7 @@ pub mod mapmem;
 pub mod memory;
 pub mod procmem;
 pub mod rootfs;
+pub mod sched;
 pub mod signal;
 pub mod targetdir;
 pub mod unixsock;

@@ -91,9 +91,11 @@ impl Writer {
             .spawn(move || {
                 // Writing can wait; the event loop handling the next
                 // boundaries cannot. On a busy machine the two compete for
-                // the same CPU, so the writer yields to it (nice +10 applies
-                // to this thread only).
-                unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
+                // the same CPU, so the writer yields to it (nice +10 and the
+                // default time slice, for this thread only).
+                if let Err(e) = crate::sys::sched::background() {
+                    log::debug!("writer: could not lower its priority: {e}");
+                }
                 for job in jobs {
                     let (id, tag) = (job.id, job.tag.clone());
                     let result = publish(job);

@@ -453,11 +453,16 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let mut normal: Vec<f64> = Vec::new();
     let mut fifo: Vec<f64> = Vec::new();
     let mut collecting: Vec<f64> = Vec::new();
+    let mut default_slice: Vec<f64> = Vec::new();
     let mut per_run_p99 = Vec::new();
+    let mut per_run_p99_default = Vec::new();
     for _ in 0..ctx.reps() {
         // 0: the figure; 1: the same under SCHED_FIFO (diagnostic); 2: while
-        // windows with cpu+offcpu (symbolized stacks) are written back to back.
-        for variant in 0..3 {
+        // windows with cpu+offcpu (symbolized stacks) are written back to
+        // back; 3: as 0 with the kernel's default time slice for the event
+        // loop (as before the short one, sys::sched), the side-by-side
+        // comparison.
+        for variant in 0..4 {
             let rt = variant == 1;
             let mut cmd = if rt {
                 let mut c = Command::new("chrt");
@@ -470,6 +475,9 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             let _ = std::fs::remove_dir_all(&out);
             // Back-to-back window plans: every cycle's boundaries (lead-in,
             // open, close) are hits the kernel wakes user space for.
+            if variant == 3 {
+                cmd.env("DYNPROF_EVENT_SLICE_US", "0");
+            }
             cmd.env("DYNPROF_RECV_NS", "1").args([
                 "attach",
                 "--pid",
@@ -517,7 +525,11 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
                     normal.extend(v);
                 }
                 1 => fifo.extend(v),
-                _ => collecting.extend(v),
+                2 => collecting.extend(v),
+                _ => {
+                    per_run_p99_default.push(stats::percentile(&v, 99.0).unwrap_or(f64::NAN));
+                    default_slice.extend(v);
+                }
             }
         }
     }
@@ -550,7 +562,7 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     if p(&normal, 99.0) > 1.0 {
         note.push_str(&format!(
             ". Cause of the tail: the event loop waiting for a CPU (load average {} on {} CPUs during the run): the same runs under \
-             SCHED_FIFO (chrt -f 1) give p99 {:.3} ms. Fix: dynprof could raise its event-loop thread's priority while attached",
+             SCHED_FIFO (chrt -f 1) give p99 {:.3} ms",
             super::procs::read_trimmed("/proc/loadavg").unwrap_or_default().split_whitespace().next().unwrap_or("?"),
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             p(&fifo, 99.0)
@@ -567,6 +579,23 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             "",
         )
         .value(p(&normal, 100.0)),
+    );
+    s.figures.push(
+        Figure::new(
+            "boundary_to_user_default_slice_p99_ms",
+            "boundary → user space p99, event loop with the kernel's default time slice (DYNPROF_EVENT_SLICE_US=0)",
+            Unit::Ms,
+            Goal::Info,
+            "",
+        )
+        .value(p(&default_slice, 99.0))
+        .samples(per_run_p99_default)
+        .note(format!(
+            "{} boundary events, in the same runs as the figure above, interleaved with it; p50 {:.3} ms. The figure's \
+             event loop asks for a 0.1 ms slice (Linux 6.12+: a wakeup then preempts the busy job's thread)",
+            default_slice.len(),
+            p(&default_slice, 50.0)
+        )),
     );
     s.figures.push(
         Figure::new(
@@ -596,5 +625,9 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     raw.push("boundary_to_user_collecting_ms", Json::nums(&collecting));
     raw.push("boundary_to_user_ms", Json::nums(&normal));
     raw.push("boundary_to_user_fifo_ms", Json::nums(&fifo));
+    raw.push(
+        "boundary_to_user_default_slice_ms",
+        Json::nums(&default_slice),
+    );
     Ok(())
 }

@@ -1,0 +1,232 @@
+//! The event loop's time slice. A step boundary wakes dynprof's event loop
+//! (the ring buffer's forced wakeup); on a host whose CPUs the training job
+//! keeps busy, the woken thread then waits for the running task's slice to
+//! end (1.4 ms by default on a 2-CPU 6.18 kernel) before it runs. Since
+//! Linux 6.12 (EEVDF) a task can ask for a shorter slice with
+//! `sched_setattr`'s `sched_runtime`: its virtual deadline comes sooner, so
+//! a wakeup preempts the running task, without a higher priority, a larger
+//! share of the CPU or any privilege. Before 6.12 the field is ignored for
+//! SCHED_OTHER, and reads back as 0. docs/performance.md has the
+//! measurement.
+
+use std::io;
+
+/// The slice asked for by default: the kernel's minimum (0.1 ms). The
+/// event loop's work per wakeup is far shorter (it drains, decides and
+/// goes back to sleep), so it is not cut off mid-work.
+pub const DEFAULT_SLICE_US: u64 = 100;
+/// Overrides [`DEFAULT_SLICE_US`]; `0` leaves the kernel's default slice.
+pub const SLICE_ENV: &str = "DYNPROF_EVENT_SLICE_US";
+
+const SCHED_OTHER: u32 = 0;
+/// `SCHED_ATTR_SIZE_VER0`: the first published layout, which every
+/// kernel with the syscall (3.14+) accepts.
+const ATTR_SIZE: u32 = 48;
+
+#[repr(C)]
+#[derive(Default)]
+struct SchedAttr {
+    size: u32,
+    sched_policy: u32,
+    sched_flags: u64,
+    sched_nice: i32,
+    sched_priority: u32,
+    sched_runtime: u64,
+    sched_deadline: u64,
+    sched_period: u64,
+}
+
+/// What became of the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slice {
+    /// The thread runs with this slice (ns), read back from the kernel.
+    Set(u64),
+    /// Turned off ([`SLICE_ENV`]=0): the kernel's default slice.
+    Off,
+    /// The kernel ignores a SCHED_OTHER task's slice (before 6.12).
+    Unsupported,
+    /// The thread is not SCHED_OTHER (dynprof was started under `chrt`,
+    /// say): left as the operator set it.
+    OtherPolicy(u32),
+}
+
+/// The verdict from what the kernel reports after the request. Pure.
+fn verdict(policy: u32, read_back_ns: u64, asked_ns: u64) -> Slice {
+    if policy != SCHED_OTHER {
+        Slice::OtherPolicy(policy)
+    } else if read_back_ns == 0 || read_back_ns != asked_ns {
+        // 0: a kernel without per-task slices reports none. Another value:
+        // the request did not take (the kernel clamps to 0.1–100 ms, and
+        // the asked value is inside that range).
+        Slice::Unsupported
+    } else {
+        Slice::Set(read_back_ns)
+    }
+}
+
+/// The slice asked for: [`SLICE_ENV`] in µs, or [`DEFAULT_SLICE_US`]; an
+/// unreadable value is reported and the default used. Clamped to the
+/// kernel's 0.1–100 ms.
+pub fn configured_slice_us() -> u64 {
+    match std::env::var(SLICE_ENV) {
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(0) => 0,
+            Ok(us) => us.clamp(100, 100_000),
+            Err(_) => {
+                log::warn!(
+                    "{SLICE_ENV}={v:?} is not a number of microseconds; using {DEFAULT_SLICE_US}"
+                );
+                DEFAULT_SLICE_US
+            }
+        },
+        Err(_) => DEFAULT_SLICE_US,
+    }
+}
+
+fn get_attr() -> io::Result<SchedAttr> {
+    let mut a = SchedAttr::default();
+    // SAFETY: `a` is a writable SchedAttr of ATTR_SIZE bytes; pid 0 is the
+    // calling thread.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_sched_getattr,
+            0,
+            &mut a as *mut SchedAttr,
+            ATTR_SIZE,
+            0,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(a)
+}
+
+/// Asks for a `slice_us` slice for the calling thread (0: leave the
+/// default), keeping its policy and nice value.
+pub fn set_slice(slice_us: u64) -> io::Result<Slice> {
+    if slice_us == 0 {
+        return Ok(Slice::Off);
+    }
+    let now = get_attr()?;
+    if now.sched_policy != SCHED_OTHER {
+        return Ok(Slice::OtherPolicy(now.sched_policy));
+    }
+    let asked = slice_us * 1000;
+    let want = SchedAttr {
+        size: ATTR_SIZE,
+        sched_policy: SCHED_OTHER,
+        sched_nice: now.sched_nice,
+        sched_runtime: asked,
+        ..SchedAttr::default()
+    };
+    // SAFETY: `want` is a valid SchedAttr of ATTR_SIZE bytes; pid 0 is the
+    // calling thread.
+    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &want as *const SchedAttr, 0) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let after = get_attr()?;
+    Ok(verdict(after.sched_policy, after.sched_runtime, asked))
+}
+
+/// For a thread whose work can wait (the window writer): nice +10, and
+/// the kernel's default slice (a thread inherits its creator's, and a
+/// short slice would let this CPU-heavy thread preempt the job's).
+pub fn background() -> io::Result<()> {
+    let now = get_attr()?;
+    if now.sched_policy != SCHED_OTHER {
+        // SAFETY: plain syscall on the calling thread's id.
+        let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
+        return if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        };
+    }
+    let want = SchedAttr {
+        size: ATTR_SIZE,
+        sched_policy: SCHED_OTHER,
+        sched_nice: 10,
+        ..SchedAttr::default()
+    };
+    // SAFETY: as in `set_slice`.
+    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &want as *const SchedAttr, 0) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts() {
+        assert_eq!(verdict(0, 100_000, 100_000), Slice::Set(100_000));
+        // A kernel before 6.12 reads a fair task's runtime back as 0.
+        assert_eq!(verdict(0, 0, 100_000), Slice::Unsupported);
+        assert_eq!(verdict(0, 1_400_000, 100_000), Slice::Unsupported);
+        // SCHED_FIFO (chrt -f) is left alone.
+        assert_eq!(verdict(1, 0, 100_000), Slice::OtherPolicy(1));
+    }
+
+    /// The kernel's own answer, on a thread of its own (the request is
+    /// per thread): the slice is set on 6.12+, and reported unsupported
+    /// before. The version comes from the kernel's release string, not
+    /// from dynprof.
+    #[test]
+    fn the_calling_thread_gets_the_slice_on_6_12_and_later() {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        let mut it = release
+            .trim()
+            .split(|c: char| !c.is_ascii_digit())
+            .map(|p| p.parse::<u32>().unwrap_or(0));
+        let version = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+        let got = std::thread::spawn(|| {
+            let r = set_slice(250).unwrap();
+            let sched = std::fs::read_to_string("/proc/thread-self/sched").unwrap_or_default();
+            (r, sched)
+        })
+        .join()
+        .unwrap();
+        if version >= (6, 12) {
+            assert_eq!(got.0, Slice::Set(250_000), "{}", got.1);
+            // The scheduler's own view of the thread agrees.
+            let slice = got
+                .1
+                .lines()
+                .find(|l| l.starts_with("se.slice"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|v| v.trim().to_string());
+            assert_eq!(slice.as_deref(), Some("250000"), "{}", got.1);
+        } else {
+            assert_eq!(got.0, Slice::Unsupported);
+        }
+        assert_eq!(set_slice(0).unwrap(), Slice::Off);
+    }
+
+    /// A background thread started by a thread with the short slice runs
+    /// at nice 10 with the default slice again.
+    #[test]
+    fn background_threads_drop_the_short_slice() {
+        let (nice, runtime, before) = std::thread::spawn(|| {
+            let before = set_slice(100).unwrap();
+            std::thread::spawn(|| {
+                background().unwrap();
+                let a = get_attr().unwrap();
+                (a.sched_nice, a.sched_runtime)
+            })
+            .join()
+            .map(|(n, r)| (n, r, before))
+            .unwrap()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(nice, 10);
+        if let Slice::Set(short) = before {
+            assert_ne!(runtime, short, "the short slice was inherited and kept");
+        }
+    }
+}
