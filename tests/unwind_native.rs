@@ -40,22 +40,20 @@ fn start_deepstack(tag: &str, extra: &[&str]) -> (PathBuf, Proc) {
     (dir, p)
 }
 
-/// One cpu window of 20 steps (20 ms each) through `dynprof attach`;
-/// returns the folded stacks.
+/// The plan of [`cpu_window`]: 50 steps (20 ms each) at 499 Hz.
+const CPU_WINDOW_ARGS: [&str; 6] = [
+    "--marker",
+    "exe:step_marker",
+    "--cpu-hz",
+    "499",
+    "--active",
+    "50",
+];
+
+/// One cpu window of `deepstack` through `dynprof attach`
+/// ([`CPU_WINDOW_ARGS`]); returns the folded stacks.
 fn cpu_window(pid: u32, out: &Path, stack_copy_kb: Option<&str>) -> Vec<(Vec<String>, u64)> {
-    window_with(
-        pid,
-        out,
-        stack_copy_kb,
-        &[
-            "--marker",
-            "exe:step_marker",
-            "--cpu-hz",
-            "499",
-            "--active",
-            "50",
-        ],
-    )
+    window_with(pid, out, stack_copy_kb, &CPU_WINDOW_ARGS)
 }
 
 fn window_with(
@@ -68,30 +66,18 @@ fn window_with(
         .map(|kb| ("DYNPROF_STACK_COPY_KB", kb))
         .into_iter()
         .collect();
-    window_of(pid, out, "cpu", &env, args).1
+    window_of(pid, out, "cpu", &env, args).stacks
 }
 
-/// One window of collector `collect` through `dynprof attach`, from step
-/// 3; returns its PROF directory and `<collect>.folded`.
-fn window_of(
-    pid: u32,
-    out: &Path,
-    collect: &str,
-    env: &[(&str, &str)],
-    args: &[&str],
-) -> (PathBuf, Vec<(Vec<String>, u64)>) {
-    let (prof, stacks, _) = window_logged(pid, out, collect, env, args);
-    (prof, stacks)
+/// A window's PROF directory, `<collect>.folded` and dynprof's stderr.
+struct Window {
+    prof: PathBuf,
+    stacks: Vec<(Vec<String>, u64)>,
+    log: String,
 }
 
-/// [`window_of`], also returning dynprof's stderr.
-fn window_logged(
-    pid: u32,
-    out: &Path,
-    collect: &str,
-    env: &[(&str, &str)],
-    args: &[&str],
-) -> (PathBuf, Vec<(Vec<String>, u64)>, String) {
+/// One window of collector `collect` through `dynprof attach`, from step 3.
+fn window_of(pid: u32, out: &Path, collect: &str, env: &[(&str, &str)], args: &[&str]) -> Window {
     let mut cmd = Command::new(dynprof_bin());
     cmd.args([
         "attach",
@@ -113,7 +99,11 @@ fn window_logged(
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
     let (prof, stacks) = window_folded(out, collect, &stderr);
-    (prof, stacks, stderr)
+    Window {
+        prof,
+        stacks,
+        log: stderr,
+    }
 }
 
 /// meta.json's `kernel.kernel_mode_stacks` of a window.
@@ -166,7 +156,7 @@ fn kernel_mode_windows(
             .map(|f| ("DYNPROF_KERNEL_FEATURES", f))
             .into_iter()
             .collect();
-        let (prof, stacks) = window_of(pid, &dir.join(tag), collect, &env, args);
+        let Window { prof, stacks, .. } = window_of(pid, &dir.join(tag), collect, &env, args);
         let (full, total) = chain_share(&stacks, &chain, &keep);
         eprintln!("{collect} ({tag}): {full} of {total} show the whole chain");
         for (s, n) in &stacks {
@@ -236,14 +226,7 @@ fn chain_share(
 fn unwind_native_kernel_mode_samples_keep_their_user_stack() {
     require_privileges!();
     let (dir, mut p) = start_deepstack("unwind_native_kernel_mode_samples", &["--syscalls"]);
-    let args = [
-        "--marker",
-        "exe:step_marker",
-        "--cpu-hz",
-        "499",
-        "--active",
-        "50",
-    ];
+    let args = CPU_WINDOW_ARGS;
     let in_kernel = |s: &[String]| s.iter().any(|f| f.ends_with("_[k]"));
     // 50 steps of 20 ms at 499 Hz, most of it in the kernel.
     let stacks = kernel_mode_windows(p.pid, &dir, "cpu", &args, in_kernel, 100);
@@ -552,19 +535,16 @@ fn unwind_native_through_jit_code() {
     let mut chain = expected_chain();
     chain.push("[jit]".to_string());
 
-    let (_, unwound, log) = window_logged(
+    let Window {
+        stacks: unwound,
+        log,
+        ..
+    } = window_of(
         p.pid,
         &dir.join("unwound"),
         "cpu",
         &[("RUST_LOG", "dynprof::collect::cpu=debug")],
-        &[
-            "--marker",
-            "exe:step_marker",
-            "--cpu-hz",
-            "499",
-            "--active",
-            "50",
-        ],
+        &CPU_WINDOW_ARGS,
     );
     p.terminate();
     let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
@@ -836,21 +816,22 @@ fn unwind_native_names_from_a_debug_file_by_build_id() {
     let in_user = |s: &[String]| !s.iter().any(|f| f.ends_with("_[k]"));
     let debug_dir = dir.join("debug");
     let mut p = Proc::spawn_ready(Command::new(dir.join("stripped")).args(["--step-ms", "20"]));
-    let mut args = vec![
-        "--marker",
-        "exe:step_marker",
-        "--cpu-hz",
-        "499",
-        "--active",
-        "50",
-    ];
-    let (without_dir, without) = window_of(p.pid, &dir.join("without"), "cpu", &[], &args);
+    let mut args = CPU_WINDOW_ARGS.to_vec();
+    let Window {
+        prof: without_dir,
+        stacks: without,
+        ..
+    } = window_of(p.pid, &dir.join("without"), "cpu", &[], &args);
     args.extend(["--debug-dir", debug_dir.to_str().unwrap()]);
-    let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).1;
+    let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).stacks;
     // A step marker that only the debug file names: `run_step`, not
     // exported, so absent from the stripped file's .dynsym.
     args[1] = "exe:run_step";
-    let (marked_dir, marked) = window_of(p.pid, &dir.join("marked"), "cpu", &[], &args);
+    let Window {
+        prof: marked_dir,
+        stacks: marked,
+        ..
+    } = window_of(p.pid, &dir.join("marked"), "cpu", &[], &args);
     // Resolving again (as a waiting attach does at each change of the
     // target's map) reuses the debug file found, and the finding that
     // there is none: one search per stripped file.
@@ -969,15 +950,8 @@ fn unwind_native_names_from_a_debug_file_by_debuglink() {
          ! nm stripped 2>/dev/null | grep -q chain_07",
     );
     let mut p = Proc::spawn_ready(Command::new(dir.join("stripped")).args(["--step-ms", "20"]));
-    let args = [
-        "--marker",
-        "exe:step_marker",
-        "--cpu-hz",
-        "499",
-        "--active",
-        "50",
-    ];
-    let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).1;
+    let args = CPU_WINDOW_ARGS;
+    let with = window_of(p.pid, &dir.join("with"), "cpu", &[], &args).stacks;
     // The other build's debug file under the linked name; the right one
     // kept elsewhere, for later.
     sh(
@@ -987,7 +961,11 @@ fn unwind_native_names_from_a_debug_file_by_debuglink() {
          cp other.debug other-debug/stripped.debug
          cp other.debug stripped.debug",
     );
-    let (wrong_dir, wrong) = window_of(p.pid, &dir.join("wrong"), "cpu", &[], &args);
+    let Window {
+        prof: wrong_dir,
+        stacks: wrong,
+        ..
+    } = window_of(p.pid, &dir.join("wrong"), "cpu", &[], &args);
     p.terminate();
     assert_chain_named(&with, "debug link");
     assert_no_chain_frame(&wrong, "another build's debug file (another CRC)");
