@@ -85,11 +85,34 @@ struct Cost {
     attach_ms: f64,
     cpu_pct: f64,
     rss_mib: f64,
+    /// dynprof's CPU seconds over the sampled wall time.
+    cpu_s: f64,
+    wall_s: f64,
+}
+
+/// A sampled stretch: CPU as % of one core, peak RSS, CPU and wall seconds.
+struct Sampled {
+    cpu_pct: f64,
+    rss_mib: f64,
+    cpu_s: f64,
+    wall_s: f64,
+}
+
+impl Sampled {
+    fn cost(&self, attach_ms: f64) -> Cost {
+        Cost {
+            attach_ms,
+            cpu_pct: self.cpu_pct,
+            rss_mib: self.rss_mib,
+            cpu_s: self.cpu_s,
+            wall_s: self.wall_s,
+        }
+    }
 }
 
 /// Samples dynprof's CPU and RSS over `secs`, or until it exits when
 /// `to_exit` (a job with a window exits once the window is written).
-fn sample(dp: &mut Proc, secs: f64, to_exit: bool) -> (f64, f64) {
+fn sample(dp: &mut Proc, secs: f64, to_exit: bool) -> Sampled {
     let pid = dp.pid();
     let (c0, t0) = (procs::cpu_ns(pid).unwrap_or(0), Instant::now());
     let mut c1 = c0;
@@ -105,7 +128,12 @@ fn sample(dp: &mut Proc, secs: f64, to_exit: bool) -> (f64, f64) {
         rss = rss.max(procs::status_kb(pid, "VmRSS").unwrap_or(0));
     }
     let wall = t0.elapsed().as_nanos() as f64;
-    ((c1 - c0) as f64 / wall * 100.0, rss as f64 / 1024.0)
+    Sampled {
+        cpu_pct: (c1 - c0) as f64 / wall * 100.0,
+        rss_mib: rss as f64 / 1024.0,
+        cpu_s: (c1 - c0) as f64 / 1e9,
+        wall_s: wall / 1e9,
+    }
 }
 
 fn attach(ctx: &Ctx, job: &Job, single: bool, window: bool, out: &Path) -> Result<(Proc, f64)> {
@@ -172,16 +200,12 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             // (about 55 ms of CPU per rank in the first second: the
             // sessions' start and the alignment).
             std::thread::sleep(SETTLE);
-            let (cpu, rss) = sample(&mut dp, secs, false);
+            let got = sample(&mut dp, secs, false);
             let _ = dp.stop(Duration::from_secs(60));
-            idle[i].push(Cost {
-                attach_ms: ms,
-                cpu_pct: cpu,
-                rss_mib: rss,
-            });
+            idle[i].push(got.cost(ms));
 
             let (mut dp, ms) = attach(ctx, &job, false, true, &out)?;
-            let (cpu, rss) = sample(&mut dp, 60.0, true);
+            let got = sample(&mut dp, 60.0, true);
             let _ = dp.stop(Duration::from_secs(60));
             if dp.events("job_window").is_empty() {
                 let why = dp
@@ -194,23 +218,15 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 say(format!("job {n} ranks rep {}: {why}", rep + 1));
                 win_failed[i].push(why);
             } else {
-                win[i].push(Cost {
-                    attach_ms: ms,
-                    cpu_pct: cpu,
-                    rss_mib: rss,
-                });
+                win[i].push(got.cost(ms));
             }
 
             if n == 1 {
                 let (mut dp, ms) = attach(ctx, &job, true, false, &out)?;
                 std::thread::sleep(SETTLE);
-                let (cpu, rss) = sample(&mut dp, secs, false);
+                let got = sample(&mut dp, secs, false);
                 let _ = dp.stop(Duration::from_secs(60));
-                single.push(Cost {
-                    attach_ms: ms,
-                    cpu_pct: cpu,
-                    rss_mib: rss,
-                });
+                single.push(got.cost(ms));
             }
             say(format!(
                 "job {n} ranks rep {}: attach {:.0} ms; idle {:.2}% {:.1} MiB",
@@ -288,7 +304,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             Goal::Info,
             "",
         )
-        .samples(col(&win[i], |c| c.cpu_pct));
+        .samples(col(&win[i], |c| c.cpu_pct))
+        .note(format!(
+            "{:.1} s of wall time from attach to the last window written (median)",
+            stats::median(&col(&win[i], |c| c.wall_s)).unwrap_or(f64::NAN)
+        ));
         if !win_failed[i].is_empty() {
             wf.note = format!(
                 "{} of {} windows not recorded: {}",
@@ -298,6 +318,16 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             );
         }
         s.figures.push(wf);
+        s.figures.push(
+            Figure::new(
+                &format!("job{n}_window_cpu_ms_per_rank"),
+                &format!("{n} ranks: dynprof CPU time per rank, attach → window written"),
+                Unit::Ms,
+                Goal::Info,
+                "",
+            )
+            .samples(win[i].iter().map(|c| c.cpu_s * 1e3 / n as f64).collect()),
+        );
         s.figures.push(
             Figure::new(
                 &format!("job{n}_window_rss_mib"),
@@ -333,6 +363,8 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                         ("attach_ms", Json::num(c.attach_ms)),
                         ("cpu_pct", Json::num(c.cpu_pct)),
                         ("rss_mib", Json::num(c.rss_mib)),
+                        ("cpu_s", Json::num(c.cpu_s)),
+                        ("wall_s", Json::num(c.wall_s)),
                     ])
                 })
                 .collect(),
