@@ -151,8 +151,8 @@ impl Session {
         mut commands: Option<mpsc::UnboundedReceiver<C>>,
     ) -> Result<SessionSummary> {
         let started = Instant::now();
-        // A boundary's wakeup should not wait out a busy job's time slice
-        // (sys::sched). Per thread: this is the event loop's.
+        // Opt-in: a short time slice, so that a boundary's wakeup need not
+        // wait out a busy job's (sys::sched). Per thread: the event loop's.
         match crate::sys::sched::set_slice(crate::sys::sched::configured_slice_us()) {
             Ok(s) => log::debug!("event loop time slice: {s:?}"),
             Err(e) => log::debug!("event loop time slice: not set: {e}"),
