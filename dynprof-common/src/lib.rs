@@ -282,6 +282,43 @@ impl PlanConfig {
             || (to_next <= self.lead && k.saturating_add(to_next) < self.end);
         (gate, wake)
     }
+
+    /// The first hit after `k` that wakes user space, if any: what the
+    /// event loop expects next. Closed form (the candidates are the hits
+    /// where one of [`PlanConfig::at`]'s wake conditions begins), so that
+    /// a plan millions of steps long costs nothing to ask. User space only.
+    pub fn next_wake(&self, k: u64) -> Option<u64> {
+        if self.armed == 0 || self.period == 0 {
+            return None;
+        }
+        let j = k.checked_add(1)?;
+        let mut c = [
+            j,
+            self.start.saturating_sub(self.lead),
+            self.start,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ];
+        if j >= self.start {
+            let base = self.start + (j - self.start) / self.period * self.period;
+            let next = base.saturating_add(self.period);
+            for (i, b) in [base, next].into_iter().enumerate() {
+                c[3 + i * 4] = b;
+                c[4 + i * 4] = b.saturating_add(self.warmup);
+                c[5 + i * 4] = b.saturating_add(self.span);
+                c[6 + i * 4] = b.saturating_add(self.period).saturating_sub(self.lead);
+            }
+        }
+        c.into_iter()
+            .filter(|&h| h > k && h <= self.end && self.wakes(h))
+            .min()
+    }
 }
 
 /// Kernel-owned state, `STATE[0]`: the step counter and the gate that the

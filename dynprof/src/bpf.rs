@@ -108,6 +108,9 @@ pub struct Kernel {
     api_addrs: Vec<u64>,
     cpu_links: Vec<PerfEventLinkId>,
     sched_link: Option<TracePointLinkId>,
+    /// What `PLAN[0]` holds (only `set_plan` writes it): the event loop
+    /// predicts its next wakeup from it.
+    plan: PlanConfig,
 }
 
 /// Entries of the maps keyed by the target's threads, for a target with
@@ -274,6 +277,8 @@ impl<'a> Loader<'a> {
             api_addrs: Vec::new(),
             cpu_links: Vec::new(),
             sched_link: None,
+            // The map's initial value: all zero, not armed.
+            plan: PlanConfig::default(),
         })
     }
 }
@@ -643,7 +648,13 @@ impl Kernel {
         let mut a: Array<_, PlanConfig> =
             Array::try_from(self.ebpf.map_mut("PLAN").expect("PLAN"))?;
         a.set(0, plan, 0)?;
+        self.plan = plan;
         Ok(())
+    }
+
+    /// The plan in `PLAN[0]`.
+    pub fn plan(&self) -> PlanConfig {
+        self.plan
     }
 
     /// Filtered hits per marker index, summed over CPUs.

@@ -76,6 +76,21 @@ impl StepClock {
         self.last.map(|l| l.0).unwrap_or(StepIndex(0))
     }
 
+    /// The latest hit and the median of the last 20 steps (0 before one
+    /// completed), for predicting when a coming hit is due (`spin`);
+    /// `None` before the first hit.
+    pub fn seen(&self) -> Option<super::spin::Seen> {
+        let (hit, ts_ns, _) = self.last?;
+        let mut recent: Vec<u64> = self.recent.iter().copied().collect();
+        recent.sort_unstable();
+        let step_ns = recent.get(recent.len() / 2).copied().unwrap_or(0);
+        Some(super::spin::Seen {
+            hit: hit.0,
+            ts_ns,
+            step_ns,
+        })
+    }
+
     /// Steps per second over the last 20 completed steps.
     pub fn rate(&self) -> f64 {
         let sum: u64 = self.recent.iter().sum();

@@ -2,6 +2,7 @@
 //! the observers (live printer, window scheduler, collectors).
 pub mod clock;
 pub mod events;
+pub mod spin;
 
 use std::{
     os::fd::AsRawFd,
@@ -77,6 +78,11 @@ pub trait Observer<C = ()> {
     ) -> Result<()>;
     /// A command from a trigger (console, config watcher).
     fn on_command(&mut self, _cmd: &mut C, _ctx: &mut Ctx) -> Result<()> {
+        Ok(())
+    }
+    /// Once, before the first event: one-time work (threads, files) that
+    /// would otherwise land on the first boundary.
+    fn on_start(&mut self, _ctx: &mut Ctx) -> Result<()> {
         Ok(())
     }
     /// About every 100 ms, for housekeeping that must not wait for a step.
@@ -198,8 +204,39 @@ impl Session {
         };
         tokio::pin!(sleep_until);
 
+        {
+            let mut ctx = Ctx {
+                kernel: &mut self.kernel,
+                target: &self.target,
+                probes: &self.probes,
+                clock: &self.clock,
+            };
+            for o in observers.iter_mut() {
+                o.on_start(&mut ctx)?;
+            }
+        }
+        // Polls the ring around the waking hits the plan makes (see spin).
+        let mut spinner = spin::Spinner::configured();
         let mut end = 'outer: loop {
+            let now = crate::sys::clock::monotonic_ns();
+            let next = spinner.decide(now, self.clock.seen(), &self.kernel.plan());
+            let spinning = next == spin::Next::Spin;
+            let wake_in = match next {
+                // Capped: a plan far ahead is looked at again in a while.
+                spin::Next::WakeAt(t) => {
+                    Some(Duration::from_nanos(t.saturating_sub(now)).min(Duration::from_secs(10)))
+                }
+                _ => None,
+            };
             tokio::select! {
+                // Spinning: one non-blocking read per turn of the runtime.
+                _ = tokio::task::yield_now(), if spinning => {
+                    if let Some(r) = self.drain(ring.get_mut(), &mut log, observers, &limits)? { break 'outer r; }
+                }
+                // Woken to decide again, with the hits logged since.
+                _ = tokio::time::sleep(wake_in.unwrap_or_default()), if wake_in.is_some() => {
+                    if let Some(r) = self.drain(ring.get_mut(), &mut log, observers, &limits)? { break 'outer r; }
+                }
                 guard = ring.readable_mut() => {
                     let mut guard = guard?;
                     // Cleared before reading: a wakeup that lands while we
@@ -233,6 +270,10 @@ impl Session {
                 _ = sigterm.recv() => break EndReason::Interrupted,
             }
         };
+        log::debug!(
+            "boundary spin: {:.1} ms in all",
+            spinner.spun_ns as f64 / 1e6
+        );
         // Whatever is still in the ring happened before the end and belongs
         // to the output (an interrupted or detached window keeps the steps it
         // recorded); only a step limit cuts it short.

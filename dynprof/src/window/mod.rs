@@ -234,4 +234,59 @@ mod tests {
         assert_eq!(first_start(&p, 5), 6);
         assert_eq!(first_start(&Plan::default(), 7), 8);
     }
+
+    /// `next_wake` (closed form) names the same hit as scanning every hit
+    /// for `wakes`, for every small plan and position.
+    #[test]
+    fn next_wake_agrees_with_scanning_every_hit() {
+        let mut plans = 0;
+        for start in [1u64, 2, 5, 9] {
+            for warmup in 0..3 {
+                for active in 1..4 {
+                    for gap in 0..4 {
+                        for repeat in 0..3 {
+                            let p = Plan {
+                                start_step: start as i64,
+                                warmup,
+                                active,
+                                repeat,
+                                gap,
+                            };
+                            let cfg = p.kernel_config(start);
+                            plans += 1;
+                            for k in 0..60 {
+                                let scan = (k + 1..200).find(|&h| cfg.wakes(h));
+                                assert_eq!(cfg.next_wake(k), scan, "{p:?} after hit {k}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(plans, 4 * 3 * 3 * 4 * 3);
+        // The window example above: lead-in 8, 9, open 10, first recorded
+        // 11, one after the other; then the close at 14.
+        let cfg = Plan {
+            start_step: 10,
+            warmup: 1,
+            active: 3,
+            repeat: 1,
+            gap: 5,
+        }
+        .kernel_config(10);
+        assert_eq!(cfg.next_wake(0), Some(8));
+        assert_eq!(cfg.next_wake(8), Some(9));
+        assert_eq!(cfg.next_wake(11), Some(14));
+        assert_eq!(cfg.next_wake(28), None);
+        assert_eq!(PlanConfig::DISARMED.next_wake(3), None);
+        // Open-ended: a far-off start is found without scanning to it, and
+        // after the open the next wake is the lead-in of a nominal second
+        // cycle, 2^62 steps on.
+        let open = Plan::until_stop().kernel_config(3_000_000_000);
+        assert_eq!(open.next_wake(5), Some(2_999_999_998));
+        assert_eq!(
+            open.next_wake(3_000_000_000),
+            Some(3_000_000_000 + u64::MAX / 4 - WAKE_LEAD)
+        );
+    }
 }

@@ -79,35 +79,21 @@ impl Drop for Job {
     }
 }
 
-/// What one attached session cost.
+/// What one attached session cost: its attach time and a sampled stretch.
 #[derive(Default, Clone, Copy)]
 struct Cost {
     attach_ms: f64,
-    cpu_pct: f64,
-    rss_mib: f64,
-    /// dynprof's CPU seconds over the sampled wall time.
-    cpu_s: f64,
-    wall_s: f64,
+    run: Sampled,
 }
 
-/// A sampled stretch: CPU as % of one core, peak RSS, CPU and wall seconds.
+/// A sampled stretch: CPU as % of one core, peak RSS, dynprof's CPU seconds
+/// over the sampled wall seconds.
+#[derive(Default, Clone, Copy)]
 struct Sampled {
     cpu_pct: f64,
     rss_mib: f64,
     cpu_s: f64,
     wall_s: f64,
-}
-
-impl Sampled {
-    fn cost(&self, attach_ms: f64) -> Cost {
-        Cost {
-            attach_ms,
-            cpu_pct: self.cpu_pct,
-            rss_mib: self.rss_mib,
-            cpu_s: self.cpu_s,
-            wall_s: self.wall_s,
-        }
-    }
 }
 
 /// Samples dynprof's CPU and RSS over `secs`, or until it exits when
@@ -202,7 +188,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             std::thread::sleep(SETTLE);
             let got = sample(&mut dp, secs, false);
             let _ = dp.stop(Duration::from_secs(60));
-            idle[i].push(got.cost(ms));
+            idle[i].push(Cost {
+                attach_ms: ms,
+                run: got,
+            });
 
             let (mut dp, ms) = attach(ctx, &job, false, true, &out)?;
             let got = sample(&mut dp, 60.0, true);
@@ -218,7 +207,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 say(format!("job {n} ranks rep {}: {why}", rep + 1));
                 win_failed[i].push(why);
             } else {
-                win[i].push(got.cost(ms));
+                win[i].push(Cost {
+                    attach_ms: ms,
+                    run: got,
+                });
             }
 
             if n == 1 {
@@ -226,14 +218,17 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 std::thread::sleep(SETTLE);
                 let got = sample(&mut dp, secs, false);
                 let _ = dp.stop(Duration::from_secs(60));
-                single.push(got.cost(ms));
+                single.push(Cost {
+                    attach_ms: ms,
+                    run: got,
+                });
             }
             say(format!(
                 "job {n} ranks rep {}: attach {:.0} ms; idle {:.2}% {:.1} MiB",
                 rep + 1,
                 idle[i][rep].attach_ms,
-                idle[i][rep].cpu_pct,
-                idle[i][rep].rss_mib,
+                idle[i][rep].run.cpu_pct,
+                idle[i][rep].run.rss_mib,
             ));
         }
     }
@@ -283,7 +278,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 cpu_goal,
                 cpu_text,
             )
-            .samples(col(&idle[i], |c| c.cpu_pct)),
+            .samples(col(&idle[i], |c| c.run.cpu_pct)),
         );
         s.figures.push(
             Figure::new(
@@ -293,7 +288,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 rss_goal,
                 rss_text,
             )
-            .samples(col(&idle[i], |c| c.rss_mib)),
+            .samples(col(&idle[i], |c| c.run.rss_mib)),
         );
         let mut wf = Figure::new(
             &format!("job{n}_window_cpu_pct"),
@@ -304,10 +299,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             Goal::Info,
             "",
         )
-        .samples(col(&win[i], |c| c.cpu_pct))
+        .samples(col(&win[i], |c| c.run.cpu_pct))
         .note(format!(
             "{:.1} s of wall time from attach to the last window written (median)",
-            stats::median(&col(&win[i], |c| c.wall_s)).unwrap_or(f64::NAN)
+            stats::median(&col(&win[i], |c| c.run.wall_s)).unwrap_or(f64::NAN)
         ));
         if !win_failed[i].is_empty() {
             wf.note = format!(
@@ -326,7 +321,12 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 Goal::Info,
                 "",
             )
-            .samples(win[i].iter().map(|c| c.cpu_s * 1e3 / n as f64).collect()),
+            .samples(
+                win[i]
+                    .iter()
+                    .map(|c| c.run.cpu_s * 1e3 / n as f64)
+                    .collect(),
+            ),
         );
         s.figures.push(
             Figure::new(
@@ -336,10 +336,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 Goal::Info,
                 "",
             )
-            .samples(col(&win[i], |c| c.rss_mib)),
+            .samples(col(&win[i], |c| c.run.rss_mib)),
         );
     }
-    let per_rank_8 = stats::median(&col(&idle[RANKS.len() - 1], |c| c.cpu_pct)).map(|c| c / 8.0);
+    let per_rank_8 =
+        stats::median(&col(&idle[RANKS.len() - 1], |c| c.run.cpu_pct)).map(|c| c / 8.0);
     s.figures.push(
         Figure::new(
             "single_pid_idle_cpu_pct",
@@ -348,11 +349,11 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             Goal::Info,
             "",
         )
-        .samples(col(&single, |c| c.cpu_pct))
+        .samples(col(&single, |c| c.run.cpu_pct))
         .note(format!(
             "job mode at 8 ranks: {:.3}% of a core per rank idle; RSS single-PID {:.1} MiB",
             per_rank_8.unwrap_or(f64::NAN),
-            stats::median(&col(&single, |c| c.rss_mib)).unwrap_or(f64::NAN)
+            stats::median(&col(&single, |c| c.run.rss_mib)).unwrap_or(f64::NAN)
         )),
     );
     let costs = |v: &[Cost]| {
@@ -361,10 +362,10 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 .map(|c| {
                     Json::obj(vec![
                         ("attach_ms", Json::num(c.attach_ms)),
-                        ("cpu_pct", Json::num(c.cpu_pct)),
-                        ("rss_mib", Json::num(c.rss_mib)),
-                        ("cpu_s", Json::num(c.cpu_s)),
-                        ("wall_s", Json::num(c.wall_s)),
+                        ("cpu_pct", Json::num(c.run.cpu_pct)),
+                        ("rss_mib", Json::num(c.run.rss_mib)),
+                        ("cpu_s", Json::num(c.run.cpu_s)),
+                        ("wall_s", Json::num(c.run.wall_s)),
                     ])
                 })
                 .collect(),

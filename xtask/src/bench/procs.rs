@@ -310,6 +310,17 @@ pub fn stat_cpu_ticks(pid: u32) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
+/// cutime+cstime of this process (fields 16 and 17 of stat(5)): the CPU
+/// of every child it has waited for, in clock ticks (100 Hz). The
+/// difference across one child's run is that child's CPU, threads that
+/// exited before it included.
+pub fn waited_children_cpu_ticks() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(13)?.parse::<u64>().ok()? + f.get(14)?.parse::<u64>().ok()?)
+}
+
 /// A field of /proc/PID/status in kB (VmHWM, VmRSS).
 pub fn status_kb(pid: u32, field: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

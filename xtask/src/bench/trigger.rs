@@ -453,14 +453,17 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     let mut normal: Vec<f64> = Vec::new();
     let mut fifo: Vec<f64> = Vec::new();
     let mut collecting: Vec<f64> = Vec::new();
-    let mut short_slice: Vec<f64> = Vec::new();
+    let mut spin_off: Vec<f64> = Vec::new();
     let mut per_run_p99 = Vec::new();
-    let mut per_run_p99_default = Vec::new();
+    let mut per_run_p99_off = Vec::new();
+    // dynprof's CPU per run, % of a core: default and without the spin.
+    let mut cpu_on: Vec<f64> = Vec::new();
+    let mut cpu_off: Vec<f64> = Vec::new();
     for _ in 0..ctx.reps() {
-        // 0: the figure; 1: the same under SCHED_FIFO (diagnostic); 2: while
-        // windows with cpu+offcpu (symbolized stacks) are written back to
-        // back; 3: as 0 with the event loop's opt-in 0.1 ms time slice
-        // (sys::sched), side by side with 0.
+        // 0: the figure (defaults, the boundary spin on); 1: SCHED_FIFO
+        // without the spin (diagnostic: the wakeup alone); 2: while windows
+        // with cpu+offcpu (symbolized stacks) are written back to back; 3:
+        // as 0 without the spin (DYNPROF_BOUNDARY_SPIN=0), side by side.
         for variant in 0..4 {
             let rt = variant == 1;
             let mut cmd = if rt {
@@ -472,11 +475,11 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             };
             let out = ctx.work.join("latency-windows");
             let _ = std::fs::remove_dir_all(&out);
+            if variant == 1 || variant == 3 {
+                cmd.env("DYNPROF_BOUNDARY_SPIN", "0");
+            }
             // Back-to-back window plans: every cycle's boundaries (lead-in,
             // open, close) are hits the kernel wakes user space for.
-            if variant == 3 {
-                cmd.env("DYNPROF_EVENT_SLICE_US", "100");
-            }
             cmd.env("DYNPROF_RECV_NS", "1").args([
                 "attach",
                 "--pid",
@@ -505,8 +508,15 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             } else {
                 cmd.args(["--collect", "none", "--active", "1", "--gap", "50"]);
             }
+            let ticks0 = super::procs::waited_children_cpu_ticks();
+            let t0 = std::time::Instant::now();
             let mut dp = Proc::spawn("dynprof attach (latency)", &mut cmd)?;
             dp.wait_exit(Duration::from_secs(120))?;
+            let wall = t0.elapsed().as_secs_f64();
+            let cpu = match (ticks0, super::procs::waited_children_cpu_ticks()) {
+                (Some(a), Some(b)) => (b.saturating_sub(a)) as f64 / 100.0 / wall * 100.0,
+                _ => f64::NAN,
+            };
             let v: Vec<f64> = dp
                 .events("step")
                 .iter()
@@ -521,13 +531,15 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
             match variant {
                 0 => {
                     per_run_p99.push(stats::percentile(&v, 99.0).unwrap_or(f64::NAN));
+                    cpu_on.push(cpu);
                     normal.extend(v);
                 }
                 1 => fifo.extend(v),
                 2 => collecting.extend(v),
                 _ => {
-                    per_run_p99_default.push(stats::percentile(&v, 99.0).unwrap_or(f64::NAN));
-                    short_slice.extend(v);
+                    per_run_p99_off.push(stats::percentile(&v, 99.0).unwrap_or(f64::NAN));
+                    cpu_off.push(cpu);
+                    spin_off.extend(v);
                 }
             }
         }
@@ -561,7 +573,7 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     if p(&normal, 99.0) > 1.0 {
         note.push_str(&format!(
             ". Cause of the tail: the event loop waiting for a CPU (load average {} on {} CPUs during the run): the same runs under \
-             SCHED_FIFO (chrt -f 1) give p99 {:.3} ms",
+             SCHED_FIFO (chrt -f 1, without the spin) give p99 {:.3} ms",
             super::procs::read_trimmed("/proc/loadavg").unwrap_or_default().split_whitespace().next().unwrap_or("?"),
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             p(&fifo, 99.0)
@@ -579,21 +591,24 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
         )
         .value(p(&normal, 100.0)),
     );
+    let med = |v: &[f64]| stats::percentile(v, 50.0).unwrap_or(f64::NAN);
     s.figures.push(
         Figure::new(
-            "boundary_to_user_short_slice_p99_ms",
-            "boundary → user space p99, event loop with a 0.1 ms time slice (DYNPROF_EVENT_SLICE_US=100, opt-in)",
+            "boundary_to_user_spin_off_p99_ms",
+            "boundary → user space p99, without the boundary spin (DYNPROF_BOUNDARY_SPIN=0)",
             Unit::Ms,
             Goal::Info,
             "",
         )
-        .value(p(&short_slice, 99.0))
-        .samples(per_run_p99_default)
+        .value(p(&spin_off, 99.0))
+        .samples(per_run_p99_off)
         .note(format!(
-            "{} boundary events, in the same runs as the figure above, interleaved with it; p50 {:.3} ms. With the slice \
-             (Linux 6.12+) a wakeup preempts the busy job's thread instead of waiting out its slice",
-            short_slice.len(),
-            p(&short_slice, 50.0)
+            "{} boundary events, in the same runs as the figure above, interleaved with it; p50 {:.3} ms. dynprof's CPU \
+             over a run (1-step windows every 51 steps, median of the runs): {:.1} % of a core with the spin, {:.1} % without",
+            spin_off.len(),
+            p(&spin_off, 50.0),
+            med(&cpu_on),
+            med(&cpu_off)
         )),
     );
     s.figures.push(
@@ -624,6 +639,8 @@ fn latency(ctx: &Ctx, s: &mut Section, raw: &mut Json) -> Result<()> {
     raw.push("boundary_to_user_collecting_ms", Json::nums(&collecting));
     raw.push("boundary_to_user_ms", Json::nums(&normal));
     raw.push("boundary_to_user_fifo_ms", Json::nums(&fifo));
-    raw.push("boundary_to_user_short_slice_ms", Json::nums(&short_slice));
+    raw.push("boundary_to_user_spin_off_ms", Json::nums(&spin_off));
+    raw.push("dynprof_cpu_pct_spin_on", Json::nums(&cpu_on));
+    raw.push("dynprof_cpu_pct_spin_off", Json::nums(&cpu_off));
     Ok(())
 }

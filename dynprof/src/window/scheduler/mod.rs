@@ -358,6 +358,14 @@ impl Scheduler {
         for c in &mut self.collectors {
             c.prepare(target);
         }
+        // The writer thread too, now (the session's start) rather than at
+        // the first window's close: on a CPU the job keeps busy, starting a
+        // thread there held the event loop for 2–3 ms (a slice of the job's
+        // thread), late for the boundaries after it (bench section 3). A
+        // failure is reported at the close.
+        if let Err(e) = self.writer_mut() {
+            log::debug!("window writer not started yet: {e:#}");
+        }
     }
 
     fn writer_mut(&mut self) -> Result<&mut Writer> {

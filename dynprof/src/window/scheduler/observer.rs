@@ -162,6 +162,13 @@ impl Observer<SessionCommand> for Scheduler {
         Ok(())
     }
 
+    fn on_start(&mut self, ctx: &mut Ctx) -> Result<()> {
+        self.remember_target(ctx.target);
+        self.prepare_hooks(ctx.target);
+        self.prepare_collectors(ctx.target);
+        Ok(())
+    }
+
     fn on_tick(&mut self, ctx: &mut Ctx) -> Result<()> {
         self.report_written(false);
         self.remember_target(ctx.target);

@@ -1,0 +1,323 @@
+//! Polling the ring instead of sleeping while a waking boundary is due.
+//!
+//! The kernel wakes the event loop at the step hits user space acts on
+//! (`PlanConfig::wakes`: a window's lead-in, open, first recorded step and
+//! close). A wakeup is only as quick as the CPU it lands on: where an idle
+//! CPU halts (every virtual machine; deep C-states on bare metal) the woken
+//! loop may start milliseconds later, and an msprof `start` written then is
+//! that late. So when the step clock predicts that a waking hit is near,
+//! the loop stays on its CPU and polls the ring from shortly before the hit
+//! until it has been read, then decides again: the next waking hit is
+//! often the next step (lead-in, open, close), and with short steps the
+//! spin goes on through them.
+//!
+//! It is bounded three ways: no spinning without an armed plan (an idle
+//! attach never spins), at most [`MAX_SPIN_NS`] per waking hit, and
+//! at most [`SHARE`] of wall time over time ([`BURST_NS`] saved up). The
+//! kernel's wakeup still comes if the prediction misses. On a one-CPU
+//! machine spinning would take the CPU from the job it waits for: off.
+//! docs/performance.md has the measurement.
+
+use dynprof_common::PlanConfig;
+
+/// Turns the boundary spin off with `0` (it is on where the host has two
+/// CPUs or more).
+pub const SPIN_ENV: &str = "DYNPROF_BOUNDARY_SPIN";
+/// Fixed part of the lead before a predicted hit. It covers the timer that
+/// starts the spin being late itself (the same halted-CPU wakeup, ~3 ms
+/// at p99 on the bench's VM).
+pub const MARGIN_NS: u64 = 4_000_000;
+/// The longest spin for one waking hit.
+pub const MAX_SPIN_NS: u64 = 20_000_000;
+/// The share of wall time the loop may spend spinning, over time.
+pub const SHARE: f64 = 0.25;
+/// Spin time saved up while not spinning, at most.
+pub const BURST_NS: f64 = 100_000_000.0;
+
+/// What the event loop does until its next decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// Sleep until an event, a command or the tick.
+    Sleep,
+    /// Sleep, and be awake at this CLOCK_MONOTONIC ns to decide again.
+    WakeAt(u64),
+    /// Poll the ring now, and decide again after.
+    Spin,
+}
+
+/// What the step clock knows: the latest step hit and a typical step.
+#[derive(Clone, Copy, Debug)]
+pub struct Seen {
+    /// The latest hit index and its CLOCK_MONOTONIC ns.
+    pub hit: u64,
+    pub ts_ns: u64,
+    /// A typical recent step, ns; 0 before a step has completed.
+    pub step_ns: u64,
+}
+
+/// The spin decision and its time budget. Pure: the caller supplies the
+/// clock.
+#[derive(Debug)]
+pub struct Spinner {
+    enabled: bool,
+    /// Spin time left, ns (earned at [`SHARE`] of wall time).
+    tokens_ns: f64,
+    last_ns: Option<u64>,
+    spinning: bool,
+    /// The waking hit the current spin waits for, and when it began.
+    waiting: Option<(u64, u64)>,
+    /// Total ns spent spinning, for the session's debug line.
+    pub spun_ns: u64,
+}
+
+impl Spinner {
+    pub fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            tokens_ns: BURST_NS,
+            last_ns: None,
+            spinning: false,
+            waiting: None,
+            spun_ns: 0,
+        }
+    }
+
+    /// On unless [`SPIN_ENV`] is `0`, and only with two CPUs or more.
+    pub fn configured() -> Self {
+        let off = std::env::var(SPIN_ENV).is_ok_and(|v| v.trim() == "0");
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self::new(!off && cpus >= 2)
+    }
+
+    /// What to do at `now_ns`, given what the clock has seen and the plan
+    /// in the kernel.
+    pub fn decide(&mut self, now_ns: u64, seen: Option<Seen>, plan: &PlanConfig) -> Next {
+        let elapsed = self.last_ns.map_or(0, |l| now_ns.saturating_sub(l)) as f64;
+        self.last_ns = Some(now_ns);
+        if self.spinning {
+            self.tokens_ns -= elapsed;
+            self.spun_ns += elapsed as u64;
+        }
+        self.tokens_ns = (self.tokens_ns + elapsed * SHARE).min(BURST_NS);
+        let next = self.choose(now_ns, seen, plan);
+        self.spinning = next == Next::Spin;
+        next
+    }
+
+    fn choose(&mut self, now_ns: u64, seen: Option<Seen>, plan: &PlanConfig) -> Next {
+        if !self.enabled {
+            return Next::Sleep;
+        }
+        // No hit yet: the first is hit 1.
+        let s = seen.unwrap_or(Seen {
+            hit: 0,
+            ts_ns: now_ns,
+            step_ns: 0,
+        });
+        let Some(w) = plan.next_wake(s.hit) else {
+            return Next::Sleep;
+        };
+        let until = if s.step_ns == 0 {
+            // No step to extrapolate from (just attached, a window planned
+            // right away): only the very next hit is worth polling for,
+            // and only for MAX_SPIN_NS.
+            if w != s.hit + 1 {
+                return Next::Sleep;
+            }
+            u64::MAX
+        } else {
+            // Extrapolating over n steps is off by a fraction of them
+            // (steps vary): an eighth of the extrapolated time is allowed
+            // either way.
+            let ahead = (w - s.hit).saturating_mul(s.step_ns);
+            let due = s.ts_ns.saturating_add(ahead);
+            let allowance = MARGIN_NS.saturating_add(ahead / 8);
+            let from = due.saturating_sub(allowance);
+            if now_ns < from {
+                return Next::WakeAt(from);
+            }
+            due.saturating_add(allowance)
+        };
+        let began = match self.waiting {
+            Some((hit, began)) if hit == w => began,
+            _ => {
+                self.waiting = Some((w, now_ns));
+                now_ns
+            }
+        };
+        if now_ns > until || now_ns - began > MAX_SPIN_NS || self.tokens_ns <= 0.0 {
+            // Missed, too long or over budget: the kernel's wakeup will do.
+            return Next::Sleep;
+        }
+        Next::Spin
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::window::Plan;
+
+    const MS: u64 = 1_000_000;
+
+    /// A 1-step window at hit 100: wakes at 98, 99 (lead-in), 100 (open)
+    /// and 101 (close).
+    fn plan() -> PlanConfig {
+        Plan {
+            start_step: 100,
+            active: 1,
+            ..Plan::default()
+        }
+        .kernel_config(100)
+    }
+
+    fn seen(hit: u64, ts_ns: u64) -> Option<Seen> {
+        Some(Seen {
+            hit,
+            ts_ns,
+            step_ns: MS,
+        })
+    }
+
+    #[test]
+    fn wakes_before_the_predicted_hit_and_spins_through_the_window() {
+        let mut s = Spinner::new(true);
+        let p = plan();
+        // Hit 50 at t=1000 ms, 1 ms steps: hit 98 is due at 1048 ms, with
+        // a lead of 4 ms + 48/8 ms.
+        assert_eq!(
+            s.decide(1000 * MS, seen(50, 1000 * MS), &p),
+            Next::WakeAt(1038 * MS)
+        );
+        // Woken, with fresher hits: the lead shrinks with the distance.
+        assert_eq!(
+            s.decide(1038 * MS, seen(90, 1040 * MS), &p),
+            Next::WakeAt(1043 * MS)
+        );
+        assert_eq!(s.decide(1044 * MS, seen(95, 1043 * MS), &p), Next::Spin);
+        assert_eq!(s.decide(1047 * MS, seen(97, 1047 * MS), &p), Next::Spin);
+        // Hit 98 read: 99 is the next waking hit, one short step away.
+        assert_eq!(s.decide(1048 * MS, seen(98, 1048 * MS), &p), Next::Spin);
+        // The close (101) read: the plan has no waking hit left.
+        assert_eq!(s.decide(1052 * MS, seen(101, 1051 * MS), &p), Next::Sleep);
+        assert_eq!(s.spun_ns, 8 * MS);
+    }
+
+    #[test]
+    fn gives_up_when_the_hit_is_late_or_the_spin_long() {
+        let p = plan();
+        // Hit 98 predicted at 1048 ms; the target stalls at hit 96.
+        let mut s = Spinner::new(true);
+        assert_eq!(s.decide(1045 * MS, seen(96, 1046 * MS), &p), Next::Spin);
+        // 1048 ms + (4 + 2/8) ms of slack, then the kernel's wakeup.
+        assert_eq!(s.decide(1052 * MS, seen(96, 1046 * MS), &p), Next::Spin);
+        assert_eq!(s.decide(1053 * MS, seen(96, 1046 * MS), &p), Next::Sleep);
+        // A slow step the clock underestimates: never past MAX_SPIN_NS.
+        // Hit 96 at 1000 ms, 40 ms steps: due from 1080 − 14 ms.
+        let mut s = Spinner::new(true);
+        let slow = Some(Seen {
+            hit: 96,
+            ts_ns: 1000 * MS,
+            step_ns: 40 * MS,
+        });
+        assert_eq!(s.decide(1060 * MS, slow, &p), Next::WakeAt(1066 * MS));
+        assert_eq!(s.decide(1070 * MS, slow, &p), Next::Spin);
+        assert_eq!(s.decide(1070 * MS + MAX_SPIN_NS, slow, &p), Next::Spin);
+        assert_eq!(s.decide(1071 * MS + MAX_SPIN_NS, slow, &p), Next::Sleep);
+    }
+
+    #[test]
+    fn spends_at_most_its_share_of_wall_time() {
+        // 1-step windows every 4 steps of 1 ms: waking hits nearly all the
+        // time, so the budget is what stops it.
+        let p = Plan {
+            start_step: 10,
+            active: 1,
+            repeat: 1_000_000,
+            gap: 3,
+            ..Plan::default()
+        }
+        .kernel_config(10);
+        let mut s = Spinner::new(true);
+        let mut spins = 0u64;
+        let t0 = 1000 * MS;
+        let n = 20_000u64;
+        for i in 0..n {
+            // One decision every 0.1 ms; hit i/10 + 10 seen.
+            let now = t0 + i * MS / 10;
+            let hit = 10 + i / 10;
+            if s.decide(
+                now,
+                Some(Seen {
+                    hit,
+                    ts_ns: t0 + (i / 10) * MS,
+                    step_ns: MS,
+                }),
+                &p,
+            ) == Next::Spin
+            {
+                spins += 1;
+            }
+        }
+        let wall = (n * MS / 10) as f64;
+        let share = s.spun_ns as f64 / wall;
+        // SHARE of the wall time plus the saved-up burst, no more.
+        assert!(
+            share <= SHARE + BURST_NS / wall + 0.001,
+            "spun {share:.3} of wall time"
+        );
+        assert!(
+            share >= SHARE - 0.05,
+            "spun only {share:.3}: the budget was not used"
+        );
+        assert!(spins > 0 && spins < n);
+    }
+
+    #[test]
+    fn without_a_step_time_polls_only_for_the_very_next_hit() {
+        // Attached, no hit yet, a window planned at hit 3: hit 1 (its
+        // lead-in) is next, when is unknown: polled for, for 20 ms.
+        let p = Plan {
+            start_step: 3,
+            active: 1,
+            ..Plan::default()
+        }
+        .kernel_config(3);
+        let mut s = Spinner::new(true);
+        assert_eq!(s.decide(1000 * MS, None, &p), Next::Spin);
+        assert_eq!(s.decide(1000 * MS + MAX_SPIN_NS, None, &p), Next::Spin);
+        assert_eq!(s.decide(1001 * MS + MAX_SPIN_NS, None, &p), Next::Sleep);
+        // One hit seen, no step completed: hit 2 is next, polled for anew.
+        let one = Some(Seen {
+            hit: 1,
+            ts_ns: 1030 * MS,
+            step_ns: 0,
+        });
+        assert_eq!(s.decide(1030 * MS, one, &p), Next::Spin);
+        // A window far ahead: nothing to poll for without a step time.
+        let far = Plan {
+            start_step: 500,
+            active: 1,
+            ..Plan::default()
+        }
+        .kernel_config(500);
+        let mut s = Spinner::new(true);
+        assert_eq!(s.decide(1000 * MS, one, &far), Next::Sleep);
+    }
+
+    #[test]
+    fn never_spins_without_a_plan_or_when_off() {
+        let mut s = Spinner::new(true);
+        assert_eq!(
+            s.decide(MS, seen(98, MS), &PlanConfig::DISARMED),
+            Next::Sleep
+        );
+        assert_eq!(s.decide(2 * MS, None, &PlanConfig::DISARMED), Next::Sleep);
+        let mut off = Spinner::new(false);
+        assert_eq!(
+            off.decide(1047 * MS, seen(98, 1048 * MS), &plan()),
+            Next::Sleep
+        );
+        assert_eq!(off.spun_ns, 0);
+    }
+}
