@@ -7,6 +7,8 @@ mod windows_util;
 
 use std::{collections::BTreeMap, path::Path, process::Command};
 
+use serde_json::Value;
+
 use common::*;
 use windows_util::*;
 
@@ -222,4 +224,124 @@ fn msprof_without_profiling_mode_is_skipped_and_builtin_collectors_run() {
     assert_eq!(m["complete"], true, "{m:#}");
     assert_eq!(m["collectors"]["cpu"], true, "{m:#}");
     assert_eq!(m["hooks"]["msprof"]["enabled"], false);
+}
+
+/// `CapEff:` of a process, from /proc.
+fn cap_eff(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let hex = s
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .unwrap()
+        .trim();
+    u64::from_str_radix(hex, 16).unwrap()
+}
+
+/// A root job's msprof started again after dynprof gave up its capabilities
+/// at attach (`--msprof-max-commands 2` makes dynprof reconnect after each
+/// window, as msprof's own limit of 100 does after 50): every window still
+/// has its msprof data, each msprof runs as the job's uid and never with a
+/// capability the job lacks, and what it ran without is recorded.
+#[test]
+fn msprof_started_after_the_capability_drop_for_a_root_job() {
+    require_privileges!();
+    let dir = scratch_dir("msprof_root_reconnect");
+    let (log, mslog, out) = (
+        dir.join("trainer.log"),
+        dir.join("msprof.log"),
+        dir.join("out"),
+    );
+    let msprof = standin(&dir);
+    let (_p, host) = ns_trainer(&log, &[("PROFILING_MODE", "dynamic")]);
+    let target_eff = cap_eff(host);
+    assert_ne!(target_eff, 0, "the trainer runs as root with capabilities");
+    let pid = host.to_string();
+    let env = format!("MSPROF_STANDIN_LOG={}", mslog.display());
+    let msout = dir.join("msprof_out").display().to_string();
+    let mut d = spawn(
+        &attach_args(
+            &pid,
+            &[
+                "--start-step",
+                "3",
+                "--active",
+                "1",
+                "--repeat",
+                "2",
+                "--gap",
+                "3",
+                "--collect",
+                "none",
+                "--collector",
+                "msprof",
+                "--msprof",
+                &msprof,
+                "--msprof-env",
+                &env,
+                "--msprof-output",
+                &msout,
+                "--msprof-max-commands",
+                "2",
+                "--output",
+                out.to_str().unwrap(),
+                "--json",
+            ],
+        ),
+        false,
+    );
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 3, "{dirs:?}\n{}", d.transcript());
+    for dir in &dirs {
+        let m = meta(dir);
+        assert_eq!(m["complete"], true, "{m:#}");
+        let h = &m["hooks"]["msprof"];
+        assert_eq!(h["prof_dirs"].as_array().unwrap().len(), 1, "{h:#}");
+    }
+    let conns = ms_log(&mslog, "connected");
+    // One per window; after the last, dynprof may already have connected
+    // again when the session ends (it quits that one too).
+    assert!(
+        matches!(conns.len(), 3 | 4),
+        "one connection per window: {conns:?}"
+    );
+    let effs: Vec<u64> = conns
+        .iter()
+        .map(|c| u64::from_str_radix(&c["cap_eff"], 16).unwrap())
+        .collect();
+    for (c, eff) in conns.iter().zip(&effs) {
+        assert_eq!(c["uid"], "0", "msprof runs as the job's uid: {c:?}");
+        assert_eq!(
+            eff & !target_eff,
+            0,
+            "a capability the job lacks: {eff:#x} vs {target_eff:#x}"
+        );
+    }
+    // The first connection was made before the drop, with the job's set;
+    // the later ones without what dynprof gave up, and say so.
+    assert_eq!(effs[0], target_eff);
+    assert_ne!(
+        effs[1], target_eff,
+        "started after the drop: {:#x}",
+        effs[1]
+    );
+    let reconnects: Vec<Value> = dirs
+        .iter()
+        .flat_map(|d| {
+            meta(d)["hooks"]["msprof"]["session_events"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter(|e| e["event"] == "reconnected")
+        .collect();
+    assert_eq!(reconnects.len(), 2, "{reconnects:#?}");
+    for (e, eff) in reconnects.iter().zip(&effs[1..]) {
+        assert_eq!(
+            e["caps_withheld"],
+            format!("{:#x}", target_eff & !eff),
+            "{e:#}"
+        );
+    }
 }

@@ -39,6 +39,29 @@ pub struct CapSets {
     pub ambient: u64,
 }
 
+impl CapSets {
+    /// The target's sets as a process holding `own` can give them to a
+    /// child that stays in its user namespace (capset(2) grants nothing
+    /// beyond the caller's permitted set): each cut to `own.permitted`, the
+    /// ambient set also to the cut permitted ∩ inheritable. Returns them
+    /// with the target's permitted capabilities left out. A root dynprof
+    /// has given up most capabilities after attach, so a tool it starts
+    /// later as a root target gets the target's set less those: never more
+    /// than the target, and the start does not fail.
+    pub fn grantable_by(&self, own: &CapSets) -> (CapSets, u64) {
+        let permitted = self.permitted & own.permitted;
+        let inheritable = self.inheritable & own.permitted;
+        let granted = CapSets {
+            inheritable,
+            permitted,
+            effective: self.effective & permitted,
+            bounding: self.bounding,
+            ambient: self.ambient & permitted & inheritable,
+        };
+        (granted, self.permitted & !own.permitted)
+    }
+}
+
 /// `Seccomp:` in `/proc/PID/status`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -434,6 +457,54 @@ impl TargetCreds {
 
 #[cfg(test)]
 mod tests {
+
+    /// What capset(2) would allow: nothing beyond the caller's permitted
+    /// set, ambient only within permitted ∩ inheritable; what is cut is
+    /// named; a caller that holds everything gives the target's sets as
+    /// they are.
+    #[test]
+    fn grantable_sets_never_exceed_the_target_or_the_giver() {
+        let all = (1u64 << 41) - 1;
+        let target = CapSets {
+            inheritable: 0b0110,
+            permitted: all,
+            effective: all,
+            bounding: all,
+            ambient: 0b0110,
+        };
+        let own = CapSets {
+            inheritable: 0,
+            permitted: 0b0011,
+            effective: 0b0011,
+            bounding: 0b0011,
+            ambient: 0,
+        };
+        let (g, cut) = target.grantable_by(&own);
+        assert_eq!(g.permitted, 0b0011);
+        assert_eq!(g.effective, 0b0011);
+        assert_eq!(g.inheritable, 0b0010);
+        assert_eq!(g.ambient, 0b0010);
+        assert_eq!(g.bounding, all, "the child lowers its own bounding set");
+        assert_eq!(cut, all & !0b0011);
+        let root = CapSets {
+            inheritable: 0,
+            permitted: all,
+            effective: all,
+            bounding: all,
+            ambient: 0,
+        };
+        assert_eq!(target.grantable_by(&root), (target, 0));
+        // A non-root target with no capabilities loses nothing.
+        let none = CapSets {
+            inheritable: 0,
+            permitted: 0,
+            effective: 0,
+            bounding: all,
+            ambient: 0,
+        };
+        assert_eq!(none.grantable_by(&own), (none, 0));
+    }
+
     use super::*;
 
     const STATUS: &str = "Name:\ttrainer

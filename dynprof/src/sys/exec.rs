@@ -19,7 +19,11 @@
 //! 6. `PR_SET_KEEPCAPS`, setgroups (same user namespace), setresgid,
 //!    setresuid, with ids translated into the target's user namespace;
 //! 7. capset the target's effective/permitted/inheritable sets, raise its
-//!    ambient set, `PR_SET_NO_NEW_PRIVS` if it has it; not dumpable;
+//!    ambient set, `PR_SET_NO_NEW_PRIVS` if it has it; not dumpable. In the
+//!    target's own user namespace only what dynprof still holds can be set:
+//!    after the drop at attach, a root target's tool runs with the target's
+//!    sets less the capabilities dynprof gave up ([`AsTarget::withheld_caps`]);
+//!    never with more than the target has;
 //! 8. when the PID (or time) namespace differs, fork so the exec'd process is
 //!    inside it. Credentials are dropped *before* that fork: no root process
 //!    lingers. The intermediate closes its fds, waits, and exits with the
@@ -43,7 +47,7 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use rustix::fs::{Mode, OFlags};
 
-use super::creds::{NsKind, SeccompMode, TargetCreds};
+use super::creds::{Creds, NsKind, SeccompMode, TargetCreds};
 use crate::types::HostPid;
 
 /// What the operator allows dynprof to leave out.
@@ -136,6 +140,9 @@ pub struct AsTarget {
     permitted: u64,
     inheritable: u64,
     ambient: Vec<u32>,
+    /// The target's permitted capabilities the child will not have:
+    /// dynprof no longer holds them (see `CapSets::grantable_by`).
+    withheld: u64,
     no_new_privs: bool,
     fork: bool,
     /// Reports a failed step (one byte) back to the parent.
@@ -224,8 +231,19 @@ impl AsTarget {
             .trim()
             .parse()
             .context("parsing /proc/sys/kernel/cap_last_cap")?;
-        let bounding_drop = bits(!c.caps.bounding, last_cap).collect();
-        let ambient = bits(c.caps.ambient, last_cap).collect();
+        // Entering the target's user namespace gives the child every
+        // capability there to set the target's from. Staying in ours, it
+        // can set only what dynprof still holds (after attach, the kept set).
+        let (caps, withheld) = if foreign_user {
+            (c.caps, 0)
+        } else {
+            let own = std::fs::read_to_string("/proc/thread-self/status")
+                .context("reading dynprof's own capabilities")
+                .and_then(|t| Creds::parse_status(&t))?;
+            c.caps.grantable_by(&own.caps)
+        };
+        let bounding_drop = bits(!caps.bounding, last_cap).collect();
+        let ambient = bits(caps.ambient, last_cap).collect();
         let fork = tc.foreign_ns.contains(&NsKind::Pid) || tc.foreign_ns.contains(&NsKind::Time);
         // SAFETY: pidfd_send_signal with signal 0 only checks the process exists.
         let alive = unsafe {
@@ -262,16 +280,23 @@ impl AsTarget {
             uids,
             gids,
             bounding_drop,
-            effective: c.caps.effective,
-            permitted: c.caps.permitted,
-            inheritable: c.caps.inheritable,
+            effective: caps.effective,
+            permitted: caps.permitted,
+            inheritable: caps.inheritable,
             ambient,
+            withheld,
             no_new_privs: c.no_new_privs,
             fork,
             err_rd,
             err_wr,
             creds: tc,
         })
+    }
+
+    /// The target's permitted capabilities the child will run without
+    /// (a bit mask; 0 when it gets all of them).
+    pub fn withheld_caps(&self) -> u64 {
+        self.withheld
     }
 
     /// The uid the process will have inside the target's user namespace.

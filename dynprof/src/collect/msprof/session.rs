@@ -62,6 +62,9 @@ pub(super) struct Conn {
     pub(super) cmds: u32,
     pub(super) quit_sent: bool,
     pub(super) started_ns: u64,
+    /// The target's permitted capabilities this msprof runs without
+    /// (`AsTarget::withheld_caps`).
+    pub(super) caps_withheld: u64,
 }
 
 impl Conn {
@@ -149,6 +152,10 @@ pub(super) fn spawn_conn(l: &Launch, seq: u32, shared: &Arc<Shared>) -> Result<C
     let pty = pty::open().map_err(|e| anyhow!("opening a pty for msprof: {e}"))?;
     let as_target = AsTarget::prepare(l.target, l.exec)
         .map_err(|e| anyhow!("cannot run msprof as PID {}: {e:#}", l.target))?;
+    // Not 0 on a reconnect after the drop at attach, for a target that
+    // holds capabilities dynprof gave up (a root job): recorded with the
+    // reconnect in msprof_meta.json.
+    let caps_withheld = as_target.withheld_caps();
     let mut cmd = command_in_target(&l.argv[0])?;
     cmd.args(&l.argv[1..])
         .env_clear()
@@ -190,6 +197,7 @@ pub(super) fn spawn_conn(l: &Launch, seq: u32, shared: &Arc<Shared>) -> Result<C
         cmds: 0,
         quit_sent: false,
         started_ns,
+        caps_withheld,
     };
     // Wait for the first prompt: msprof is connected and accepts commands.
     let deadline = Instant::now() + l.timeout;
@@ -279,9 +287,11 @@ pub(super) fn supervisor(shared: Arc<Shared>) {
         g.seq = seq + 1;
         let ev = match res {
             Ok(c) => {
+                let withheld = format!("{:#x}", c.caps_withheld);
                 g.conn = Some(c);
                 json!({"event": "reconnected", "ended_connection": seq, "reason": reason, "output_tail": tail,
-                       "new_connection": seq + 1, "reconnect_ns": monotonic_ns() - t0, "at_ns": t0})
+                       "new_connection": seq + 1, "reconnect_ns": monotonic_ns() - t0, "at_ns": t0,
+                       "caps_withheld": withheld})
             }
             Err(e) => {
                 json!({"event": "reconnect_failed", "ended_connection": seq, "reason": reason, "output_tail": tail,
