@@ -217,9 +217,15 @@ impl Session {
         }
         // Polls the ring around the waking hits the plan makes (see spin).
         let mut spinner = spin::Spinner::configured();
+        // This thread's run-queue wait: a spin that waits for its CPU stops.
+        let run_delay = crate::sys::sched::RunDelay::open()
+            .map_err(|e| log::debug!("no schedstat for the boundary spin: {e}"))
+            .ok();
         let mut end = 'outer: loop {
             let now = crate::sys::clock::monotonic_ns();
-            let next = spinner.decide(now, self.clock.seen(), &self.kernel.plan());
+            let next = spinner.decide(now, self.clock.seen(), &self.kernel.plan(), &mut || {
+                run_delay.as_ref().and_then(|r| r.read())
+            });
             let spinning = next == spin::Next::Spin;
             let wake_in = match next {
                 // Capped: a plan far ahead is looked at again in a while.
@@ -271,8 +277,9 @@ impl Session {
             }
         };
         log::debug!(
-            "boundary spin: {:.1} ms in all",
-            spinner.spun_ns as f64 / 1e6
+            "boundary spin: {:.1} ms in all, {} stopped as contended",
+            spinner.spun_ns as f64 / 1e6,
+            spinner.contended
         );
         // Whatever is still in the ring happened before the end and belongs
         // to the output (an interrupted or detached window keeps the steps it

@@ -14,8 +14,12 @@
 //! It is bounded three ways: no spinning without an armed plan (an idle
 //! attach never spins), at most [`MAX_SPIN_NS`] per waking hit, and
 //! at most [`SHARE`] of wall time over time ([`BURST_NS`] saved up). The
-//! kernel's wakeup still comes if the prediction misses. On a one-CPU
-//! machine spinning would take the CPU from the job it waits for: off.
+//! kernel's wakeup still comes if the prediction misses. It only helps
+//! while a CPU is free: on a one-CPU machine it would take the CPU from the
+//! job it waits for (off), and when every CPU is busy the spinning thread
+//! is preempted and waits longer than a sleeping one would, so a spin that
+//! spends [`CONTENDED`] of its time waiting for its CPU (the thread's
+//! schedstat) stops it for a while ([`BACKOFF_NS`], doubling).
 //! docs/performance.md has the measurement.
 
 use dynprof_common::PlanConfig;
@@ -33,6 +37,17 @@ pub const MAX_SPIN_NS: u64 = 20_000_000;
 pub const SHARE: f64 = 0.25;
 /// Spin time saved up while not spinning, at most.
 pub const BURST_NS: f64 = 100_000_000.0;
+/// A spin that has waited for its CPU this share of the time (run-queue
+/// wait from schedstat) is contended: every CPU is busy, the spinning
+/// thread is preempted and then waits out a slice, where a sleeping one
+/// would have been woken ahead of the busy threads. Spinning stops.
+pub const CONTENDED: f64 = 0.25;
+/// A spin is judged once it has lasted this long.
+const JUDGE_NS: u64 = 1_000_000;
+/// No spinning for this long after a contended one, doubling up to
+/// [`MAX_BACKOFF_NS`] while it stays contended.
+pub const BACKOFF_NS: u64 = 1_000_000_000;
+pub const MAX_BACKOFF_NS: u64 = 32_000_000_000;
 
 /// What the event loop does until its next decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +83,14 @@ pub struct Spinner {
     waiting: Option<(u64, u64)>,
     /// Total ns spent spinning, for the session's debug line.
     pub spun_ns: u64,
+    /// The current spin's start and the thread's run-queue wait then.
+    episode: Option<(u64, u64)>,
+    /// No spinning before this (the last spin was contended), and the
+    /// next backoff.
+    backoff_until: u64,
+    backoff_ns: u64,
+    /// Spins stopped as contended, for the session's debug line.
+    pub contended: u32,
 }
 
 impl Spinner {
@@ -79,6 +102,10 @@ impl Spinner {
             spinning: false,
             waiting: None,
             spun_ns: 0,
+            episode: None,
+            backoff_until: 0,
+            backoff_ns: BACKOFF_NS,
+            contended: 0,
         }
     }
 
@@ -90,16 +117,53 @@ impl Spinner {
     }
 
     /// What to do at `now_ns`, given what the clock has seen and the plan
-    /// in the kernel.
-    pub fn decide(&mut self, now_ns: u64, seen: Option<Seen>, plan: &PlanConfig) -> Next {
+    /// in the kernel. `run_delay` reads the thread's run-queue wait so far
+    /// (ns; schedstat); it is called only while spinning or starting to.
+    pub fn decide(
+        &mut self,
+        now_ns: u64,
+        seen: Option<Seen>,
+        plan: &PlanConfig,
+        run_delay: &mut dyn FnMut() -> Option<u64>,
+    ) -> Next {
         let elapsed = self.last_ns.map_or(0, |l| now_ns.saturating_sub(l)) as f64;
         self.last_ns = Some(now_ns);
         if self.spinning {
             self.tokens_ns -= elapsed;
             self.spun_ns += elapsed as u64;
+            if let (Some((t0, d0)), Some(d)) = (self.episode, run_delay()) {
+                let wall = now_ns.saturating_sub(t0);
+                if wall >= JUDGE_NS && d.saturating_sub(d0) as f64 > CONTENDED * wall as f64 {
+                    self.backoff_until = now_ns.saturating_add(self.backoff_ns);
+                    self.backoff_ns = (self.backoff_ns * 2).min(MAX_BACKOFF_NS);
+                    self.contended += 1;
+                    self.episode = None;
+                    self.spinning = false;
+                    return Next::Sleep;
+                }
+            }
         }
         self.tokens_ns = (self.tokens_ns + elapsed * SHARE).min(BURST_NS);
-        let next = self.choose(now_ns, seen, plan);
+        let next = if now_ns < self.backoff_until {
+            Next::Sleep
+        } else {
+            self.choose(now_ns, seen, plan)
+        };
+        match (self.spinning, next == Next::Spin) {
+            (false, true) => self.episode = run_delay().map(|d| (now_ns, d)),
+            (true, false) => {
+                // Ended uncontended: the next contended one backs off from
+                // the start again.
+                if self
+                    .episode
+                    .is_some_and(|(t0, _)| now_ns.saturating_sub(t0) >= JUDGE_NS)
+                {
+                    self.backoff_ns = BACKOFF_NS;
+                }
+                self.episode = None;
+            }
+            _ => {}
+        }
         self.spinning = next == Next::Spin;
         next
     }
@@ -186,20 +250,32 @@ mod tests {
         // Hit 50 at t=1000 ms, 1 ms steps: hit 98 is due at 1048 ms, with
         // a lead of 4 ms + 48/8 ms.
         assert_eq!(
-            s.decide(1000 * MS, seen(50, 1000 * MS), &p),
+            s.decide(1000 * MS, seen(50, 1000 * MS), &p, &mut || None),
             Next::WakeAt(1038 * MS)
         );
         // Woken, with fresher hits: the lead shrinks with the distance.
         assert_eq!(
-            s.decide(1038 * MS, seen(90, 1040 * MS), &p),
+            s.decide(1038 * MS, seen(90, 1040 * MS), &p, &mut || None),
             Next::WakeAt(1043 * MS)
         );
-        assert_eq!(s.decide(1044 * MS, seen(95, 1043 * MS), &p), Next::Spin);
-        assert_eq!(s.decide(1047 * MS, seen(97, 1047 * MS), &p), Next::Spin);
+        assert_eq!(
+            s.decide(1044 * MS, seen(95, 1043 * MS), &p, &mut || None),
+            Next::Spin
+        );
+        assert_eq!(
+            s.decide(1047 * MS, seen(97, 1047 * MS), &p, &mut || None),
+            Next::Spin
+        );
         // Hit 98 read: 99 is the next waking hit, one short step away.
-        assert_eq!(s.decide(1048 * MS, seen(98, 1048 * MS), &p), Next::Spin);
+        assert_eq!(
+            s.decide(1048 * MS, seen(98, 1048 * MS), &p, &mut || None),
+            Next::Spin
+        );
         // The close (101) read: the plan has no waking hit left.
-        assert_eq!(s.decide(1052 * MS, seen(101, 1051 * MS), &p), Next::Sleep);
+        assert_eq!(
+            s.decide(1052 * MS, seen(101, 1051 * MS), &p, &mut || None),
+            Next::Sleep
+        );
         assert_eq!(s.spun_ns, 8 * MS);
     }
 
@@ -208,10 +284,19 @@ mod tests {
         let p = plan();
         // Hit 98 predicted at 1048 ms; the target stalls at hit 96.
         let mut s = Spinner::new(true);
-        assert_eq!(s.decide(1045 * MS, seen(96, 1046 * MS), &p), Next::Spin);
+        assert_eq!(
+            s.decide(1045 * MS, seen(96, 1046 * MS), &p, &mut || None),
+            Next::Spin
+        );
         // 1048 ms + (4 + 2/8) ms of slack, then the kernel's wakeup.
-        assert_eq!(s.decide(1052 * MS, seen(96, 1046 * MS), &p), Next::Spin);
-        assert_eq!(s.decide(1053 * MS, seen(96, 1046 * MS), &p), Next::Sleep);
+        assert_eq!(
+            s.decide(1052 * MS, seen(96, 1046 * MS), &p, &mut || None),
+            Next::Spin
+        );
+        assert_eq!(
+            s.decide(1053 * MS, seen(96, 1046 * MS), &p, &mut || None),
+            Next::Sleep
+        );
         // A slow step the clock underestimates: never past MAX_SPIN_NS.
         // Hit 96 at 1000 ms, 40 ms steps: due from 1080 − 14 ms.
         let mut s = Spinner::new(true);
@@ -220,10 +305,19 @@ mod tests {
             ts_ns: 1000 * MS,
             step_ns: 40 * MS,
         });
-        assert_eq!(s.decide(1060 * MS, slow, &p), Next::WakeAt(1066 * MS));
-        assert_eq!(s.decide(1070 * MS, slow, &p), Next::Spin);
-        assert_eq!(s.decide(1070 * MS + MAX_SPIN_NS, slow, &p), Next::Spin);
-        assert_eq!(s.decide(1071 * MS + MAX_SPIN_NS, slow, &p), Next::Sleep);
+        assert_eq!(
+            s.decide(1060 * MS, slow, &p, &mut || None),
+            Next::WakeAt(1066 * MS)
+        );
+        assert_eq!(s.decide(1070 * MS, slow, &p, &mut || None), Next::Spin);
+        assert_eq!(
+            s.decide(1070 * MS + MAX_SPIN_NS, slow, &p, &mut || None),
+            Next::Spin
+        );
+        assert_eq!(
+            s.decide(1071 * MS + MAX_SPIN_NS, slow, &p, &mut || None),
+            Next::Sleep
+        );
     }
 
     #[test]
@@ -254,6 +348,7 @@ mod tests {
                     step_ns: MS,
                 }),
                 &p,
+                &mut || None,
             ) == Next::Spin
             {
                 spins += 1;
@@ -284,16 +379,22 @@ mod tests {
         }
         .kernel_config(3);
         let mut s = Spinner::new(true);
-        assert_eq!(s.decide(1000 * MS, None, &p), Next::Spin);
-        assert_eq!(s.decide(1000 * MS + MAX_SPIN_NS, None, &p), Next::Spin);
-        assert_eq!(s.decide(1001 * MS + MAX_SPIN_NS, None, &p), Next::Sleep);
+        assert_eq!(s.decide(1000 * MS, None, &p, &mut || None), Next::Spin);
+        assert_eq!(
+            s.decide(1000 * MS + MAX_SPIN_NS, None, &p, &mut || None),
+            Next::Spin
+        );
+        assert_eq!(
+            s.decide(1001 * MS + MAX_SPIN_NS, None, &p, &mut || None),
+            Next::Sleep
+        );
         // One hit seen, no step completed: hit 2 is next, polled for anew.
         let one = Some(Seen {
             hit: 1,
             ts_ns: 1030 * MS,
             step_ns: 0,
         });
-        assert_eq!(s.decide(1030 * MS, one, &p), Next::Spin);
+        assert_eq!(s.decide(1030 * MS, one, &p, &mut || None), Next::Spin);
         // A window far ahead: nothing to poll for without a step time.
         let far = Plan {
             start_step: 500,
@@ -302,20 +403,104 @@ mod tests {
         }
         .kernel_config(500);
         let mut s = Spinner::new(true);
-        assert_eq!(s.decide(1000 * MS, one, &far), Next::Sleep);
+        assert_eq!(s.decide(1000 * MS, one, &far, &mut || None), Next::Sleep);
+    }
+
+    /// A spin whose thread waited for its CPU more than a quarter of the
+    /// time stops, and none starts again for a second, then two; an
+    /// uncontended one resets that.
+    #[test]
+    fn stops_spinning_while_its_cpu_is_contended() {
+        // 1-step windows every 4 steps of 1 ms: always a waking hit near.
+        let p = Plan {
+            start_step: 10,
+            active: 1,
+            repeat: 1_000_000,
+            gap: 3,
+            ..Plan::default()
+        }
+        .kernel_config(10);
+        let at = |t: u64| {
+            Some(Seen {
+                hit: 10 + (t - 1000 * MS) / MS,
+                ts_ns: t,
+                step_ns: MS,
+            })
+        };
+        let mut s = Spinner::new(true);
+        // Run-queue wait grows by 1 ms between reads, decisions come every
+        // 0.5–2 ms: contended.
+        let mut wait = 0u64;
+        let busy = |w: &mut u64| {
+            *w += MS;
+            Some(*w)
+        };
+        let t = 1000 * MS;
+        assert_eq!(s.decide(t, at(t), &p, &mut || busy(&mut wait)), Next::Spin);
+        assert_eq!(
+            s.decide(t + MS / 2, at(t), &p, &mut || busy(&mut wait)),
+            Next::Spin
+        );
+        assert_eq!(
+            s.decide(t + 2 * MS, at(t), &p, &mut || busy(&mut wait)),
+            Next::Sleep
+        );
+        assert_eq!(s.contended, 1);
+        // Backed off for 1 s: no spin, the run-queue wait is not read.
+        let mut reads = 0;
+        let t2 = t + 500 * MS;
+        assert_eq!(
+            s.decide(t2, at(t2), &p, &mut || {
+                reads += 1;
+                None
+            }),
+            Next::Sleep
+        );
+        assert_eq!(reads, 0);
+        // After it, contended again: 2 s this time.
+        let t3 = t + 1003 * MS;
+        assert_eq!(
+            s.decide(t3, at(t3), &p, &mut || busy(&mut wait)),
+            Next::Spin
+        );
+        assert_eq!(
+            s.decide(t3 + 2 * MS, at(t3), &p, &mut || busy(&mut wait)),
+            Next::Sleep
+        );
+        let t4 = t3 + 1500 * MS;
+        assert_eq!(
+            s.decide(t4, at(t4), &p, &mut || None),
+            Next::Sleep,
+            "still backing off"
+        );
+        // Uncontended (no wait added) after the backoff: spins, and the
+        // backoff is 1 s again.
+        let t5 = t3 + 2003 * MS;
+        let calm = Some(wait);
+        assert_eq!(s.decide(t5, at(t5), &p, &mut || calm), Next::Spin);
+        assert_eq!(s.decide(t5 + 2 * MS, at(t5), &p, &mut || calm), Next::Spin);
+        assert_eq!(
+            s.decide(t5 + 3 * MS, None, &PlanConfig::DISARMED, &mut || calm),
+            Next::Sleep
+        );
+        assert_eq!(s.backoff_ns, BACKOFF_NS);
+        assert_eq!(s.contended, 2);
     }
 
     #[test]
     fn never_spins_without_a_plan_or_when_off() {
         let mut s = Spinner::new(true);
         assert_eq!(
-            s.decide(MS, seen(98, MS), &PlanConfig::DISARMED),
+            s.decide(MS, seen(98, MS), &PlanConfig::DISARMED, &mut || None),
             Next::Sleep
         );
-        assert_eq!(s.decide(2 * MS, None, &PlanConfig::DISARMED), Next::Sleep);
+        assert_eq!(
+            s.decide(2 * MS, None, &PlanConfig::DISARMED, &mut || None),
+            Next::Sleep
+        );
         let mut off = Spinner::new(false);
         assert_eq!(
-            off.decide(1047 * MS, seen(98, 1048 * MS), &plan()),
+            off.decide(1047 * MS, seen(98, 1048 * MS), &plan(), &mut || None),
             Next::Sleep
         );
         assert_eq!(off.spun_ns, 0);

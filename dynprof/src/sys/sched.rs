@@ -163,9 +163,50 @@ pub fn background() -> io::Result<()> {
     Ok(())
 }
 
+/// The calling thread's time spent waiting on a run queue, from
+/// `/proc/thread-self/schedstat` (its second field, ns), opened once and
+/// read with one pread: the boundary spin asks while it spins.
+pub struct RunDelay(std::fs::File);
+
+impl RunDelay {
+    /// For the calling thread (the file names the thread that opens it).
+    pub fn open() -> io::Result<Self> {
+        std::fs::File::open("/proc/thread-self/schedstat").map(Self)
+    }
+
+    /// None when the kernel has no schedstat or the read fails.
+    pub fn read(&self) -> Option<u64> {
+        use std::os::unix::fs::FileExt as _;
+        let mut buf = [0u8; 96];
+        let n = self.0.read_at(&mut buf, 0).ok()?;
+        std::str::from_utf8(&buf[..n])
+            .ok()?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The run-queue wait of this thread: read twice, it never goes back.
+    #[test]
+    fn run_delay_reads_this_threads_schedstat() {
+        let r = RunDelay::open().unwrap();
+        let a = r.read().expect("schedstat has a run-queue wait");
+        std::thread::yield_now();
+        let b = r.read().unwrap();
+        assert!(b >= a, "{b} < {a}");
+        // The same number /proc shows for this thread by its tid.
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).unwrap();
+        let c: u64 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert!(c >= b);
+    }
 
     #[test]
     fn verdicts() {
