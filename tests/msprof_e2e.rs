@@ -70,56 +70,80 @@ fn standin(dir: &Path) -> String {
     bin.join("msprof").display().to_string()
 }
 
-#[test]
-fn msprof_start_and_stop_land_inside_the_window_boundaries() {
-    require_privileges!();
-    let dir = scratch_dir("msprof_e2e");
+/// A `PROFILING_MODE=dynamic` trainer in its own PID namespace, and a
+/// finished `dynprof attach --collector msprof` on it with the stand-in
+/// (logging to `mslog`) and `plan`'s flags, which made `windows` windows.
+struct MsprofRun {
+    _trainer: Proc,
+    host: u32,
+    log: std::path::PathBuf,
+    mslog: std::path::PathBuf,
+    dirs: Vec<std::path::PathBuf>,
+}
+
+fn msprof_run(name: &str, plan: &[&str], windows: usize) -> MsprofRun {
+    let dir = scratch_dir(name);
     let (log, mslog, out) = (
         dir.join("trainer.log"),
         dir.join("msprof.log"),
         dir.join("out"),
     );
     let msprof = standin(&dir);
-    let (_p, host) = ns_trainer(&log, &[("PROFILING_MODE", "dynamic")]);
+    let (trainer, host) = ns_trainer(&log, &[("PROFILING_MODE", "dynamic")]);
     let pid = host.to_string();
     let env = format!("MSPROF_STANDIN_LOG={}", mslog.display());
     let msout = dir.join("msprof_out").display().to_string();
-    let mut d = spawn(
-        &attach_args(
-            &pid,
-            &[
-                "--start-step",
-                "3",
-                "--active",
-                "2",
-                "--repeat",
-                "2",
-                // Closing a window drains and symbolizes the built-in
-                // collectors' events on the event loop (the files are written
-                // by a thread): leave room before the next window.
-                "--gap",
-                "15",
-                "--collect",
-                "offcpu",
-                "--collector",
-                "msprof",
-                "--msprof",
-                &msprof,
-                "--msprof-env",
-                &env,
-                "--msprof-output",
-                &msout,
-                "--output",
-                out.to_str().unwrap(),
-                "--json",
-            ],
-        ),
-        false,
-    );
-    let st = d.wait_exit(T);
-    assert!(st.success(), "{}", d.transcript());
-    let dirs = prof_dirs(&out);
-    assert_eq!(dirs.len(), 3, "{dirs:?}\n{}", d.transcript());
+    let mut args = plan.to_vec();
+    args.extend([
+        "--collector",
+        "msprof",
+        "--msprof",
+        &msprof,
+        "--msprof-env",
+        &env,
+        "--msprof-output",
+        &msout,
+        "--output",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    let mut d = spawn(&attach_args(&pid, &args), false);
+    let dirs = finished_windows(&mut d, &out, windows);
+    MsprofRun {
+        _trainer: trainer,
+        host,
+        log,
+        mslog,
+        dirs,
+    }
+}
+
+#[test]
+fn msprof_start_and_stop_land_inside_the_window_boundaries() {
+    require_privileges!();
+    let plan = [
+        "--start-step",
+        "3",
+        "--active",
+        "2",
+        "--repeat",
+        "2",
+        // Closing a window drains and symbolizes the built-in collectors'
+        // events on the event loop (the files are written by a thread):
+        // leave room before the next window.
+        "--gap",
+        "15",
+        "--collect",
+        "offcpu",
+    ];
+    // `_trainer` bound, not `..`: the trainer must outlive the checks.
+    let MsprofRun {
+        _trainer,
+        host,
+        log,
+        mslog,
+        dirs,
+    } = msprof_run("msprof_e2e", &plan, 3);
 
     let launch = ms_log(&mslog, "connected");
     assert_eq!(launch.len(), 1, "one session for all windows");
@@ -208,8 +232,7 @@ fn msprof_without_profiling_mode_is_skipped_and_builtin_collectors_run() {
         ),
         false,
     );
-    let st = d.wait_exit(T);
-    assert!(st.success(), "{}", d.transcript());
+    let dirs = finished_windows(&mut d, &out, 1);
     let said: Vec<&String> = d
         .lines
         .iter()
@@ -218,8 +241,6 @@ fn msprof_without_profiling_mode_is_skipped_and_builtin_collectors_run() {
         .collect();
     assert_eq!(said.len(), 1, "exactly one message:\n{}", d.transcript());
     assert!(said[0].contains("built-in collectors"), "{}", said[0]);
-    let dirs = prof_dirs(&out);
-    assert_eq!(dirs.len(), 1, "{}", d.transcript());
     let m = meta(&dirs[0]);
     assert_eq!(m["complete"], true, "{m:#}");
     assert_eq!(m["collectors"]["cpu"], true, "{m:#}");
@@ -245,54 +266,30 @@ fn cap_eff(pid: u32) -> u64 {
 #[test]
 fn msprof_started_after_the_capability_drop_for_a_root_job() {
     require_privileges!();
-    let dir = scratch_dir("msprof_root_reconnect");
-    let (log, mslog, out) = (
-        dir.join("trainer.log"),
-        dir.join("msprof.log"),
-        dir.join("out"),
-    );
-    let msprof = standin(&dir);
-    let (_p, host) = ns_trainer(&log, &[("PROFILING_MODE", "dynamic")]);
+    let plan = [
+        "--start-step",
+        "3",
+        "--active",
+        "1",
+        "--repeat",
+        "2",
+        "--gap",
+        "3",
+        "--collect",
+        "none",
+        "--msprof-max-commands",
+        "2",
+    ];
+    let MsprofRun {
+        _trainer,
+        host,
+        mslog,
+        dirs,
+        ..
+    } = msprof_run("msprof_root_reconnect", &plan, 3);
+    // The trainer is still running: its capabilities as /proc shows them.
     let target_eff = cap_eff(host);
     assert_ne!(target_eff, 0, "the trainer runs as root with capabilities");
-    let pid = host.to_string();
-    let env = format!("MSPROF_STANDIN_LOG={}", mslog.display());
-    let msout = dir.join("msprof_out").display().to_string();
-    let mut d = spawn(
-        &attach_args(
-            &pid,
-            &[
-                "--start-step",
-                "3",
-                "--active",
-                "1",
-                "--repeat",
-                "2",
-                "--gap",
-                "3",
-                "--collect",
-                "none",
-                "--collector",
-                "msprof",
-                "--msprof",
-                &msprof,
-                "--msprof-env",
-                &env,
-                "--msprof-output",
-                &msout,
-                "--msprof-max-commands",
-                "2",
-                "--output",
-                out.to_str().unwrap(),
-                "--json",
-            ],
-        ),
-        false,
-    );
-    let st = d.wait_exit(T);
-    assert!(st.success(), "{}", d.transcript());
-    let dirs = prof_dirs(&out);
-    assert_eq!(dirs.len(), 3, "{dirs:?}\n{}", d.transcript());
     for dir in &dirs {
         let m = meta(dir);
         assert_eq!(m["complete"], true, "{m:#}");

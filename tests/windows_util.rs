@@ -202,6 +202,16 @@ impl Drop for Running {
     }
 }
 
+/// Waits for a `dynprof attach` that must succeed, and returns its `n`
+/// finished `PROF_*` directories (exactly `n`).
+pub fn finished_windows(d: &mut Running, out: &Path, n: usize) -> Vec<PathBuf> {
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{}", d.transcript());
+    let dirs = prof_dirs(out);
+    assert_eq!(dirs.len(), n, "{dirs:?}\n{}", d.transcript());
+    dirs
+}
+
 /// Finished `PROF_*` directories in `out`, by window number.
 pub fn prof_dirs(out: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(out)

@@ -204,16 +204,9 @@ impl Session {
         };
         tokio::pin!(sleep_until);
 
-        {
-            let mut ctx = Ctx {
-                kernel: &mut self.kernel,
-                target: &self.target,
-                probes: &self.probes,
-                clock: &self.clock,
-            };
-            for o in observers.iter_mut() {
-                o.on_start(&mut ctx)?;
-            }
+        let mut ctx = self.ctx();
+        for o in observers.iter_mut() {
+            o.on_start(&mut ctx)?;
         }
         // Polls the ring around the waking hits the plan makes (see spin).
         let mut spinner = spin::Spinner::configured();
@@ -255,7 +248,7 @@ impl Session {
                 // What it emitted before it died is read below.
                 _ = &mut exited => break EndReason::TargetExited,
                 Some(mut cmd) = async { match commands.as_mut() { Some(c) => c.recv().await, None => None } } => {
-                    let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
+                    let mut ctx = self.ctx();
                     for o in observers.iter_mut() {
                         o.on_command(&mut cmd, &mut ctx)?;
                     }
@@ -265,7 +258,7 @@ impl Session {
                     // Most events are written without a wakeup (see
                     // `PlanConfig::wakes`): the tick is when they are read.
                     if let Some(r) = self.drain(ring.get_mut(), &mut log, observers, &limits)? { break 'outer r; }
-                    let mut ctx = Ctx { kernel: &mut self.kernel, target: &self.target, probes: &self.probes, clock: &self.clock };
+                    let mut ctx = self.ctx();
                     for o in observers.iter_mut() {
                         o.on_tick(&mut ctx)?;
                     }
@@ -303,12 +296,7 @@ impl Session {
         });
         self.kernel.detach_all();
         let marker_hits = marker_hits(&self.kernel, &self.probes);
-        let mut ctx = Ctx {
-            kernel: &mut self.kernel,
-            target: &self.target,
-            probes: &self.probes,
-            clock: &self.clock,
-        };
+        let mut ctx = self.ctx();
         for o in observers.iter_mut() {
             o.finish(&end, &mut ctx)?;
         }
@@ -322,6 +310,16 @@ impl Session {
             elapsed_s: started.elapsed().as_secs_f64(),
             marker_hits,
         })
+    }
+
+    /// What observers reach while handling an event.
+    fn ctx(&mut self) -> Ctx<'_> {
+        Ctx {
+            kernel: &mut self.kernel,
+            target: &self.target,
+            probes: &self.probes,
+            clock: &self.clock,
+        }
     }
 
     /// Hands every event waiting in the ring, and every step waiting in the
@@ -423,12 +421,7 @@ impl Session {
                 }
             }
         }
-        let mut ctx = Ctx {
-            kernel: &mut self.kernel,
-            target: &self.target,
-            probes: &self.probes,
-            clock: &self.clock,
-        };
+        let mut ctx = self.ctx();
         for o in observers.iter_mut() {
             o.on_event(ev, completed.as_ref(), &mut ctx)?;
         }

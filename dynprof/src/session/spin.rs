@@ -235,6 +235,24 @@ mod tests {
         .kernel_config(100)
     }
 
+    /// 1-step windows every 4 steps from hit 10, for ever: waking hits
+    /// nearly all the time.
+    fn dense_plan() -> PlanConfig {
+        Plan {
+            start_step: 10,
+            active: 1,
+            repeat: 1_000_000,
+            gap: 3,
+            ..Plan::default()
+        }
+        .kernel_config(10)
+    }
+
+    /// A decision with no run-queue wait to read.
+    fn calm(s: &mut Spinner, now: u64, seen: Option<Seen>, p: &PlanConfig) -> Next {
+        s.decide(now, seen, p, &mut || None)
+    }
+
     fn seen(hit: u64, ts_ns: u64) -> Option<Seen> {
         Some(Seen {
             hit,
@@ -250,30 +268,21 @@ mod tests {
         // Hit 50 at t=1000 ms, 1 ms steps: hit 98 is due at 1048 ms, with
         // a lead of 4 ms + 48/8 ms.
         assert_eq!(
-            s.decide(1000 * MS, seen(50, 1000 * MS), &p, &mut || None),
+            calm(&mut s, 1000 * MS, seen(50, 1000 * MS), &p),
             Next::WakeAt(1038 * MS)
         );
         // Woken, with fresher hits: the lead shrinks with the distance.
         assert_eq!(
-            s.decide(1038 * MS, seen(90, 1040 * MS), &p, &mut || None),
+            calm(&mut s, 1038 * MS, seen(90, 1040 * MS), &p),
             Next::WakeAt(1043 * MS)
         );
-        assert_eq!(
-            s.decide(1044 * MS, seen(95, 1043 * MS), &p, &mut || None),
-            Next::Spin
-        );
-        assert_eq!(
-            s.decide(1047 * MS, seen(97, 1047 * MS), &p, &mut || None),
-            Next::Spin
-        );
+        assert_eq!(calm(&mut s, 1044 * MS, seen(95, 1043 * MS), &p), Next::Spin);
+        assert_eq!(calm(&mut s, 1047 * MS, seen(97, 1047 * MS), &p), Next::Spin);
         // Hit 98 read: 99 is the next waking hit, one short step away.
-        assert_eq!(
-            s.decide(1048 * MS, seen(98, 1048 * MS), &p, &mut || None),
-            Next::Spin
-        );
+        assert_eq!(calm(&mut s, 1048 * MS, seen(98, 1048 * MS), &p), Next::Spin);
         // The close (101) read: the plan has no waking hit left.
         assert_eq!(
-            s.decide(1052 * MS, seen(101, 1051 * MS), &p, &mut || None),
+            calm(&mut s, 1052 * MS, seen(101, 1051 * MS), &p),
             Next::Sleep
         );
         assert_eq!(s.spun_ns, 8 * MS);
@@ -284,17 +293,11 @@ mod tests {
         let p = plan();
         // Hit 98 predicted at 1048 ms; the target stalls at hit 96.
         let mut s = Spinner::new(true);
-        assert_eq!(
-            s.decide(1045 * MS, seen(96, 1046 * MS), &p, &mut || None),
-            Next::Spin
-        );
+        assert_eq!(calm(&mut s, 1045 * MS, seen(96, 1046 * MS), &p), Next::Spin);
         // 1048 ms + (4 + 2/8) ms of slack, then the kernel's wakeup.
+        assert_eq!(calm(&mut s, 1052 * MS, seen(96, 1046 * MS), &p), Next::Spin);
         assert_eq!(
-            s.decide(1052 * MS, seen(96, 1046 * MS), &p, &mut || None),
-            Next::Spin
-        );
-        assert_eq!(
-            s.decide(1053 * MS, seen(96, 1046 * MS), &p, &mut || None),
+            calm(&mut s, 1053 * MS, seen(96, 1046 * MS), &p),
             Next::Sleep
         );
         // A slow step the clock underestimates: never past MAX_SPIN_NS.
@@ -305,33 +308,17 @@ mod tests {
             ts_ns: 1000 * MS,
             step_ns: 40 * MS,
         });
-        assert_eq!(
-            s.decide(1060 * MS, slow, &p, &mut || None),
-            Next::WakeAt(1066 * MS)
-        );
-        assert_eq!(s.decide(1070 * MS, slow, &p, &mut || None), Next::Spin);
-        assert_eq!(
-            s.decide(1070 * MS + MAX_SPIN_NS, slow, &p, &mut || None),
-            Next::Spin
-        );
-        assert_eq!(
-            s.decide(1071 * MS + MAX_SPIN_NS, slow, &p, &mut || None),
-            Next::Sleep
-        );
+        assert_eq!(calm(&mut s, 1060 * MS, slow, &p), Next::WakeAt(1066 * MS));
+        assert_eq!(calm(&mut s, 1070 * MS, slow, &p), Next::Spin);
+        assert_eq!(calm(&mut s, 1070 * MS + MAX_SPIN_NS, slow, &p), Next::Spin);
+        assert_eq!(calm(&mut s, 1071 * MS + MAX_SPIN_NS, slow, &p), Next::Sleep);
     }
 
     #[test]
     fn spends_at_most_its_share_of_wall_time() {
         // 1-step windows every 4 steps of 1 ms: waking hits nearly all the
         // time, so the budget is what stops it.
-        let p = Plan {
-            start_step: 10,
-            active: 1,
-            repeat: 1_000_000,
-            gap: 3,
-            ..Plan::default()
-        }
-        .kernel_config(10);
+        let p = dense_plan();
         let mut s = Spinner::new(true);
         let mut spins = 0u64;
         let t0 = 1000 * MS;
@@ -340,7 +327,8 @@ mod tests {
             // One decision every 0.1 ms; hit i/10 + 10 seen.
             let now = t0 + i * MS / 10;
             let hit = 10 + i / 10;
-            if s.decide(
+            if calm(
+                &mut s,
                 now,
                 Some(Seen {
                     hit,
@@ -348,7 +336,6 @@ mod tests {
                     step_ns: MS,
                 }),
                 &p,
-                &mut || None,
             ) == Next::Spin
             {
                 spins += 1;
@@ -379,22 +366,16 @@ mod tests {
         }
         .kernel_config(3);
         let mut s = Spinner::new(true);
-        assert_eq!(s.decide(1000 * MS, None, &p, &mut || None), Next::Spin);
-        assert_eq!(
-            s.decide(1000 * MS + MAX_SPIN_NS, None, &p, &mut || None),
-            Next::Spin
-        );
-        assert_eq!(
-            s.decide(1001 * MS + MAX_SPIN_NS, None, &p, &mut || None),
-            Next::Sleep
-        );
+        assert_eq!(calm(&mut s, 1000 * MS, None, &p), Next::Spin);
+        assert_eq!(calm(&mut s, 1000 * MS + MAX_SPIN_NS, None, &p), Next::Spin);
+        assert_eq!(calm(&mut s, 1001 * MS + MAX_SPIN_NS, None, &p), Next::Sleep);
         // One hit seen, no step completed: hit 2 is next, polled for anew.
         let one = Some(Seen {
             hit: 1,
             ts_ns: 1030 * MS,
             step_ns: 0,
         });
-        assert_eq!(s.decide(1030 * MS, one, &p, &mut || None), Next::Spin);
+        assert_eq!(calm(&mut s, 1030 * MS, one, &p), Next::Spin);
         // A window far ahead: nothing to poll for without a step time.
         let far = Plan {
             start_step: 500,
@@ -403,7 +384,7 @@ mod tests {
         }
         .kernel_config(500);
         let mut s = Spinner::new(true);
-        assert_eq!(s.decide(1000 * MS, one, &far, &mut || None), Next::Sleep);
+        assert_eq!(calm(&mut s, 1000 * MS, one, &far), Next::Sleep);
     }
 
     /// A spin whose thread waited for its CPU more than a quarter of the
@@ -412,14 +393,7 @@ mod tests {
     #[test]
     fn stops_spinning_while_its_cpu_is_contended() {
         // 1-step windows every 4 steps of 1 ms: always a waking hit near.
-        let p = Plan {
-            start_step: 10,
-            active: 1,
-            repeat: 1_000_000,
-            gap: 3,
-            ..Plan::default()
-        }
-        .kernel_config(10);
+        let p = dense_plan();
         let at = |t: u64| {
             Some(Seen {
                 hit: 10 + (t - 1000 * MS) / MS,
@@ -469,7 +443,7 @@ mod tests {
         );
         let t4 = t3 + 1500 * MS;
         assert_eq!(
-            s.decide(t4, at(t4), &p, &mut || None),
+            calm(&mut s, t4, at(t4), &p),
             Next::Sleep,
             "still backing off"
         );
@@ -491,16 +465,16 @@ mod tests {
     fn never_spins_without_a_plan_or_when_off() {
         let mut s = Spinner::new(true);
         assert_eq!(
-            s.decide(MS, seen(98, MS), &PlanConfig::DISARMED, &mut || None),
+            calm(&mut s, MS, seen(98, MS), &PlanConfig::DISARMED),
             Next::Sleep
         );
         assert_eq!(
-            s.decide(2 * MS, None, &PlanConfig::DISARMED, &mut || None),
+            calm(&mut s, 2 * MS, None, &PlanConfig::DISARMED),
             Next::Sleep
         );
         let mut off = Spinner::new(false);
         assert_eq!(
-            off.decide(1047 * MS, seen(98, 1048 * MS), &plan(), &mut || None),
+            calm(&mut off, 1047 * MS, seen(98, 1048 * MS), &plan()),
             Next::Sleep
         );
         assert_eq!(off.spun_ns, 0);
