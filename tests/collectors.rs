@@ -243,6 +243,51 @@ fn collectors_acl_task_queue_thread() {
     assert!(names.len() >= 2, "{names:?}");
 }
 
+/// Threads started after the window's API probes attached (one per step
+/// here) have no stack slot (`ApiSlot`) and use the hash: their calls are
+/// recorded exactly as the slot-holding main thread's are.
+#[test]
+fn collectors_acl_threads_started_in_the_window() {
+    require_privileges!();
+    let _g = serial();
+    let dir = scratch_dir("collectors_acl_threads_started_in_the_window");
+    let (p, acl_log) = acl_trainer(
+        &dir,
+        &[
+            "--launches",
+            "6",
+            "--kernel-us",
+            "3000",
+            "--cpu-us",
+            "2000",
+            "--thread-per-step",
+        ],
+    );
+    let run = record_window(
+        p.pid,
+        exe_marker("optimizer_step"),
+        parse_collect("api").unwrap(),
+        CollectorOptions::default(),
+        (4, 9),
+        4096,
+        &dir,
+        None,
+    );
+    check_acl_window(&run, &acl_log, 6, p.pid, true);
+    // One launching thread per step, each new.
+    let mut launchers: Vec<u32> = run
+        .data
+        .api_calls
+        .iter()
+        .filter(|c| c.api == "aclrtLaunchKernel")
+        .map(|c| c.tid)
+        .collect();
+    launchers.sort_unstable();
+    launchers.dedup();
+    assert_eq!(launchers.len(), 5, "{launchers:?}");
+    assert!(!launchers.contains(&p.pid));
+}
+
 /// With a one-page ring buffer and thousands of calls per step, events are
 /// lost; every loss is counted: emitted == received + drops, exactly.
 #[test]

@@ -434,6 +434,26 @@ pub struct ApiStack {
     pub frames: [ApiFrame; API_STACK_DEPTH],
 }
 
+/// A thread's [`ApiStack`] in the `API_SLOTS` array, at index
+/// `tid & API_SLOT_MASK`. User space gives each slot to one thread of the
+/// target (`owner`) before the API probes attach, for threads that exist
+/// then; other threads use the `API_STACK` hash. An array element is found
+/// without a helper call (the verifier inlines the lookup), where the hash
+/// cost one lookup at entry and one at return. The programs never claim a
+/// slot themselves: BPF cpu v1 (5.10) has no compare-and-exchange, and
+/// two threads taking one slot at once would mix their calls unseen.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ApiSlot {
+    /// Host tid of the slot's thread; 0 for none.
+    pub owner: u32,
+    pub _pad: u32,
+    pub stack: ApiStack,
+}
+/// Bounds of `API_SLOTS`' size: 2 per thread at attach, a power of two.
+pub const API_SLOTS_MIN: u32 = 64;
+pub const API_SLOTS_MAX: u32 = 4096;
+
 /// Switch-out record kept per thread until it runs again.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -456,4 +476,5 @@ mod pod {
     unsafe impl aya::Pod for KernelState {}
     unsafe impl aya::Pod for OffCpuStart {}
     unsafe impl aya::Pod for ApiStack {}
+    unsafe impl aya::Pod for ApiSlot {}
 }

@@ -2,10 +2,32 @@
 //! per call with its exact duration (cookie or, before 5.15, address).
 use super::*;
 
-/// The thread's [`ApiStack`], created (zeroed) on its first call.
+/// The thread's stack in its `API_SLOTS` slot, if user space gave it one.
+#[inline(always)]
+fn slot_stack(tid: u32) -> Option<*mut ApiStack> {
+    let mask = unsafe { core::ptr::read_volatile(&API_SLOT_MASK) };
+    let s = API_SLOTS.get_ptr_mut(tid & mask)?;
+    if unsafe { (*s).owner } == tid {
+        Some(unsafe { &raw mut (*s).stack })
+    } else {
+        None
+    }
+}
+
+/// The thread's stack: its slot, else its `API_STACK` entry.
+#[inline(always)]
+fn existing_stack(tid: u32) -> Option<*mut ApiStack> {
+    match slot_stack(tid) {
+        Some(p) => Some(p),
+        None => API_STACK.get_ptr_mut(&tid),
+    }
+}
+
+/// The thread's [`ApiStack`]: its slot, else its `API_STACK` entry,
+/// created (zeroed) on its first call.
 #[inline(always)]
 fn thread_stack(tid: u32) -> Option<*mut ApiStack> {
-    if let Some(p) = API_STACK.get_ptr_mut(&tid) {
+    if let Some(p) = existing_stack(tid) {
         return Some(p);
     }
     let zero = ZERO_STACK.get(0)?;
@@ -17,9 +39,9 @@ fn thread_stack(tid: u32) -> Option<*mut ApiStack> {
 }
 
 /// Entry of a traced runtime API; the cookie is the API index. A call that
-/// begins in the window is pushed on the thread's [`ApiStack`]: one lookup
-/// of the thread's slot, where a hash entry per call cost an insert and a
-/// delete (bench section 2).
+/// begins in the window is pushed on the thread's [`ApiStack`]: in its
+/// `API_SLOTS` slot (no helper call) or else one hash lookup, where a hash
+/// entry per call cost an insert and a delete (bench section 2).
 #[uprobe]
 pub fn dynprof_api_enter(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
@@ -60,7 +82,7 @@ pub fn dynprof_api_exit(ctx: RetProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let api = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     // Only calls that began inside the window have a frame.
-    let Some(st) = API_STACK.get_ptr_mut(&tid) else {
+    let Some(st) = existing_stack(tid) else {
         return 0;
     };
     let depth = unsafe { (*st).depth } as usize;
@@ -161,7 +183,7 @@ pub fn dynprof_api_exit_stack(ctx: RetProbeContext) -> u32 {
         return 0;
     };
     let entry_sp = sp.wrapping_sub(reg::RETURN_POPS);
-    let Some(st) = API_STACK.get_ptr_mut(&tid) else {
+    let Some(st) = existing_stack(tid) else {
         return 0;
     };
     let depth = unsafe { (*st).depth };

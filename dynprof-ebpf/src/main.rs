@@ -37,10 +37,10 @@ use aya_ebpf::{
     },
 };
 use dynprof_common::{
-    API_STACK_DEPTH, ApiEvent, ApiStack, EventHeader, KernelState, MAX_APIS, MAX_MARKERS,
-    MAX_PROBE_ADDRS, MarkerConfig, OffCpuEvent, OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY,
-    SampleEvent, StepEvent, THREAD_MAPS_MIN, arg_mode, drop_slot, kind, reg, ringbuf, role,
-    steplog,
+    API_SLOTS_MIN, API_STACK_DEPTH, ApiEvent, ApiSlot, ApiStack, EventHeader, KernelState,
+    MAX_APIS, MAX_MARKERS, MAX_PROBE_ADDRS, MarkerConfig, OffCpuEvent, OffCpuStart, PREFIX_LEN,
+    PlanConfig, STACK_EMPTY, SampleEvent, StepEvent, THREAD_MAPS_MIN, arg_mode, drop_slot, kind,
+    reg, ringbuf, role, steplog,
 };
 
 /// Host tgid of the target, set by user space before load.
@@ -94,6 +94,13 @@ static API_BY_IP: HashMap<u64, u32> = HashMap::with_max_entries(MAX_PROBE_ADDRS,
 /// the call that returns. With cookies it finds the frame by its API.
 #[map]
 static API_STACK: HashMap<u32, ApiStack> = HashMap::with_max_entries(THREAD_MAPS_MIN, 0);
+/// Threads' API stacks by slot (`ApiSlot`), filled by user space; sized
+/// at load, with `API_SLOT_MASK` one less than its size.
+#[map]
+static API_SLOTS: Array<ApiSlot> = Array::with_max_entries(API_SLOTS_MIN, 0);
+/// `API_SLOTS`' size less one (a power of two), set at load.
+#[unsafe(no_mangle)]
+static API_SLOT_MASK: u32 = API_SLOTS_MIN - 1;
 /// One all-zero `ApiStack`, never written: the initial value of a thread's
 /// stack (a zeroed local would compile to a memset call BPF cannot make).
 #[map]

@@ -47,6 +47,7 @@ pub const SCHED_PROG: &str = "dynprof_sched_switch";
 /// Set to `proc_mem` to hold USDT semaphores through /proc/PID/mem.
 pub const SEMAPHORE_ENV: &str = "DYNPROF_USDT_SEMAPHORE";
 
+mod api_slots;
 mod markers;
 mod preflight;
 mod steplog;
@@ -106,6 +107,9 @@ pub struct Kernel {
     /// Addresses registered in `MARKER_BY_IP` / `API_BY_IP`.
     marker_addrs: usize,
     api_addrs: Vec<u64>,
+    /// `API_SLOTS`' size, and the slots given to threads for this window.
+    api_slot_count: u32,
+    api_slots: Vec<u32>,
     cpu_links: Vec<PerfEventLinkId>,
     sched_link: Option<TracePointLinkId>,
     /// What `PLAN[0]` holds (only `set_plan` writes it): the event loop
@@ -147,6 +151,9 @@ pub struct LoadPlan {
     task_regs_delta: u32,
     python: dynprof_common::unwind::PyOffsets,
     thread_maps: u32,
+    api_slots: u32,
+    /// `api_slots - 1`, the programs' `API_SLOT_MASK`.
+    api_slot_mask: u32,
     paths: KernelPaths,
 }
 
@@ -207,6 +214,8 @@ impl LoadPlan {
             );
             Default::default()
         };
+        let threads = thread_count(pid);
+        let api_slots = api_slots::api_slot_entries(threads);
         Ok(Self {
             pid,
             tgid: pid.0,
@@ -217,7 +226,9 @@ impl LoadPlan {
             task_stack_offset,
             task_regs_delta,
             python,
-            thread_maps: thread_map_entries(thread_count(pid)),
+            thread_maps: thread_map_entries(threads),
+            api_slots,
+            api_slot_mask: api_slots - 1,
             paths,
         })
     }
@@ -253,6 +264,8 @@ impl<'a> Loader<'a> {
             .override_global("TASK_STACK_OFFSET", &plan.task_stack_offset, true)
             .override_global("TASK_REGS_DELTA", &plan.task_regs_delta, true)
             .override_global("PY", &plan.python, true)
+            .override_global("API_SLOT_MASK", &plan.api_slot_mask, true)
+            .map_max_entries("API_SLOTS", plan.api_slots)
             .map_max_entries("EVENTS", plan.ring_bytes)
             .map_max_entries(THREAD_MAPS[0], plan.thread_maps)
             .map_max_entries(THREAD_MAPS[1], plan.thread_maps)
@@ -275,6 +288,8 @@ impl<'a> Loader<'a> {
             api_attachments: Vec::new(),
             marker_addrs: 0,
             api_addrs: Vec::new(),
+            api_slot_count: plan.api_slots,
+            api_slots: Vec::new(),
             cpu_links: Vec::new(),
             sched_link: None,
             // The map's initial value: all zero, not armed.
@@ -449,9 +464,16 @@ impl Kernel {
     }
 
     pub fn detach_apis(&mut self) {
-        // Returns after this see no probe; stacks left by calls in flight
-        // are emptied so that the next window starts clean.
+        // Probes first: returns after this see none, so the stacks left by
+        // calls in flight can be emptied for the next window without a
+        // program refilling them meanwhile.
         self.api_attachments.clear();
+        for (ret, link) in std::mem::take(&mut self.api_links) {
+            let name = if ret { API_EXIT_PROG } else { API_ENTER_PROG };
+            if let Ok(p) = self.uprobe(name) {
+                let _ = p.detach(link);
+            }
+        }
         if !self.api_addrs.is_empty()
             && let Some(Ok(mut m)) = self
                 .ebpf
@@ -472,12 +494,7 @@ impl Kernel {
                 let _ = m.remove(&t);
             }
         }
-        for (ret, link) in std::mem::take(&mut self.api_links) {
-            let name = if ret { API_EXIT_PROG } else { API_ENTER_PROG };
-            if let Ok(p) = self.uprobe(name) {
-                let _ = p.detach(link);
-            }
-        }
+        self.clear_api_slots();
     }
 
     /// Verifies the cpu and off-CPU programs (once; the attach functions

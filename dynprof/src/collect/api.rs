@@ -112,6 +112,12 @@ impl Collector for ApiCollector {
             );
         }
         self.pending = res.deferred.clone();
+        // Before any probe of this window attaches (see `ApiSlot`).
+        match kernel.assign_api_slots(&target.threads()) {
+            Ok(n) => log::debug!("api: {n} threads have a stack slot"),
+            // The hash serves them all: slower, not wrong.
+            Err(e) => log::warn!("api: giving threads their stack slots: {e:#}"),
+        }
         let mut attached = 0;
         self.traced.clear();
         for a in &res.apis {

@@ -129,6 +129,20 @@ impl Target {
         }
     }
 
+    /// The target's threads now (host tids), ascending; empty once it is
+    /// gone.
+    pub fn threads(&self) -> Vec<u32> {
+        let mut tids: Vec<u32> = fs::read_dir(format!("/proc/{}/task", self.host_pid))
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        tids.sort_unstable();
+        tids
+    }
+
     pub fn maps(&self) -> Result<Vec<Mapping>> {
         let text = fs::read_to_string(format!("/proc/{}/maps", self.host_pid))
             .with_context(|| format!("reading /proc/{}/maps", self.host_pid))?;

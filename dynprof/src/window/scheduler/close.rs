@@ -1,7 +1,5 @@
 //! Closing a window: hooks' end, collectors sealed and drained, meta.json
 //! built, and the files handed to the writer.
-use std::path::Path;
-
 use anyhow::Result;
 use dynprof_common::PlanConfig;
 use serde_json::{Map, Value, json};
@@ -279,18 +277,12 @@ fn drops_delta(now: &Drops, then: &Drops) -> Drops {
 
 /// Host tid → thread name, read now (empty once the target is gone).
 fn thread_names(t: &Target) -> Vec<(u32, String)> {
-    let mut out = Vec::new();
-    let dir = format!("/proc/{}/task", t.host_pid);
-    if let Ok(rd) = std::fs::read_dir(Path::new(&dir)) {
-        for e in rd.flatten() {
-            let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-                continue;
-            };
-            if let Ok(name) = std::fs::read_to_string(e.path().join("comm")) {
-                out.push((tid, name.trim().to_string()));
-            }
-        }
-    }
-    out.sort();
-    out
+    t.threads()
+        .into_iter()
+        .filter_map(|tid| {
+            let comm = format!("/proc/{}/task/{tid}/comm", t.host_pid);
+            let name = std::fs::read_to_string(comm).ok()?;
+            Some((tid, name.trim().to_string()))
+        })
+        .collect()
 }
