@@ -33,7 +33,14 @@ use crate::{
 /// ranks, whose plans are served by the same thread.
 const PREFETCH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// `DYNPROF_API_SLOTS=0`: every thread's API stack in the hash, none in
+/// an `API_SLOTS` slot (the bench compares the two; a way out should the
+/// slots ever misbehave).
+pub const SLOTS_ENV: &str = "DYNPROF_API_SLOTS";
+
 pub struct ApiCollector {
+    /// Threads get `API_SLOTS` slots (unless [`SLOTS_ENV`] is `0`).
+    slots: bool,
     sets: Vec<ApiSet>,
     user: Vec<ApiSpec>,
     table: ApiTable,
@@ -54,6 +61,7 @@ pub struct ApiCollector {
 impl ApiCollector {
     pub fn new(sets: Vec<ApiSet>, user: Vec<ApiSpec>, pool: EventPool) -> Self {
         Self {
+            slots: std::env::var_os(SLOTS_ENV).is_none_or(|v| v != "0"),
             sets,
             user,
             table: ApiTable::default(),
@@ -113,7 +121,12 @@ impl Collector for ApiCollector {
         }
         self.pending = res.deferred.clone();
         // Before any probe of this window attaches (see `ApiSlot`).
-        match kernel.assign_api_slots(&target.threads()) {
+        let tids = if self.slots {
+            target.threads()
+        } else {
+            Vec::new()
+        };
+        match kernel.assign_api_slots(&tids) {
             Ok(n) => log::debug!("api: {n} threads have a stack slot"),
             // The hash serves them all: slower, not wrong.
             Err(e) => log::warn!("api: giving threads their stack slots: {e:#}"),

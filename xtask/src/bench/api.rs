@@ -175,10 +175,22 @@ fn cpu_per_step(pid: u32, log: &Path, secs: f64) -> Result<f64> {
 }
 
 /// [`cpu_per_step`] with the api collector in a window that stays open.
-fn api_cpu_per_step(ctx: &Ctx, target: &Proc, log: &Path, secs: f64, tag: &str) -> Result<f64> {
+/// With `hash_only`, every thread's API stack in the hash
+/// (`DYNPROF_API_SLOTS=0`), as before the slots.
+fn api_cpu_per_step(
+    ctx: &Ctx,
+    target: &Proc,
+    log: &Path,
+    secs: f64,
+    tag: &str,
+    hash_only: bool,
+) -> Result<f64> {
     let out = ctx.work.join(format!("api-{tag}"));
     let _ = std::fs::remove_dir_all(&out);
     let mut cmd = ctx.dynprof_cmd();
+    if hash_only {
+        cmd.env("DYNPROF_API_SLOTS", "0");
+    }
     cmd.args([
         "attach",
         "--pid",
@@ -237,8 +249,22 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         let h = ProbeHelper::attach(ctx, target.pid(), FLOOR_SPEC, "floor")?;
         let c_floor = cpu_per_step(target.pid(), &log, bare_s)?;
         h.finish()?;
-        let c_api = api_cpu_per_step(ctx, &target, &log, bare_s, &format!("cpu{rep}"))?;
-        floor.push([c_bare, c_floor, c_api]);
+        // The two api arms alternate which goes first, so that drift
+        // within a repetition does not favour one.
+        let (c_api, c_hash) = if rep % 2 == 0 {
+            let a = api_cpu_per_step(ctx, &target, &log, bare_s, &format!("cpu{rep}"), false)?;
+            (
+                a,
+                api_cpu_per_step(ctx, &target, &log, bare_s, &format!("hash{rep}"), true)?,
+            )
+        } else {
+            let h = api_cpu_per_step(ctx, &target, &log, bare_s, &format!("hash{rep}"), true)?;
+            (
+                api_cpu_per_step(ctx, &target, &log, bare_s, &format!("cpu{rep}"), false)?,
+                h,
+            )
+        };
+        floor.push([c_bare, c_floor, c_api, c_hash]);
         let w = window(ctx, &target, &log, win_steps, 4096, &format!("rep{rep}"))?;
         say(format!(
             "api rep {}: off {:.0} steps/s ({:.2}M calls/s), on {:.0} steps/s, {:.0} events/s, drops {}",
@@ -320,6 +346,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let per_call = |c: f64, bare: f64| (c - bare) / calls_per_step as f64;
     let api_ns: Vec<f64> = floor.iter().map(|c| per_call(c[2], c[0])).collect();
     let floor_ns: Vec<f64> = floor.iter().map(|c| per_call(c[1], c[0])).collect();
+    let hash_ns: Vec<f64> = floor.iter().map(|c| per_call(c[3], c[0])).collect();
     s.figures.push(
         Figure::new(
             "api_per_call_over_floor",
@@ -356,6 +383,29 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             "",
         )
         .samples(floor_ns.clone()),
+    );
+    s.figures.push(
+        Figure::new(
+            "api_hash_per_call_over_floor",
+            "the same, every thread's stack in the hash (DYNPROF_API_SLOTS=0)",
+            Unit::Ratio,
+            Goal::Info,
+            "",
+        )
+        .samples(hash_ns.iter().zip(&floor_ns).map(|(a, f)| a / f).collect())
+        .note(
+            "the api collector as before the stack slots: a hash lookup of the thread's stack at entry and at return;              the same repetitions as the line above, its two arms alternating which runs first",
+        ),
+    );
+    s.figures.push(
+        Figure::new(
+            "api_slot_minus_hash_ns_per_call",
+            "API collector per call, stack slots − hash",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(api_ns.iter().zip(&hash_ns).map(|(a, h)| a - h).collect()),
     );
     let ratio: Vec<f64> = wins
         .iter()
@@ -502,7 +552,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         ("window_steps", Json::int(win_steps)),
         ("off_steps_per_s", Json::nums(&bare)),
         (
-            "cpu_ns_per_step_bare_floor_api",
+            "cpu_ns_per_step_bare_floor_api_hash",
             Json::Arr(floor.iter().map(|c| Json::nums(c)).collect()),
         ),
         ("floor_spec", Json::s(FLOOR_SPEC)),
