@@ -2,7 +2,7 @@
 //!
 //! One `Kernel` per target: the object is loaded with the target's host tgid
 //! baked in (`TARGET_TGID`), so every program drops foreign events first.
-use std::{num::NonZeroU32, os::fd::AsFd as _, path::Path};
+use std::path::Path;
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
@@ -14,7 +14,7 @@ use aya::{
             PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent,
         },
         trace_point::TracePointLinkId,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
+        uprobe::UProbeLinkId,
     },
 };
 use dynprof_common::{
@@ -47,7 +47,7 @@ pub const SCHED_PROG: &str = "dynprof_sched_switch";
 /// Set to `proc_mem` to hold USDT semaphores through /proc/PID/mem.
 pub const SEMAPHORE_ENV: &str = "DYNPROF_USDT_SEMAPHORE";
 
-mod api_slots;
+mod api;
 mod markers;
 mod preflight;
 mod steplog;
@@ -215,7 +215,7 @@ impl LoadPlan {
             Default::default()
         };
         let threads = thread_count(pid);
-        let api_slots = api_slots::api_slot_entries(threads);
+        let api_slots = api::api_slot_entries(threads);
         Ok(Self {
             pid,
             tgid: pid.0,
@@ -404,97 +404,6 @@ impl Kernel {
 
     pub fn semaphore_report(&self) -> &SemaphoreReport {
         &self.semaphores
-    }
-
-    /// Attaches entry and return probes of one runtime API (`api` = cookie).
-    /// `object` is the library's path as the target sees it.
-    pub fn attach_api(
-        &mut self,
-        api: u32,
-        path: &Path,
-        object: &str,
-        file_offset: u64,
-    ) -> Result<()> {
-        if self.paths.probe_identity == ProbeIdentity::Address {
-            return self.attach_api_by_address(api, path, object, file_offset);
-        }
-        let pid = NonZeroU32::new(self.pid.0).expect("non-zero pid");
-        for (ret, name) in [(false, API_ENTER_PROG), (true, API_EXIT_PROG)] {
-            let link = self.uprobe(name)?.attach(
-                UProbeAttachPoint {
-                    location: UProbeAttachLocation::AbsoluteOffset(file_offset),
-                    cookie: Some(api as u64),
-                },
-                path,
-                UProbeScope::OneProcess(pid),
-            )?;
-            self.api_links.push((ret, link));
-        }
-        Ok(())
-    }
-
-    /// [`Kernel::attach_api`] without attach cookies: the entry program
-    /// finds the API by address, the return program pairs returns with
-    /// entries on a per-thread stack.
-    fn attach_api_by_address(
-        &mut self,
-        api: u32,
-        path: &Path,
-        object: &str,
-        file_offset: u64,
-    ) -> Result<()> {
-        let addrs = self.register_addresses(
-            "API_BY_IP",
-            path,
-            object,
-            file_offset,
-            api,
-            self.api_addrs.len(),
-        )?;
-        self.api_addrs.extend(addrs);
-        let entry = sys_uprobe::open_uprobe(path, file_offset, None, self.pid)?;
-        let ret = sys_uprobe::open_uretprobe(path, file_offset, self.pid)?;
-        let enter = self.uprobe(API_ENTER_IP_PROG)?.fd()?.as_fd();
-        let a = sys_uprobe::attach_program(enter, entry, api as u64)?;
-        self.api_attachments.push(a);
-        let exit = self.uprobe(API_EXIT_STACK_PROG)?.fd()?.as_fd();
-        let a = sys_uprobe::attach_program(exit, ret, api as u64)?;
-        self.api_attachments.push(a);
-        Ok(())
-    }
-
-    pub fn detach_apis(&mut self) {
-        // Probes first: returns after this see none, so the stacks left by
-        // calls in flight can be emptied for the next window without a
-        // program refilling them meanwhile.
-        self.api_attachments.clear();
-        for (ret, link) in std::mem::take(&mut self.api_links) {
-            let name = if ret { API_EXIT_PROG } else { API_ENTER_PROG };
-            if let Ok(p) = self.uprobe(name) {
-                let _ = p.detach(link);
-            }
-        }
-        if !self.api_addrs.is_empty()
-            && let Some(Ok(mut m)) = self
-                .ebpf
-                .map_mut("API_BY_IP")
-                .map(BpfHashMap::<_, u64, u32>::try_from)
-        {
-            for a in std::mem::take(&mut self.api_addrs) {
-                let _ = m.remove(&a);
-            }
-        }
-        if let Some(Ok(mut m)) = self
-            .ebpf
-            .map_mut("API_STACK")
-            .map(BpfHashMap::<_, u32, dynprof_common::ApiStack>::try_from)
-        {
-            let tids: Vec<u32> = m.keys().filter_map(|k| k.ok()).collect();
-            for t in tids {
-                let _ = m.remove(&t);
-            }
-        }
-        self.clear_api_slots();
     }
 
     /// Verifies the cpu and off-CPU programs (once; the attach functions
