@@ -13,7 +13,10 @@
 //!
 //! It is bounded three ways: no spinning without an armed plan (an idle
 //! attach never spins), at most [`MAX_SPIN_NS`] per waking hit, and
-//! at most [`SHARE`] of wall time over time ([`BURST_NS`] saved up). The
+//! at most [`SHARE`] of wall time over time ([`BURST_NS`] saved up), for
+//! the whole process: job mode's sessions share one [`Budget`], so eight
+//! ranks whose boundaries come at different times cannot spin eight
+//! times as much. The
 //! kernel's wakeup still comes if the prediction misses. It only helps
 //! while a CPU is free: on a one-CPU machine it would take the CPU from the
 //! job it waits for (off), and when every CPU is busy the spinning thread
@@ -21,6 +24,8 @@
 //! spends [`CONTENDED`] of its time waiting for its CPU (the thread's
 //! schedstat) stops it for a while ([`BACKOFF_NS`], doubling).
 //! docs/performance.md has the measurement.
+
+use std::sync::{Arc, Mutex, OnceLock};
 
 use dynprof_common::PlanConfig;
 
@@ -70,13 +75,53 @@ pub struct Seen {
     pub step_ns: u64,
 }
 
-/// The spin decision and its time budget. Pure: the caller supplies the
+/// Spin time: earned at [`SHARE`] of wall time, at most [`BURST_NS`]
+/// saved up, spent while at least one of its spinners spins (the time of
+/// the thread they run on, counted once however many spin together).
+#[derive(Debug)]
+pub struct Budget {
+    /// Spin time left, ns.
+    tokens_ns: f64,
+    last_ns: Option<u64>,
+    /// Spinners spinning now.
+    spinning: u32,
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Self {
+            tokens_ns: BURST_NS,
+            last_ns: None,
+            spinning: 0,
+        }
+    }
+}
+
+impl Budget {
+    /// Brings the account up to `now_ns`.
+    fn advance(&mut self, now_ns: u64) {
+        let last = self.last_ns.unwrap_or(now_ns);
+        let elapsed = now_ns.saturating_sub(last) as f64;
+        self.last_ns = Some(last.max(now_ns));
+        if self.spinning > 0 {
+            self.tokens_ns -= elapsed;
+        }
+        self.tokens_ns = (self.tokens_ns + elapsed * SHARE).min(BURST_NS);
+    }
+}
+
+/// The process's budget, shared by every session's spinner.
+fn process_budget() -> Arc<Mutex<Budget>> {
+    static B: OnceLock<Arc<Mutex<Budget>>> = OnceLock::new();
+    B.get_or_init(Default::default).clone()
+}
+
+/// The spin decision for one session. Pure: the caller supplies the
 /// clock.
 #[derive(Debug)]
 pub struct Spinner {
     enabled: bool,
-    /// Spin time left, ns (earned at [`SHARE`] of wall time).
-    tokens_ns: f64,
+    budget: Arc<Mutex<Budget>>,
     last_ns: Option<u64>,
     spinning: bool,
     /// The waking hit the current spin waits for, and when it began.
@@ -94,10 +139,15 @@ pub struct Spinner {
 }
 
 impl Spinner {
+    /// A spinner with a budget of its own.
     pub fn new(enabled: bool) -> Self {
+        Self::with_budget(enabled, Default::default())
+    }
+
+    pub fn with_budget(enabled: bool, budget: Arc<Mutex<Budget>>) -> Self {
         Self {
             enabled,
-            tokens_ns: BURST_NS,
+            budget,
             last_ns: None,
             spinning: false,
             waiting: None,
@@ -109,11 +159,12 @@ impl Spinner {
         }
     }
 
-    /// On unless [`SPIN_ENV`] is `0`, and only with two CPUs or more.
+    /// On unless [`SPIN_ENV`] is `0`, and only with two CPUs or more; on
+    /// the process's budget.
     pub fn configured() -> Self {
         let off = std::env::var(SPIN_ENV).is_ok_and(|v| v.trim() == "0");
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self::new(!off && cpus >= 2)
+        Self::with_budget(!off && cpus >= 2, process_budget())
     }
 
     /// What to do at `now_ns`, given what the clock has seen and the plan
@@ -126,11 +177,35 @@ impl Spinner {
         plan: &PlanConfig,
         run_delay: &mut dyn FnMut() -> Option<u64>,
     ) -> Next {
-        let elapsed = self.last_ns.map_or(0, |l| now_ns.saturating_sub(l)) as f64;
+        let elapsed = self.last_ns.map_or(0, |l| now_ns.saturating_sub(l));
         self.last_ns = Some(now_ns);
+        // Poisoned only if a spinner panicked holding it; the account is
+        // still whole numbers.
+        let budget = self.budget.clone();
+        let mut budget = budget.lock().unwrap_or_else(|e| e.into_inner());
+        budget.advance(now_ns);
+        let next = self.next(now_ns, elapsed, seen, plan, budget.tokens_ns, run_delay);
+        let spin = next == Next::Spin;
+        match (self.spinning, spin) {
+            (false, true) => budget.spinning += 1,
+            (true, false) => budget.spinning = budget.spinning.saturating_sub(1),
+            _ => {}
+        }
+        self.spinning = spin;
+        next
+    }
+
+    fn next(
+        &mut self,
+        now_ns: u64,
+        elapsed: u64,
+        seen: Option<Seen>,
+        plan: &PlanConfig,
+        tokens_ns: f64,
+        run_delay: &mut dyn FnMut() -> Option<u64>,
+    ) -> Next {
         if self.spinning {
-            self.tokens_ns -= elapsed;
-            self.spun_ns += elapsed as u64;
+            self.spun_ns += elapsed;
             if let (Some((t0, d0)), Some(d)) = (self.episode, run_delay()) {
                 let wall = now_ns.saturating_sub(t0);
                 if wall >= JUDGE_NS && d.saturating_sub(d0) as f64 > CONTENDED * wall as f64 {
@@ -138,16 +213,14 @@ impl Spinner {
                     self.backoff_ns = (self.backoff_ns * 2).min(MAX_BACKOFF_NS);
                     self.contended += 1;
                     self.episode = None;
-                    self.spinning = false;
                     return Next::Sleep;
                 }
             }
         }
-        self.tokens_ns = (self.tokens_ns + elapsed * SHARE).min(BURST_NS);
         let next = if now_ns < self.backoff_until {
             Next::Sleep
         } else {
-            self.choose(now_ns, seen, plan)
+            self.choose(now_ns, seen, plan, tokens_ns)
         };
         match (self.spinning, next == Next::Spin) {
             (false, true) => self.episode = run_delay().map(|d| (now_ns, d)),
@@ -164,11 +237,16 @@ impl Spinner {
             }
             _ => {}
         }
-        self.spinning = next == Next::Spin;
         next
     }
 
-    fn choose(&mut self, now_ns: u64, seen: Option<Seen>, plan: &PlanConfig) -> Next {
+    fn choose(
+        &mut self,
+        now_ns: u64,
+        seen: Option<Seen>,
+        plan: &PlanConfig,
+        tokens_ns: f64,
+    ) -> Next {
         if !self.enabled {
             return Next::Sleep;
         }
@@ -209,11 +287,21 @@ impl Spinner {
                 now_ns
             }
         };
-        if now_ns > until || now_ns - began > MAX_SPIN_NS || self.tokens_ns <= 0.0 {
+        if now_ns > until || now_ns - began > MAX_SPIN_NS || tokens_ns <= 0.0 {
             // Missed, too long or over budget: the kernel's wakeup will do.
             return Next::Sleep;
         }
         Next::Spin
+    }
+}
+
+impl Drop for Spinner {
+    /// A session that ends while spinning stops spending the budget.
+    fn drop(&mut self) {
+        if self.spinning {
+            let mut b = self.budget.lock().unwrap_or_else(|e| e.into_inner());
+            b.spinning = b.spinning.saturating_sub(1);
+        }
     }
 }
 
@@ -353,6 +441,85 @@ mod tests {
             "spun only {share:.3}: the budget was not used"
         );
         assert!(spins > 0 && spins < n);
+    }
+
+    /// Two sessions (job mode's ranks) whose windows come at different
+    /// steps: with one budget between them the process spins at most
+    /// SHARE of wall time; each with its own, it spun well beyond.
+    #[test]
+    fn sessions_on_one_budget_spin_its_share_together() {
+        let every_16 = |start: i64| {
+            Plan {
+                start_step: start,
+                active: 1,
+                repeat: 1_000_000,
+                gap: 15,
+                ..Plan::default()
+            }
+            .kernel_config(start as u64)
+        };
+        let (pa, pb) = (every_16(10), every_16(18));
+        // The fraction of decisions at which at least one of them spins:
+        // 1 ms steps, a decision every 0.1 ms, 20 s.
+        let union_share = |a: &mut Spinner, b: &mut Spinner| {
+            let t0 = 1000 * MS;
+            let n = 200_000u64;
+            let mut any = 0u64;
+            for i in 0..n {
+                let now = t0 + i * MS / 10;
+                let seen = Some(Seen {
+                    hit: 10 + i / 10,
+                    ts_ns: t0 + (i / 10) * MS,
+                    step_ns: MS,
+                });
+                let sa = calm(a, now, seen, &pa) == Next::Spin;
+                let sb = calm(b, now, seen, &pb) == Next::Spin;
+                any += u64::from(sa || sb);
+            }
+            any as f64 / n as f64
+        };
+        let wall = 20e9;
+        let shared = Arc::new(Mutex::new(Budget::default()));
+        let together = union_share(
+            &mut Spinner::with_budget(true, shared.clone()),
+            &mut Spinner::with_budget(true, shared),
+        );
+        assert!(
+            together <= SHARE + BURST_NS / wall + 0.002,
+            "spun {together:.3} of wall time"
+        );
+        assert!(together >= SHARE - 0.05, "spun only {together:.3}");
+        let apart = union_share(&mut Spinner::new(true), &mut Spinner::new(true));
+        assert!(apart > SHARE + 0.1, "each on its own budget: {apart:.3}");
+    }
+
+    /// Spinning at the same time is charged once: two sessions spinning
+    /// together last as long as one alone.
+    #[test]
+    fn spinning_together_is_charged_once() {
+        let p = dense_plan();
+        let run = |spinners: &mut [Spinner]| {
+            let t0 = 1000 * MS;
+            for i in 0..20_000u64 {
+                let now = t0 + i * MS / 10;
+                let seen = Some(Seen {
+                    hit: 10 + i / 10,
+                    ts_ns: t0 + (i / 10) * MS,
+                    step_ns: MS,
+                });
+                for s in spinners.iter_mut() {
+                    calm(s, now, seen, &p);
+                }
+            }
+            spinners.iter().map(|s| s.spun_ns).max().unwrap()
+        };
+        let alone = run(&mut [Spinner::new(true)]);
+        let b = Arc::new(Mutex::new(Budget::default()));
+        let together = run(&mut [
+            Spinner::with_budget(true, b.clone()),
+            Spinner::with_budget(true, b),
+        ]);
+        assert_eq!(together, alone);
     }
 
     #[test]
