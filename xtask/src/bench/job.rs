@@ -9,7 +9,12 @@
 //!   longer than the measurement keeps every window away);
 //! - the same while a window (api, cpu, offcpu) records on every rank;
 //! - at one rank, the same idle figures for `attach --pid` (single-PID
-//!   mode), so that the per-rank cost of job mode can be set against it.
+//!   mode), so that the per-rank cost of job mode can be set against it;
+//! - at 8 ranks that leave a CPU free (`SPIN_CPU_US` of CPU and
+//!   `SPIN_SLEEP_US` asleep per step), 1-step windows every 20 steps with
+//!   no collector: dynprof's CPU with the boundary spin and without it
+//!   (`DYNPROF_BOUNDARY_SPIN=0`), alternating. The ranks' sessions share
+//!   one spin budget (a quarter of wall time for the process).
 
 use std::{
     path::Path,
@@ -31,6 +36,10 @@ const RANKS: [usize; 4] = [1, 2, 4, 8];
 /// Long enough that the ranks stay in lockstep on a loaded 2-core host
 /// (at 1 ms they drift half a period apart and job mode cannot align them).
 const CPU_US: &str = "5000";
+/// The spin arm's ranks: mostly asleep, so that a CPU is free (the spin
+/// only runs then).
+const SPIN_CPU_US: &str = "200";
+const SPIN_SLEEP_US: &str = "5000";
 /// From every rank attached to the idle measurement.
 const SETTLE: Duration = Duration::from_secs(3);
 /// The ranks run until SIGTERM.
@@ -42,14 +51,14 @@ struct Job {
 }
 
 impl Job {
-    fn start(ctx: &Ctx, n: usize) -> Result<Job> {
+    fn start(ctx: &Ctx, n: usize, cpu_us: &str, sleep_us: &str) -> Result<Job> {
         let bin = ctx.fixtures.join("hccl/hccl_rank");
         let shm = format!("/dynprof-bench-job-{}-{n}", std::process::id());
         let mut ranks = Vec::new();
         for r in 0..n {
             let mut cmd = Command::new(&bin);
             cmd.args(["--rank", &r.to_string(), "--world", &n.to_string()])
-                .args(["--shm", &shm, "--cpu-us", CPU_US])
+                .args(["--shm", &shm, "--cpu-us", cpu_us, "--sleep-us", sleep_us])
                 .arg("--log")
                 .arg(ctx.work.join(format!("job-rank{r}.log")));
             ranks.push(Proc::spawn(&format!("hccl_rank {r}"), &mut cmd)?);
@@ -154,17 +163,58 @@ fn attach(ctx: &Ctx, job: &Job, single: bool, window: bool, out: &Path) -> Resul
     if single {
         dp.wait_event(Duration::from_secs(60), "attached")?;
     } else {
-        let n = job.ranks.len();
-        let mut seen = 0;
-        while seen < n {
-            dp.wait_for(Duration::from_secs(60), |l| {
-                l.text.contains(": attached to PID")
-            })
-            .context("waiting for every rank to attach")?;
-            seen += 1;
-        }
+        wait_ranks(&mut dp, job.ranks.len())?;
     }
     Ok((dp, t0.elapsed().as_secs_f64() * 1e3))
+}
+
+fn wait_ranks(dp: &mut Proc, n: usize) -> Result<()> {
+    for _ in 0..n {
+        dp.wait_for(Duration::from_secs(60), |l| {
+            l.text.contains(": attached to PID")
+        })
+        .context("waiting for every rank to attach")?;
+    }
+    Ok(())
+}
+
+/// The spin arm: 40 1-step windows, one every 20 steps, no collector;
+/// dynprof's CPU from attach until it exits after the last.
+fn spin_run(ctx: &Ctx, job: &Job, spin: bool, out: &Path) -> Result<Sampled> {
+    let _ = std::fs::remove_dir_all(out);
+    std::fs::create_dir_all(out)?;
+    let mut cmd = ctx.dynprof_cmd();
+    cmd.args(["attach", "--pids", &job.pids()])
+        .args([
+            "--marker",
+            "exe:optimizer_step",
+            "--json",
+            "--collect",
+            "none",
+        ])
+        .args([
+            "--start-step",
+            "20",
+            "--active",
+            "1",
+            "--repeat",
+            "40",
+            "--gap",
+            "19",
+        ])
+        .arg("--output")
+        .arg(out);
+    if !spin {
+        cmd.env("DYNPROF_BOUNDARY_SPIN", "0");
+    }
+    let mut dp = Proc::spawn("dynprof attach (job, spin arm)", &mut cmd)?;
+    wait_ranks(&mut dp, job.ranks.len())?;
+    let got = sample(&mut dp, 120.0, true);
+    let _ = dp.stop(Duration::from_secs(60));
+    if dp.events("job_window").is_empty() {
+        anyhow::bail!("the spin arm's job wrote no window");
+    }
+    Ok(got)
 }
 
 pub fn run(ctx: &Ctx) -> Result<Section> {
@@ -176,7 +226,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let mut single: Vec<Cost> = Vec::new();
     let mut win_failed: Vec<Vec<String>> = vec![Vec::new(); RANKS.len()];
     for (i, &n) in RANKS.iter().enumerate() {
-        let job = Job::start(ctx, n)?;
+        let job = Job::start(ctx, n, CPU_US, "0")?;
         std::thread::sleep(Duration::from_millis(300));
         for rep in 0..reps {
             let _ = std::fs::remove_dir_all(&out);
@@ -230,6 +280,30 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 idle[i][rep].run.cpu_pct,
                 idle[i][rep].run.rss_mib,
             ));
+        }
+    }
+    // The spin arm, 8 ranks, alternating which goes first.
+    let mut spin_on: Vec<Sampled> = Vec::new();
+    let mut spin_off: Vec<Sampled> = Vec::new();
+    {
+        let job = Job::start(ctx, 8, SPIN_CPU_US, SPIN_SLEEP_US)?;
+        std::thread::sleep(Duration::from_millis(300));
+        for rep in 0..reps {
+            for on in if rep % 2 == 0 {
+                [true, false]
+            } else {
+                [false, true]
+            } {
+                let got = spin_run(ctx, &job, on, &out)?;
+                say(format!(
+                    "job 8 ranks spin {} rep {}: dynprof {:.1}% of a core over {:.1} s",
+                    if on { "on" } else { "off" },
+                    rep + 1,
+                    got.cpu_pct,
+                    got.wall_s
+                ));
+                if on { &mut spin_on } else { &mut spin_off }.push(got);
+            }
         }
     }
     let _ = std::fs::remove_dir_all(&out);
@@ -356,6 +430,47 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             stats::median(&col(&single, |c| c.run.rss_mib)).unwrap_or(f64::NAN)
         )),
     );
+    let pct = |v: &[Sampled]| v.iter().map(|c| c.cpu_pct).collect::<Vec<_>>();
+    s.figures.push(
+        Figure::new(
+            "job8_spin_cpu_pct",
+            "8 ranks, 1-step windows every 20 steps: dynprof CPU with the boundary spin",
+            Unit::PctCore,
+            Goal::Info,
+            "",
+        )
+        .samples(pct(&spin_on))
+        .note(format!(
+            "ranks of {SPIN_CPU_US} µs CPU + {SPIN_SLEEP_US} µs asleep per step (a CPU free); no collector; \
+             attach → exit after the 40th window; the spin's budget is the process's (a quarter of wall time)"
+        )),
+    );
+    s.figures.push(
+        Figure::new(
+            "job8_spin_off_cpu_pct",
+            "the same without the spin (DYNPROF_BOUNDARY_SPIN=0)",
+            Unit::PctCore,
+            Goal::Info,
+            "",
+        )
+        .samples(pct(&spin_off)),
+    );
+    s.figures.push(
+        Figure::new(
+            "job8_spin_added_cpu_pct",
+            "8 ranks: CPU the spin adds, per repetition",
+            Unit::PctCore,
+            Goal::Info,
+            "",
+        )
+        .samples(
+            spin_on
+                .iter()
+                .zip(&spin_off)
+                .map(|(a, b)| a.cpu_pct - b.cpu_pct)
+                .collect(),
+        ),
+    );
     let costs = |v: &[Cost]| {
         Json::Arr(
             v.iter()
@@ -395,6 +510,16 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             ),
         ),
         ("single_pid_idle", costs(&single)),
+        (
+            "spin_cpu_pct_on_off",
+            Json::Arr(
+                spin_on
+                    .iter()
+                    .zip(&spin_off)
+                    .map(|(a, b)| Json::nums(&[a.cpu_pct, b.cpu_pct]))
+                    .collect(),
+            ),
+        ),
         (
             "window_failures",
             Json::Obj(
