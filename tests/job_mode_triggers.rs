@@ -443,6 +443,64 @@ fn repeat_gives_one_job_window_per_repeat() {
     drop(ranks);
 }
 
+/// `--collect none` in job mode records step timing only, as for one PID:
+/// the job adds no offcpu collector (it used to, after dropping the
+/// capabilities that collector needs, and every window was incomplete),
+/// every rank's window is complete with no collector, and the collective
+/// wait is marked as not recorded.
+#[test]
+fn collect_none_records_complete_windows_of_step_timing() {
+    require_privileges!();
+    let _one = one_job();
+    let dir = scratch_dir("job_mode_triggers-none");
+    let ranks = Ranks::start(&dir, "jmt-none");
+    let out = dir.join("out");
+    let pids = ranks.pids();
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pids",
+            &pids,
+            "--marker",
+            "exe:optimizer_step",
+            "--active",
+            "2",
+            "--collect",
+            "none",
+            "--duration",
+            "300",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        false,
+    );
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{st}\n{}", d.transcript());
+    assert!(
+        !d.transcript().contains("could not be armed"),
+        "{}",
+        d.transcript()
+    );
+    let jobs = job_dirs(&out);
+    assert_eq!(jobs.len(), 1, "{jobs:?}\n{}", d.transcript());
+    check_window(&jobs[0], &ranks, &[0, 1, 2, 3], 2);
+    let meta = job_meta(&jobs[0]);
+    for r in meta["ranks"].as_array().unwrap() {
+        assert_eq!(r["collective_wait_from"], "not_recorded", "{r}");
+        let wdir = jobs[0].join(r["window_dir"].as_str().unwrap());
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(wdir.join("meta.json")).unwrap())
+                .unwrap();
+        assert_eq!(m["complete"], true, "{m:#}");
+        assert_eq!(
+            m["collectors"],
+            serde_json::json!({"api": false, "cpu": false, "offcpu": false}),
+            "{m:#}"
+        );
+    }
+    drop(ranks);
+}
+
 /// `rank N [label n, …]` from the job console's `status` answer.
 fn rank_hits(status: &str, rank: u32, label: &str) -> u64 {
     let list = status

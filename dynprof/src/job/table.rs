@@ -42,15 +42,21 @@ pub enum WaitSource {
     /// preempted: runnable intervals are left out), less device wait: no
     /// collective-wait call was seen, so any blocking counts.
     StepThreadOffCpu,
+    /// Neither was recorded (the window armed no `api` and no `offcpu`):
+    /// `collective_wait_ns` is 0 and means nothing.
+    NotRecorded,
 }
 
 impl WaitSource {
-    /// Collective-wait calls if the rank made any in these steps.
-    pub fn of(steps: &[OwnStep]) -> WaitSource {
+    /// Collective-wait calls if the rank made any in these steps, else the
+    /// step thread's off-CPU time if `offcpu` was recorded.
+    pub fn of(steps: &[OwnStep], offcpu_recorded: bool) -> WaitSource {
         if steps.iter().any(|s| s.collective_wait_ns.unwrap_or(0) > 0) {
             WaitSource::CollectiveCalls
-        } else {
+        } else if offcpu_recorded {
             WaitSource::StepThreadOffCpu
+        } else {
+            WaitSource::NotRecorded
         }
     }
 }
@@ -170,6 +176,7 @@ pub fn rank_rows(
             // Already less device wait (`steps.csv`).
             WaitSource::CollectiveCalls => s.collective_wait_ns.unwrap_or(0),
             WaitSource::StepThreadOffCpu => off_cpu().saturating_sub(device),
+            WaitSource::NotRecorded => 0,
         }
         .min(dur - device);
         out.push(JobStepRow {

@@ -11,8 +11,8 @@
 //! - at one rank, the same idle figures for `attach --pid` (single-PID
 //!   mode), so that the per-rank cost of job mode can be set against it;
 //! - at 8 ranks that leave a CPU free (`SPIN_CPU_US` of CPU and
-//!   `SPIN_SLEEP_US` asleep per step), 1-step windows every 20 steps with
-//!   no collector: dynprof's CPU with the boundary spin and without it
+//!   `SPIN_SLEEP_US` asleep per step), 41 1-step windows (asked 20 steps
+//!   apart; job mode spaces them ~1.3 s apart) with no collector: dynprof's CPU with the boundary spin and without it
 //!   (`DYNPROF_BOUNDARY_SPIN=0`), alternating. The ranks' sessions share
 //!   one spin budget (a quarter of wall time for the process).
 
@@ -178,8 +178,10 @@ fn wait_ranks(dp: &mut Proc, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// The spin arm: 40 1-step windows, one every 20 steps, no collector;
-/// dynprof's CPU from attach until it exits after the last.
+/// The spin arm: 41 1-step windows, asked 20 steps apart, no collector;
+/// dynprof's CPU from its start until it exits after the last. Job mode
+/// spaces them further (a plan must reach every rank first: about half a
+/// second of steps), about 1.3 s apart here.
 fn spin_run(ctx: &Ctx, job: &Job, spin: bool, out: &Path) -> Result<Sampled> {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out)?;
@@ -207,8 +209,9 @@ fn spin_run(ctx: &Ctx, job: &Job, spin: bool, out: &Path) -> Result<Sampled> {
     if !spin {
         cmd.env("DYNPROF_BOUNDARY_SPIN", "0");
     }
+    // Sampled from the spawn (the attach is the same in both arms), so
+    // that no output line has to be waited for.
     let mut dp = Proc::spawn("dynprof attach (job, spin arm)", &mut cmd)?;
-    wait_ranks(&mut dp, job.ranks.len())?;
     let got = sample(&mut dp, 120.0, true);
     let _ = dp.stop(Duration::from_secs(60));
     if dp.events("job_window").is_empty() {
@@ -434,7 +437,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     s.figures.push(
         Figure::new(
             "job8_spin_cpu_pct",
-            "8 ranks, 1-step windows every 20 steps: dynprof CPU with the boundary spin",
+            "8 ranks, 41 1-step windows (~1.3 s apart): dynprof CPU with the boundary spin",
             Unit::PctCore,
             Goal::Info,
             "",

@@ -112,7 +112,10 @@ impl Controller {
                             let t = rk.tap.borrow();
                             let tids: HashMap<u64, u32> =
                                 t.hits.iter().map(|(h, tid)| (h.step, *tid)).collect();
-                            let source = table::WaitSource::of(&steps);
+                            let source = table::WaitSource::of(
+                                &steps,
+                                run.req.collect.contains(&Builtin::Offcpu),
+                            );
                             wait_source = Some(source);
                             own_rows =
                                 table::rank_rows(m.rank, offset, &steps, source, &tids, &t.offcpu);

@@ -75,14 +75,14 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     let start_at = args
         .start_at
         .map(|t| StartAt::new(t, args.window.start_step));
-    crate::sys::caps::check(&driver::needs(&args.window, &trigger.mode())?)?;
-    let (members, source) = discover_waiting(&job_ref, args.window.wait_for_marker)?;
-    crate::bpf::preflight()?;
     let collect = with_job_collectors(
         args.window
             .collectors()?
             .unwrap_or_else(|| Builtin::ALL.to_vec()),
     );
+    crate::sys::caps::check(&job_needs(&args, &trigger.mode(), &collect)?)?;
+    let (members, source) = discover_waiting(&job_ref, args.window.wait_for_marker)?;
+    crate::bpf::preflight()?;
     let root = OutputRoot::open(&args.window.output)?;
     eprintln!(
         "dynprof: job of {} rank(s) (ranks from {:?}): {}",
@@ -182,7 +182,7 @@ pub async fn run(args: AttachArgs, job_ref: JobRef) -> Result<()> {
     };
     // Keep what the windows and the detach need, and the uprobe
     // capabilities to attach aux markers again around each job window.
-    let mut session_needs = driver::needs(&args.window, &trigger.mode())?;
+    let mut session_needs = job_needs(&args, &trigger.mode(), &collect)?;
     if attached.iter().any(|a| a.aux_in_windows) {
         session_needs.push(crate::sys::caps::Need::AuxMarkers);
     }
@@ -324,9 +324,29 @@ pub fn ps_jobs(json_out: bool) -> Result<()> {
 /// `job_steps.csv`'s collective wait falls back to for ranks without
 /// c10d's collective-wait calls (those come from `api`, in the default
 /// set; a `--collect` without it means the fallback for every rank).
+/// None stays none (`--collect none`, or a config whose activities name no
+/// built-in collector): step timing only, as for one PID, and
+/// `collective_wait_from` says `not_recorded`.
 fn with_job_collectors(mut collect: Vec<Builtin>) -> Vec<Builtin> {
-    if !collect.contains(&Builtin::Offcpu) {
+    if !collect.is_empty() && !collect.contains(&Builtin::Offcpu) {
         collect.push(Builtin::Offcpu);
     }
     collect
+}
+
+/// What the job's sessions need: the windows' (`driver::needs`) and the
+/// offcpu collector's when the job adds it ([`with_job_collectors`]).
+/// Without the latter, the capability drop after attach left the job
+/// unable to arm the collector it adds, and every window was incomplete.
+fn job_needs(
+    args: &AttachArgs,
+    mode: &Mode,
+    collect: &[Builtin],
+) -> Result<Vec<crate::sys::caps::Need>> {
+    use crate::sys::caps::Need;
+    let mut v = driver::needs(&args.window, mode)?;
+    if *mode != Mode::None && collect.contains(&Builtin::Offcpu) && !v.contains(&Need::Offcpu) {
+        v.push(Need::Offcpu);
+    }
+    Ok(v)
 }
