@@ -286,7 +286,11 @@ mod tests {
                 dur_ns: 200,
             },
         ];
-        assert_eq!(WaitSource::of(&steps), WaitSource::StepThreadOffCpu);
+        assert_eq!(WaitSource::of(&steps, true), WaitSource::StepThreadOffCpu);
+        // Without offcpu recorded there is no source, and no wait.
+        assert_eq!(WaitSource::of(&steps, false), WaitSource::NotRecorded);
+        let none = rank_rows(0, 0, &steps, WaitSource::NotRecorded, &tid, &off);
+        assert!(none.iter().all(|r| r.collective_wait_ns == 0), "{none:?}");
         let rows = rank_rows(Rank(3), 2, &steps, WaitSource::StepThreadOffCpu, &tid, &off);
         assert_eq!(rows.len(), 2);
         assert_eq!(
@@ -320,7 +324,8 @@ mod tests {
             api_calls: 1,
         };
         let steps = [step(7, 1000, 2000, Some(600)), step(8, 2000, 3000, Some(0))];
-        assert_eq!(WaitSource::of(&steps), WaitSource::CollectiveCalls);
+        assert_eq!(WaitSource::of(&steps, true), WaitSource::CollectiveCalls);
+        assert_eq!(WaitSource::of(&steps, false), WaitSource::CollectiveCalls);
         let tid: HashMap<u64, u32> = [(7, 42), (8, 42)].into();
         // The step thread blocked in a data loader queue, not a collective:
         // off-CPU, but not collective wait under this source.
@@ -338,7 +343,7 @@ mod tests {
         );
         // No column (an older steps.csv), or no call at all: off-CPU.
         assert_eq!(
-            WaitSource::of(&[step(7, 1000, 2000, None)]),
+            WaitSource::of(&[step(7, 1000, 2000, None)], true),
             WaitSource::StepThreadOffCpu
         );
         // A wait the step cannot hold is capped at the step less device wait.
