@@ -289,8 +289,11 @@ mod tests {
         assert_eq!(WaitSource::of(&steps, true), WaitSource::StepThreadOffCpu);
         // Without offcpu recorded there is no source, and no wait.
         assert_eq!(WaitSource::of(&steps, false), WaitSource::NotRecorded);
-        let none = rank_rows(0, 0, &steps, WaitSource::NotRecorded, &tid, &off);
-        assert!(none.iter().all(|r| r.collective_wait_ns == 0), "{none:?}");
+        let none = rank_rows(Rank(3), 2, &steps, WaitSource::NotRecorded, &tid, &off);
+        assert!(
+            none.len() == 2 && none.iter().all(|r| r.collective_wait_ns == 0),
+            "{none:?}"
+        );
         let rows = rank_rows(Rank(3), 2, &steps, WaitSource::StepThreadOffCpu, &tid, &off);
         assert_eq!(rows.len(), 2);
         assert_eq!(
