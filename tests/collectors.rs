@@ -210,11 +210,11 @@ fn collectors_acl_host_bound_flamegraph() {
     );
 }
 
-#[test]
-fn collectors_acl_task_queue_thread() {
-    require_privileges!();
-    let _g = serial();
-    let dir = scratch_dir("collectors_acl_task_queue_thread");
+/// An api-only window (steps 4–8) of acl_trainer with 6 launches per step
+/// made off the main thread (`launch_flag`), checked call by call against
+/// the library's log; the trainer is returned to outlive the checks.
+fn api_window_off_the_main_thread(test: &str, launch_flag: &str) -> (Proc, Run) {
+    let dir = scratch_dir(test);
     let (p, acl_log) = acl_trainer(
         &dir,
         &[
@@ -224,7 +224,7 @@ fn collectors_acl_task_queue_thread() {
             "3000",
             "--cpu-us",
             "2000",
-            "--threads-queue",
+            launch_flag,
         ],
     );
     let run = record_window(
@@ -238,6 +238,15 @@ fn collectors_acl_task_queue_thread() {
         None,
     );
     check_acl_window(&run, &acl_log, 6, p.pid, true);
+    (p, run)
+}
+
+#[test]
+fn collectors_acl_task_queue_thread() {
+    require_privileges!();
+    let _g = serial();
+    let (_p, run) =
+        api_window_off_the_main_thread("collectors_acl_task_queue_thread", "--threads-queue");
     assert!(!run.dir.join("cpu.folded").exists() && !run.dir.join("offcpu.folded").exists());
     let names: Vec<&str> = run.data.thread_names.iter().map(|t| t.1.as_str()).collect();
     assert!(names.len() >= 2, "{names:?}");
@@ -250,30 +259,10 @@ fn collectors_acl_task_queue_thread() {
 fn collectors_acl_threads_started_in_the_window() {
     require_privileges!();
     let _g = serial();
-    let dir = scratch_dir("collectors_acl_threads_started_in_the_window");
-    let (p, acl_log) = acl_trainer(
-        &dir,
-        &[
-            "--launches",
-            "6",
-            "--kernel-us",
-            "3000",
-            "--cpu-us",
-            "2000",
-            "--thread-per-step",
-        ],
+    let (p, run) = api_window_off_the_main_thread(
+        "collectors_acl_threads_started_in_the_window",
+        "--thread-per-step",
     );
-    let run = record_window(
-        p.pid,
-        exe_marker("optimizer_step"),
-        parse_collect("api").unwrap(),
-        CollectorOptions::default(),
-        (4, 9),
-        4096,
-        &dir,
-        None,
-    );
-    check_acl_window(&run, &acl_log, 6, p.pid, true);
     // One launching thread per step, each new.
     let mut launchers: Vec<u32> = run
         .data

@@ -398,6 +398,19 @@ fn console_start_and_stop_end_on_the_same_job_step_on_every_rank() {
     drop(ranks);
 }
 
+/// `dynprof attach --pids …` on the ranks with the plan flags `plan`, into
+/// `out`, run to its end (a success).
+fn flags_job(ranks: &Ranks, out: &Path, plan: &[&str]) -> windows_util::Running {
+    let pids = ranks.pids();
+    let mut args = vec!["attach", "--pids", &pids, "--marker", "exe:optimizer_step"];
+    args.extend_from_slice(plan);
+    args.extend_from_slice(&["--duration", "300", "-o", out.to_str().unwrap()]);
+    let mut d = spawn(&args, false);
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{st}\n{}", d.transcript());
+    d
+}
+
 /// `--repeat 2 --gap 20`: three job directories, each window `2 + 20` job
 /// steps after the one before, each on the same iterations on every rank.
 #[test]
@@ -407,14 +420,10 @@ fn repeat_gives_one_job_window_per_repeat() {
     let dir = scratch_dir("job_mode_triggers-repeat");
     let ranks = Ranks::start(&dir, "jmt-repeat");
     let out = dir.join("out");
-    let pids = ranks.pids();
-    let mut d = spawn(
+    let d = flags_job(
+        &ranks,
+        &out,
         &[
-            "attach",
-            "--pids",
-            &pids,
-            "--marker",
-            "exe:optimizer_step",
             "--active",
             "2",
             "--repeat",
@@ -423,15 +432,8 @@ fn repeat_gives_one_job_window_per_repeat() {
             "20",
             "--collect",
             "offcpu",
-            "--duration",
-            "300",
-            "-o",
-            out.to_str().unwrap(),
         ],
-        false,
     );
-    let st = d.wait_exit(T);
-    assert!(st.success(), "{st}\n{}", d.transcript());
     let jobs = job_dirs(&out);
     assert_eq!(jobs.len(), 3, "{jobs:?}\n{}", d.transcript());
     let starts: Vec<u64> = jobs
@@ -455,27 +457,7 @@ fn collect_none_records_complete_windows_of_step_timing() {
     let dir = scratch_dir("job_mode_triggers-none");
     let ranks = Ranks::start(&dir, "jmt-none");
     let out = dir.join("out");
-    let pids = ranks.pids();
-    let mut d = spawn(
-        &[
-            "attach",
-            "--pids",
-            &pids,
-            "--marker",
-            "exe:optimizer_step",
-            "--active",
-            "2",
-            "--collect",
-            "none",
-            "--duration",
-            "300",
-            "-o",
-            out.to_str().unwrap(),
-        ],
-        false,
-    );
-    let st = d.wait_exit(T);
-    assert!(st.success(), "{st}\n{}", d.transcript());
+    let d = flags_job(&ranks, &out, &["--active", "2", "--collect", "none"]);
     assert!(
         !d.transcript().contains("could not be armed"),
         "{}",
