@@ -671,7 +671,9 @@ impl ElfImage {
         let section = |name: &str| {
             let s = file.section_by_name(name)?;
             let data = s.data().ok().filter(|d| !d.is_empty())?;
-            Some((s.address()..s.address() + s.size(), data.to_vec()))
+            // A hostile file's address + size can overflow: no section then.
+            let end = s.address().checked_add(s.size())?;
+            Some((s.address()..end, data.to_vec()))
         };
         let cfi = Cfi::choose(
             section(".eh_frame"),
@@ -680,7 +682,7 @@ impl ElfImage {
         )?;
         let text = file
             .section_by_name(".text")
-            .map(|s| s.address()..s.address() + s.size());
+            .and_then(|s| Some(s.address()..s.address().checked_add(s.size())?));
         Some(UnwindSections {
             cfi,
             text,

@@ -213,10 +213,11 @@ fn runtime_address(img: &ElfImage, start: u64, off: u64) -> Option<u64> {
         .find(|s| s.name() == Ok("_PyRuntime") && !s.is_undefined())?;
     let seg = file.segments().find(|seg| {
         let (o, size) = seg.file_range();
-        off >= o && off < o + size.max(1)
+        // Checked: the target's file is hostile until proven otherwise.
+        off >= o && o.checked_add(size.max(1)).is_some_and(|end| off < end)
     })?;
     let (seg_off, _) = seg.file_range();
-    let vaddr_at_start = seg.address() + (off - seg_off);
+    let vaddr_at_start = seg.address().checked_add(off - seg_off)?;
     let bias = start.checked_sub(vaddr_at_start)?;
     sym.address().checked_add(bias)
 }
