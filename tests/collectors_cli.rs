@@ -29,6 +29,14 @@ fn cli_window(pid: u32, out: &Path, args: &[&str]) -> PathBuf {
 
 /// [`cli_window`] at another step marker.
 fn cli_window_at(pid: u32, out: &Path, marker: &str, args: &[&str]) -> PathBuf {
+    let (dirs, stderr) = cli_windows(pid, out, marker, args);
+    assert_eq!(dirs.len(), 1, "{dirs:?}\n{stderr}");
+    dirs.into_iter().next().unwrap()
+}
+
+/// Runs `dynprof attach` to completion; the PROF directories it wrote, in
+/// order, and its stderr.
+fn cli_windows(pid: u32, out: &Path, marker: &str, args: &[&str]) -> (Vec<PathBuf>, String) {
     let o = Command::new(dynprof_bin())
         .args([
             "attach",
@@ -43,9 +51,9 @@ fn cli_window_at(pid: u32, out: &Path, marker: &str, args: &[&str]) -> PathBuf {
         .args(args)
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
-    let dirs: Vec<PathBuf> = std::fs::read_dir(out)
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(out)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| {
@@ -55,8 +63,12 @@ fn cli_window_at(pid: u32, out: &Path, marker: &str, args: &[&str]) -> PathBuf {
                 .starts_with("PROF_")
         })
         .collect();
-    assert_eq!(dirs.len(), 1, "{dirs:?}\n{stderr}");
-    dirs.into_iter().next().unwrap()
+    // PROF_<time>_<pid>_<window number>
+    dirs.sort_by_key(|d| {
+        let name = d.file_name().unwrap().to_string_lossy().into_owned();
+        name.rsplit('_').next().and_then(|n| n.parse::<u32>().ok())
+    });
+    (dirs, stderr)
 }
 
 fn json_file(p: &Path) -> serde_json::Value {
@@ -173,6 +185,60 @@ fn collectors_cli_window_and_report() {
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let r = if r.is_array() { r[0].clone() } else { r };
     assert_eq!(r["verdict"]["bound"], "device-bound", "{r}");
+}
+
+/// Two api windows back to back (`--gap 0`): the probes stay attached
+/// across the first close, so the calls the thread still held in its
+/// batch (`ApiBatch`: 21 calls per window, 8 per batch) are taken while
+/// they do. Every step of both windows has exactly its 5 launches, 1 copy
+/// and 1 synchronize; the second window's close detaches the probes and
+/// takes its batch then.
+#[test]
+fn collectors_cli_api_windows_back_to_back() {
+    require_privileges!();
+    let _g = serial();
+    let dir = scratch_dir("collectors_cli_api_windows_back_to_back");
+    let (p, _) = acl_trainer(
+        &dir,
+        &["--launches", "5", "--kernel-us", "1000", "--cpu-us", "1000"],
+    );
+    let (dirs, stderr) = cli_windows(
+        p.pid,
+        &dir.join("out"),
+        "exe:optimizer_step",
+        &[
+            "--collect",
+            "api",
+            "--start-step",
+            "5",
+            "--active",
+            "3",
+            "--repeat",
+            "1",
+            "--gap",
+            "0",
+        ],
+    );
+    assert_eq!(dirs.len(), 2, "{dirs:?}\n{stderr}");
+    for (i, d) in dirs.iter().enumerate() {
+        let meta = json_file(&d.join("meta.json"));
+        assert_eq!(meta["complete"], true, "{meta}");
+        assert_eq!(meta["drops"]["api"], 0, "{meta}");
+        let rows = steps_csv(d);
+        let steps: Vec<u64> = rows.iter().map(|r| r["step"]).collect();
+        let first = 5 + 3 * i as u64;
+        assert_eq!(
+            steps,
+            (first..first + 3).collect::<Vec<_>>(),
+            "{}",
+            d.display()
+        );
+        assert!(
+            rows.iter().all(|r| r["api_calls"] == 7),
+            "window {}: {rows:?}",
+            i + 1
+        );
+    }
 }
 
 // ------------------------------------------------------------ CUDA tables
