@@ -70,8 +70,16 @@ impl ApiCollector {
     pub fn new(sets: Vec<ApiSet>, user: Vec<ApiSpec>, pool: EventPool) -> Self {
         Self {
             slots: std::env::var_os(SLOTS_ENV).is_none_or(|v| v != "0"),
-            batch: std::env::var_os(BATCH_ENV).is_none_or(|v| v != "0")
-                && crate::sys::grace::supported(),
+            batch: std::env::var_os(BATCH_ENV).is_none_or(|v| v != "0") && {
+                let ok = crate::sys::grace::supported();
+                if !ok {
+                    log::debug!(
+                        "api: events are not batched per thread: this kernel cannot wait \
+                         for running programs (membarrier GLOBAL: nohz_full or one CPU)"
+                    );
+                }
+                ok
+            },
             sets,
             user,
             table: ApiTable::default(),

@@ -174,22 +174,51 @@ fn cpu_per_step(pid: u32, log: &Path, secs: f64) -> Result<f64> {
     }
 }
 
+/// How the api collector runs in a per-call arm.
+#[derive(Clone, Copy)]
+enum Arm {
+    /// As built: stack slots, events batched per thread.
+    AsBuilt,
+    /// Stack slots, each event to the ring on its own
+    /// (`DYNPROF_API_BATCH=0`), as before the batches.
+    NoBatch,
+    /// Every thread's stack in the hash (`DYNPROF_API_SLOTS=0`; without a
+    /// slot no thread batches either), as before the slots.
+    HashOnly,
+}
+
+impl Arm {
+    const ALL: [Arm; 3] = [Arm::AsBuilt, Arm::NoBatch, Arm::HashOnly];
+
+    fn tag(self) -> &'static str {
+        match self {
+            Arm::AsBuilt => "cpu",
+            Arm::NoBatch => "nobatch",
+            Arm::HashOnly => "hash",
+        }
+    }
+}
+
 /// [`cpu_per_step`] with the api collector in a window that stays open.
-/// With `hash_only`, every thread's API stack in the hash
-/// (`DYNPROF_API_SLOTS=0`), as before the slots.
 fn api_cpu_per_step(
     ctx: &Ctx,
     target: &Proc,
     log: &Path,
     secs: f64,
-    tag: &str,
-    hash_only: bool,
+    rep: usize,
+    arm: Arm,
 ) -> Result<f64> {
-    let out = ctx.work.join(format!("api-{tag}"));
+    let out = ctx.work.join(format!("api-{}{rep}", arm.tag()));
     let _ = std::fs::remove_dir_all(&out);
     let mut cmd = ctx.dynprof_cmd();
-    if hash_only {
-        cmd.env("DYNPROF_API_SLOTS", "0");
+    match arm {
+        Arm::AsBuilt => {}
+        Arm::NoBatch => {
+            cmd.env("DYNPROF_API_BATCH", "0");
+        }
+        Arm::HashOnly => {
+            cmd.env("DYNPROF_API_SLOTS", "0");
+        }
     }
     cmd.args([
         "attach",
@@ -249,22 +278,15 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         let h = ProbeHelper::attach(ctx, target.pid(), FLOOR_SPEC, "floor")?;
         let c_floor = cpu_per_step(target.pid(), &log, bare_s)?;
         h.finish()?;
-        // The two api arms alternate which goes first, so that drift
-        // within a repetition does not favour one.
-        let (c_api, c_hash) = if rep % 2 == 0 {
-            let a = api_cpu_per_step(ctx, &target, &log, bare_s, &format!("cpu{rep}"), false)?;
-            (
-                a,
-                api_cpu_per_step(ctx, &target, &log, bare_s, &format!("hash{rep}"), true)?,
-            )
-        } else {
-            let h = api_cpu_per_step(ctx, &target, &log, bare_s, &format!("hash{rep}"), true)?;
-            (
-                api_cpu_per_step(ctx, &target, &log, bare_s, &format!("cpu{rep}"), false)?,
-                h,
-            )
-        };
-        floor.push([c_bare, c_floor, c_api, c_hash]);
+        // The api arms rotate which goes first, so that drift within a
+        // repetition does not favour one.
+        let mut c = [0.0; 3];
+        for k in 0..Arm::ALL.len() {
+            let i = (k + rep) % Arm::ALL.len();
+            c[i] = api_cpu_per_step(ctx, &target, &log, bare_s, rep, Arm::ALL[i])?;
+        }
+        let [c_api, c_nobatch, c_hash] = c;
+        floor.push([c_bare, c_floor, c_api, c_hash, c_nobatch]);
         let w = window(ctx, &target, &log, win_steps, 4096, &format!("rep{rep}"))?;
         say(format!(
             "api rep {}: off {:.0} steps/s ({:.2}M calls/s), on {:.0} steps/s, {:.0} events/s, drops {}",
@@ -347,6 +369,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let api_ns: Vec<f64> = floor.iter().map(|c| per_call(c[2], c[0])).collect();
     let floor_ns: Vec<f64> = floor.iter().map(|c| per_call(c[1], c[0])).collect();
     let hash_ns: Vec<f64> = floor.iter().map(|c| per_call(c[3], c[0])).collect();
+    let nobatch_ns: Vec<f64> = floor.iter().map(|c| per_call(c[4], c[0])).collect();
     s.figures.push(
         Figure::new(
             "api_per_call_over_floor",
@@ -386,6 +409,20 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     );
     s.figures.push(
         Figure::new(
+            "api_nobatch_per_call_over_floor",
+            "the same, each event to the ring on its own (DYNPROF_API_BATCH=0)",
+            Unit::Ratio,
+            Goal::Info,
+            "",
+        )
+        .samples(nobatch_ns.iter().zip(&floor_ns).map(|(a, f)| a / f).collect())
+        .note(
+            "the api collector as before the per-thread batches: stack slots, one ring-buffer write per call; \
+             the same repetitions as the line above, the three arms rotating which runs first",
+        ),
+    );
+    s.figures.push(
+        Figure::new(
             "api_hash_per_call_over_floor",
             "the same, every thread's stack in the hash (DYNPROF_API_SLOTS=0)",
             Unit::Ratio,
@@ -394,18 +431,35 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         )
         .samples(hash_ns.iter().zip(&floor_ns).map(|(a, f)| a / f).collect())
         .note(
-            "the api collector as before the stack slots: a hash lookup of the thread's stack at entry and at return;              the same repetitions as the line above, its two arms alternating which runs first",
+            "the api collector as before the stack slots: a hash lookup of the thread's stack at entry and at return, \
+             one ring-buffer write per call (a thread without a slot has no batch)",
         ),
     );
     s.figures.push(
         Figure::new(
-            "api_slot_minus_hash_ns_per_call",
-            "API collector per call, stack slots − hash",
+            "api_batch_minus_nobatch_ns_per_call",
+            "API collector per call, batched − one ring write per call",
             Unit::Ns,
             Goal::Info,
             "",
         )
-        .samples(api_ns.iter().zip(&hash_ns).map(|(a, h)| a - h).collect()),
+        .samples(api_ns.iter().zip(&nobatch_ns).map(|(a, h)| a - h).collect()),
+    );
+    s.figures.push(
+        Figure::new(
+            "api_slot_minus_hash_ns_per_call",
+            "API collector per call, stack slots − hash (both unbatched)",
+            Unit::Ns,
+            Goal::Info,
+            "",
+        )
+        .samples(
+            nobatch_ns
+                .iter()
+                .zip(&hash_ns)
+                .map(|(a, h)| a - h)
+                .collect(),
+        ),
     );
     let ratio: Vec<f64> = wins
         .iter()
