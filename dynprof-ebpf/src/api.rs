@@ -17,10 +17,7 @@ fn slot_stack(tid: u32) -> Option<*mut ApiStack> {
 /// The thread's stack: its slot, else its `API_STACK` entry.
 #[inline(always)]
 fn existing_stack(tid: u32) -> Option<*mut ApiStack> {
-    match slot_stack(tid) {
-        Some(p) => Some(p),
-        None => API_STACK.get_ptr_mut(&tid),
-    }
+    slot_stack(tid).or_else(|| API_STACK.get_ptr_mut(&tid))
 }
 
 /// The thread's [`ApiStack`]: its slot, else its `API_STACK` entry,

@@ -145,8 +145,9 @@ impl Collector for ApiCollector {
             );
         }
         self.pending = res.deferred.clone();
-        // Before any probe of this window attaches (see `ApiSlot`).
-        let tids = if self.slots {
+        // Before any probe of this window attaches (see `ApiSlot`); with
+        // nothing to attach, no thread needs one.
+        let tids = if self.slots && !res.apis.is_empty() {
             target.threads()
         } else {
             Vec::new()

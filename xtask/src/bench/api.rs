@@ -199,7 +199,40 @@ impl Arm {
     }
 }
 
-/// [`cpu_per_step`] with the api collector in a window that stays open.
+/// `BPF_PROG_TYPE_KPROBE`: uprobe programs (dynprof's markers, the api
+/// programs, the bench's empty probes).
+const PROG_TYPE_KPROBE: &str = "2";
+
+/// [`cpu_per_step`], then the uprobe programs of process `owner` (dynprof,
+/// or the floor's helper) over the next 0.5 s with the kernel's bpf_stats
+/// on: their run time per call. An entry and a return run per call, so
+/// the count halved is the calls; the step marker's one hit per 2,002
+/// calls is left in. The statistics are off while the CPU is measured:
+/// their clock reads would add the same to every arm and the floor, and
+/// so pull the ratio towards 1.
+fn cpu_and_prog_per_call(
+    pid: u32,
+    log: &Path,
+    secs: f64,
+    owner: u32,
+) -> Result<(f64, Option<f64>)> {
+    let c = cpu_per_step(pid, log, secs)?;
+    let stats = procs::BpfStats::on("api");
+    let s0 = procs::bpf_prog_stats(owner, PROG_TYPE_KPROBE);
+    std::thread::sleep(Duration::from_millis(500));
+    let s1 = procs::bpf_prog_stats(owner, PROG_TYPE_KPROBE);
+    drop(stats);
+    let prog = match (s0, s1) {
+        (Some((t0, n0)), Some((t1, n1))) if n1 > n0 + 1 && t1 > t0 => {
+            Some((t1 - t0) as f64 / ((n1 - n0) as f64 / 2.0))
+        }
+        _ => None,
+    };
+    Ok((c, prog))
+}
+
+/// [`cpu_and_prog_per_call`] with the api collector in a window that
+/// stays open.
 fn api_cpu_per_step(
     ctx: &Ctx,
     target: &Proc,
@@ -207,7 +240,7 @@ fn api_cpu_per_step(
     secs: f64,
     rep: usize,
     arm: Arm,
-) -> Result<f64> {
+) -> Result<(f64, Option<f64>)> {
     let out = ctx.work.join(format!("api-{}{rep}", arm.tag()));
     let _ = std::fs::remove_dir_all(&out);
     let mut cmd = ctx.dynprof_cmd();
@@ -240,7 +273,7 @@ fn api_cpu_per_step(
     dp.wait_event(Duration::from_secs(60), "attached")?;
     // The window opens at the next step boundary (a few ms at this rate).
     std::thread::sleep(Duration::from_millis(200));
-    let c = cpu_per_step(target.pid(), log, secs);
+    let c = cpu_and_prog_per_call(target.pid(), log, secs, dp.pid());
     let _ = dp.stop(Duration::from_secs(120));
     let _ = std::fs::remove_dir_all(&out);
     c
@@ -263,6 +296,8 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let reps = ctx.reps();
     let mut bare = Vec::new();
     let mut floor = Vec::new();
+    // Per repetition: the floor's and each arm's programs per call (ns).
+    let mut prog: Vec<(Option<f64>, [Option<f64>; 3])> = Vec::new();
     let mut wins: Vec<Win> = Vec::new();
     for rep in 0..reps {
         let a = procs::monotonic_ns();
@@ -276,16 +311,18 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         // in an open window.
         let c_bare = cpu_per_step(target.pid(), &log, bare_s)?;
         let h = ProbeHelper::attach(ctx, target.pid(), FLOOR_SPEC, "floor")?;
-        let c_floor = cpu_per_step(target.pid(), &log, bare_s)?;
+        let (c_floor, p_floor) = cpu_and_prog_per_call(target.pid(), &log, bare_s, h.pid())?;
         h.finish()?;
         // The api arms rotate which goes first, so that drift within a
         // repetition does not favour one.
         let mut c = [0.0; 3];
+        let mut p = [None; 3];
         for k in 0..Arm::ALL.len() {
             let i = (k + rep) % Arm::ALL.len();
-            c[i] = api_cpu_per_step(ctx, &target, &log, bare_s, rep, Arm::ALL[i])?;
+            (c[i], p[i]) = api_cpu_per_step(ctx, &target, &log, bare_s, rep, Arm::ALL[i])?;
         }
         let [c_api, c_nobatch, c_hash] = c;
+        prog.push((p_floor, p));
         floor.push([c_bare, c_floor, c_api, c_hash, c_nobatch]);
         let w = window(ctx, &target, &log, win_steps, 4096, &format!("rep{rep}"))?;
         say(format!(
@@ -407,6 +444,68 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         )
         .samples(floor_ns.clone()),
     );
+    // The programs' own time (bpf_stats) is what the arms differ by; the
+    // trap costs the same in every arm. Computed per repetition: (floor +
+    // the programs' time above the empty ones') ÷ floor, floor the
+    // trainer-CPU figure of the same repetition.
+    let computed: Vec<f64> = prog
+        .iter()
+        .zip(&floor_ns)
+        .filter_map(|((pf, p), f)| Some(1.0 + (p[0]? - (*pf)?) / f))
+        .collect();
+    let mut fig = Figure::new(
+        "api_per_call_over_floor_computed",
+        "the same, computed from the programs' own run time (bpf_stats)",
+        Unit::Ratio,
+        Goal::AtMost(1.15),
+        "≤ 1.15",
+    )
+    .note(
+        "1 + (api programs' run time per call − the empty entry and return programs' per call) ÷ the floor per call, each repetition; \
+         bpf_stats' own two clock reads per run are in both and cancel; what a program costs the target beyond its run time \
+         (caches, the ring's pages) is not in it",
+    );
+    fig = if computed.is_empty() {
+        fig.missing(
+            "no run_time_ns in the programs' fdinfo (kernel.bpf_stats_enabled could not be set?)",
+        )
+    } else {
+        fig.samples(computed)
+    };
+    s.figures.push(fig);
+    for (i, (key, name)) in [
+        (
+            "api_prog_ns_per_call",
+            "api programs' run time per call (entry + return, bpf_stats)",
+        ),
+        (
+            "api_nobatch_prog_ns_per_call",
+            "the same, DYNPROF_API_BATCH=0",
+        ),
+        ("api_hash_prog_ns_per_call", "the same, DYNPROF_API_SLOTS=0"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let v: Vec<f64> = prog.iter().filter_map(|(_, p)| p[i]).collect();
+        if !v.is_empty() {
+            s.figures
+                .push(Figure::new(key, name, Unit::Ns, Goal::Info, "").samples(v));
+        }
+    }
+    let v: Vec<f64> = prog.iter().filter_map(|(pf, _)| *pf).collect();
+    if !v.is_empty() {
+        s.figures.push(
+            Figure::new(
+                "api_floor_prog_ns_per_call",
+                "the floor's empty programs' run time per call (bpf_stats)",
+                Unit::Ns,
+                Goal::Info,
+                "",
+            )
+            .samples(v),
+        );
+    }
     s.figures.push(
         Figure::new(
             "api_nobatch_per_call_over_floor",

@@ -70,6 +70,11 @@ impl ProbeHelper {
         Ok(ProbeHelper(h, attached))
     }
 
+    /// The helper's pid (its programs' fds are in its fdinfo).
+    pub fn pid(&self) -> u32 {
+        self.0.pid()
+    }
+
     /// The class dynprof decoded for the probed instruction.
     pub fn first_insn(&self) -> Option<&str> {
         self.1.str("first_insn")
