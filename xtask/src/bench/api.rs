@@ -448,11 +448,12 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     // trap costs the same in every arm. Computed per repetition: (floor +
     // the programs' time above the empty ones') ÷ floor, floor the
     // trainer-CPU figure of the same repetition.
-    let computed: Vec<f64> = prog
-        .iter()
-        .zip(&floor_ns)
-        .filter_map(|((pf, p), f)| Some(1.0 + (p[0]? - (*pf)?) / f))
-        .collect();
+    let computed = |arm: usize| -> Vec<f64> {
+        prog.iter()
+            .zip(&floor_ns)
+            .filter_map(|((pf, p), f)| Some(1.0 + (p[arm]? - (*pf)?) / f))
+            .collect()
+    };
     let mut fig = Figure::new(
         "api_per_call_over_floor_computed",
         "the same, computed from the programs' own run time (bpf_stats)",
@@ -465,14 +466,33 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
          bpf_stats' own two clock reads per run are in both and cancel; what a program costs the target beyond its run time \
          (caches, the ring's pages) is not in it",
     );
-    fig = if computed.is_empty() {
+    let as_built = computed(0);
+    fig = if as_built.is_empty() {
         fig.missing(
             "no run_time_ns in the programs' fdinfo (kernel.bpf_stats_enabled could not be set?)",
         )
     } else {
-        fig.samples(computed)
+        fig.samples(as_built)
     };
     s.figures.push(fig);
+    for (arm, key, name) in [
+        (
+            1,
+            "api_nobatch_per_call_over_floor_computed",
+            "the same computed, DYNPROF_API_BATCH=0",
+        ),
+        (
+            2,
+            "api_hash_per_call_over_floor_computed",
+            "the same computed, DYNPROF_API_SLOTS=0",
+        ),
+    ] {
+        let v = computed(arm);
+        if !v.is_empty() {
+            s.figures
+                .push(Figure::new(key, name, Unit::Ratio, Goal::Info, "").samples(v));
+        }
+    }
     for (i, (key, name)) in [
         (
             "api_prog_ns_per_call",
