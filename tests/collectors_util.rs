@@ -61,8 +61,7 @@ pub struct Driver {
     dir: PathBuf,
     drops_at_arm: Drops,
     data: Option<WindowData>,
-    /// Every API call received in the ring buffer (alone or in a thread's
-    /// batch), for the exact-drops check.
+    /// Every API event received, for the exact-drops check.
     api_events: u64,
     /// Drain on a tick once the kernel has counted this many hits, with the
     /// window's bounds unknown (0..MAX): used when step events may be lost.
@@ -117,7 +116,9 @@ impl Observer for Driver {
         if self.data.is_some() {
             return Ok(());
         }
-        self.api_events += ev.api_calls().len() as u64;
+        if matches!(ev, Decoded::Api(_)) {
+            self.api_events += 1;
+        }
         for c in &mut self.collectors {
             c.on_event(ev);
         }

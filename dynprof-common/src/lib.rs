@@ -59,9 +59,6 @@ pub mod kind {
     /// and kernel stacks, within `unwind::OFFCPU_COPY_EVERY_NS`), which was
     /// therefore not copied again: user space gives it that copy's stack.
     pub const OFFCPU_REPEAT: u32 = 7;
-    /// An [`crate::ApiBatch`]: [`crate::API_BATCH_LEN`] `ApiEvent`s of one
-    /// thread in one record.
-    pub const API_BATCH: u32 = 8;
 }
 
 /// Marker roles.
@@ -457,31 +454,6 @@ pub struct ApiSlot {
 pub const API_SLOTS_MIN: u32 = 64;
 pub const API_SLOTS_MAX: u32 = 4096;
 
-/// Events a thread with an `API_SLOTS` slot gathers before they go to the
-/// ring buffer as one record. A ring write per call (reserve, a locked
-/// commit, the fill query) was ~60 of the return probe's ~140 ns; one per
-/// 8 calls leaves ~8 per call (docs/performance.md).
-pub const API_BATCH_LEN: usize = 8;
-
-/// The events of one thread not yet written to the ring buffer, in the
-/// `API_BATCHES` entry of the same index as its [`ApiSlot`]. Only that
-/// thread's return probe writes it, so no two programs ever share one.
-/// When `count` reaches [`API_BATCH_LEN`] the whole entry is written as
-/// one [`kind::API_BATCH`] record (`hdr.tid`: the thread) and `count`
-/// starts again at 0. User space reads what is left at the window's
-/// close, when no probe can be writing it: after the API probes are
-/// detached, or, while they stay attached, after it has turned batching
-/// off (`API_BATCHING`) and waited for every program running then to end.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ApiBatch {
-    pub hdr: EventHeader,
-    /// Events in `events` (the first `count`); at most [`API_BATCH_LEN`].
-    pub count: u32,
-    pub _pad: u32,
-    pub events: [ApiEvent; API_BATCH_LEN],
-}
-
 /// Switch-out record kept per thread until it runs again.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -505,5 +477,4 @@ mod pod {
     unsafe impl aya::Pod for OffCpuStart {}
     unsafe impl aya::Pod for ApiStack {}
     unsafe impl aya::Pod for ApiSlot {}
-    unsafe impl aya::Pod for ApiBatch {}
 }

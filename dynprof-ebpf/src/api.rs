@@ -35,56 +35,6 @@ fn thread_stack(tid: u32) -> Option<*mut ApiStack> {
     API_STACK.get_ptr_mut(&tid)
 }
 
-/// Writes one call's event: into the thread's `API_BATCHES` entry while
-/// batching is on and the thread owns its slot, the entry going to the
-/// ring as one record when full; else straight to the ring.
-#[inline(always)]
-fn emit_api(ev: ApiEvent) {
-    let tid = ev.hdr.tid;
-    let on = match API_BATCHING.get(0) {
-        Some(b) => (unsafe { core::ptr::read_volatile(b) }) != 0,
-        None => false,
-    };
-    if on {
-        let i = tid & unsafe { core::ptr::read_volatile(&API_SLOT_MASK) };
-        let owned = match API_SLOTS.get(i) {
-            Some(s) => s.owner == tid,
-            None => false,
-        };
-        if owned && let Some(b) = API_BATCHES.get_ptr_mut(i) {
-            let n = unsafe { (*b).count } as usize;
-            // Always below: the entry is written out when it fills (the
-            // bound is for the verifier, and for an entry user space left
-            // inconsistent).
-            if n < API_BATCH_LEN {
-                // SAFETY: n < API_BATCH_LEN, the length of `events`.
-                unsafe { *(*b).events.as_mut_ptr().add(n) = ev };
-                if n + 1 < API_BATCH_LEN {
-                    unsafe { (*b).count = n as u32 + 1 };
-                    return;
-                }
-                unsafe {
-                    (*b).hdr = EventHeader {
-                        kind: kind::API_BATCH,
-                        tid,
-                        ts_ns: 0,
-                    };
-                    (*b).count = API_BATCH_LEN as u32;
-                }
-                if EVENTS
-                    .output::<ApiBatch>(unsafe { &*b }, batched())
-                    .is_err()
-                {
-                    count_drops(drop_slot::API, API_BATCH_LEN as u64);
-                }
-                unsafe { (*b).count = 0 };
-                return;
-            }
-        }
-    }
-    emit(ev, drop_slot::API, batched());
-}
-
 /// Entry of a traced runtime API; the cookie is the API index. A call that
 /// begins in the window is pushed on the thread's [`ApiStack`]: in its
 /// `API_SLOTS` slot (no helper call) or else one hash lookup, where a hash
@@ -157,17 +107,21 @@ pub fn dynprof_api_exit(ctx: RetProbeContext) -> u32 {
     unsafe { (*st).depth = found as u32 };
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i64 = ctx.ret();
-    emit_api(ApiEvent {
-        hdr: EventHeader {
-            kind: kind::API,
-            tid,
-            ts_ns: f.ts_ns,
+    emit(
+        ApiEvent {
+            hdr: EventHeader {
+                kind: kind::API,
+                tid,
+                ts_ns: f.ts_ns,
+            },
+            api,
+            _pad: 0,
+            dur_ns: now.saturating_sub(f.ts_ns),
+            ret,
         },
-        api,
-        _pad: 0,
-        dur_ns: now.saturating_sub(f.ts_ns),
-        ret,
-    });
+        drop_slot::API,
+        batched(),
+    );
     0
 }
 
@@ -277,16 +231,20 @@ pub fn dynprof_api_exit_stack(ctx: RetProbeContext) -> u32 {
     }
     let now = unsafe { bpf_ktime_get_ns() };
     let ret: i64 = ctx.ret();
-    emit_api(ApiEvent {
-        hdr: EventHeader {
-            kind: kind::API,
-            tid,
-            ts_ns: f.ts_ns,
+    emit(
+        ApiEvent {
+            hdr: EventHeader {
+                kind: kind::API,
+                tid,
+                ts_ns: f.ts_ns,
+            },
+            api: f.api,
+            _pad: 0,
+            dur_ns: now.saturating_sub(f.ts_ns),
+            ret,
         },
-        api: f.api,
-        _pad: 0,
-        dur_ns: now.saturating_sub(f.ts_ns),
-        ret,
-    });
+        drop_slot::API,
+        batched(),
+    );
     0
 }

@@ -37,10 +37,10 @@ use aya_ebpf::{
     },
 };
 use dynprof_common::{
-    API_BATCH_LEN, API_SLOTS_MIN, API_STACK_DEPTH, ApiBatch, ApiEvent, ApiSlot, ApiStack,
-    EventHeader, KernelState, MAX_APIS, MAX_MARKERS, MAX_PROBE_ADDRS, MarkerConfig, OffCpuEvent,
-    OffCpuStart, PREFIX_LEN, PlanConfig, STACK_EMPTY, SampleEvent, StepEvent, THREAD_MAPS_MIN,
-    arg_mode, drop_slot, kind, reg, ringbuf, role, steplog,
+    API_SLOTS_MIN, API_STACK_DEPTH, ApiEvent, ApiSlot, ApiStack, EventHeader, KernelState,
+    MAX_APIS, MAX_MARKERS, MAX_PROBE_ADDRS, MarkerConfig, OffCpuEvent, OffCpuStart, PREFIX_LEN,
+    PlanConfig, STACK_EMPTY, SampleEvent, StepEvent, THREAD_MAPS_MIN, arg_mode, drop_slot, kind,
+    reg, ringbuf, role, steplog,
 };
 
 /// Host tgid of the target, set by user space before load.
@@ -101,16 +101,6 @@ static API_SLOTS: Array<ApiSlot> = Array::with_max_entries(API_SLOTS_MIN, 0);
 /// `API_SLOTS`' size less one (a power of two), set at load.
 #[unsafe(no_mangle)]
 static API_SLOT_MASK: u32 = API_SLOTS_MIN - 1;
-/// Per slot of `API_SLOTS`: its thread's API events not yet in the ring
-/// buffer (`ApiBatch`); sized at load like `API_SLOTS`.
-#[map]
-static API_BATCHES: Array<ApiBatch> = Array::with_max_entries(API_SLOTS_MIN, 0);
-/// Entry 0 is 1 while threads with a slot gather their events in
-/// `API_BATCHES`; 0 (its initial value): every event goes to the ring at
-/// once. User space turns it off to take the batches while probes stay
-/// attached.
-#[map]
-static API_BATCHING: Array<u32> = Array::with_max_entries(1, 0);
 /// One all-zero `ApiStack`, never written: the initial value of a thread's
 /// stack (a zeroed local would compile to a memset call BPF cannot make).
 #[map]
@@ -129,13 +119,8 @@ fn target_tid() -> Option<u32> {
 
 #[inline(always)]
 pub(crate) fn count_drop(slot: u32) {
-    count_drops(slot, 1);
-}
-
-#[inline(always)]
-pub(crate) fn count_drops(slot: u32, n: u64) {
     if let Some(p) = DROPS.get_ptr_mut(slot) {
-        unsafe { *p += n };
+        unsafe { *p += 1 };
     }
 }
 

@@ -110,8 +110,6 @@ pub struct Kernel {
     /// `API_SLOTS`' size, and the slots given to threads for this window.
     api_slot_count: u32,
     api_slots: Vec<u32>,
-    /// What `API_BATCHING[0]` was last set to.
-    api_batching: bool,
     cpu_links: Vec<PerfEventLinkId>,
     sched_link: Option<TracePointLinkId>,
     /// What `PLAN[0]` holds (only `set_plan` writes it): the event loop
@@ -268,7 +266,6 @@ impl<'a> Loader<'a> {
             .override_global("PY", &plan.python, true)
             .override_global("API_SLOT_MASK", &plan.api_slot_mask, true)
             .map_max_entries("API_SLOTS", plan.api_slots)
-            .map_max_entries("API_BATCHES", plan.api_slots)
             .map_max_entries("EVENTS", plan.ring_bytes)
             .map_max_entries(THREAD_MAPS[0], plan.thread_maps)
             .map_max_entries(THREAD_MAPS[1], plan.thread_maps)
@@ -293,7 +290,6 @@ impl<'a> Loader<'a> {
             api_addrs: Vec::new(),
             api_slot_count: plan.api_slots,
             api_slots: Vec::new(),
-            api_batching: false,
             cpu_links: Vec::new(),
             sched_link: None,
             // The map's initial value: all zero, not armed.
@@ -619,8 +615,7 @@ impl Kernel {
                 self.pid
             );
         }
-        // At the end of attach: no window is open to take the batches.
-        let _ = self.detach_apis();
+        self.detach_apis();
         self.detach_cpu_sampler();
         self.detach_offcpu();
         self.detach_markers();

@@ -1,8 +1,7 @@
 //! A window's API probes: attaching and detaching them, and the target's
 //! threads in `API_SLOTS` (see [`ApiSlot`]), where the probes find the
 //! stacks of the threads that existed when they were attached without a
-//! hash lookup, and gather their events in `API_BATCHES` (see
-//! [`ApiBatch`]).
+//! hash lookup.
 use std::{num::NonZeroU32, os::fd::AsFd as _, path::Path};
 
 use anyhow::{Context as _, Result};
@@ -10,16 +9,10 @@ use aya::{
     maps::{Array, HashMap as BpfHashMap},
     programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
 };
-use dynprof_common::{
-    API_BATCH_LEN, API_SLOTS_MAX, API_SLOTS_MIN, API_STACK_DEPTH, ApiBatch, ApiEvent, ApiFrame,
-    ApiSlot, ApiStack, EventHeader,
-};
+use dynprof_common::{API_SLOTS_MAX, API_SLOTS_MIN, API_STACK_DEPTH, ApiFrame, ApiSlot, ApiStack};
 
 use super::{API_ENTER_IP_PROG, API_ENTER_PROG, API_EXIT_PROG, API_EXIT_STACK_PROG, Kernel};
-use crate::{
-    compat::ProbeIdentity,
-    sys::{grace, uprobe as sys_uprobe},
-};
+use crate::{compat::ProbeIdentity, sys::uprobe as sys_uprobe};
 
 /// `API_SLOTS`' size for a target with `threads` threads at attach: 2 per
 /// thread, a power of two, so that the threads' ids (mostly consecutive:
@@ -74,27 +67,6 @@ fn empty_slot(owner: u32) -> ApiSlot {
             _pad: 0,
             frames: [frame; API_STACK_DEPTH],
         },
-    }
-}
-
-fn empty_batch() -> ApiBatch {
-    let hdr = EventHeader {
-        kind: 0,
-        tid: 0,
-        ts_ns: 0,
-    };
-    let event = ApiEvent {
-        hdr,
-        api: 0,
-        _pad: 0,
-        dur_ns: 0,
-        ret: 0,
-    };
-    ApiBatch {
-        hdr,
-        count: 0,
-        _pad: 0,
-        events: [event; API_BATCH_LEN],
     }
 }
 
@@ -156,13 +128,10 @@ impl Kernel {
         Ok(())
     }
 
-    /// Detaches the API probes and returns the events still in the
-    /// threads' batches.
-    pub fn detach_apis(&mut self) -> Vec<ApiEvent> {
+    pub fn detach_apis(&mut self) {
         // Probes first: returns after this see none, so the stacks left by
-        // calls in flight can be emptied for the next window, and the
-        // batches read, without a program writing them meanwhile (a
-        // uprobe's unregistration waits for its running handlers).
+        // calls in flight can be emptied for the next window without a
+        // program refilling them meanwhile.
         self.api_attachments.clear();
         for (ret, link) in std::mem::take(&mut self.api_links) {
             let name = if ret { API_EXIT_PROG } else { API_ENTER_PROG };
@@ -190,76 +159,7 @@ impl Kernel {
                 let _ = m.remove(&t);
             }
         }
-        let staged = self.take_api_batches();
         self.clear_api_slots();
-        staged
-    }
-
-    /// Turns the batching of API events in `API_BATCHES` on or off.
-    pub fn set_api_batching(&mut self, on: bool) -> Result<()> {
-        let mut m: Array<_, u32> = Array::try_from(
-            self.ebpf
-                .map_mut("API_BATCHING")
-                .context("the API_BATCHING map is missing")?,
-        )?;
-        m.set(0, u32::from(on), 0).context("writing API_BATCHING")?;
-        self.api_batching = on;
-        Ok(())
-    }
-
-    /// The events in the threads' batches while the API probes stay
-    /// attached (a window closed with the next one too close to detach
-    /// them): batching off, so that no program begins writing a batch;
-    /// a grace period, so that none still is; the batches read; batching
-    /// on again. Costs the grace period (~10 ms), only at such a close.
-    pub fn take_api_batches_attached(&mut self) -> Result<Vec<ApiEvent>> {
-        if !self.api_batching {
-            return Ok(Vec::new());
-        }
-        self.set_api_batching(false)?;
-        // On failure batching stays off: the batches are read when the
-        // probes are detached, too late for this window, and no later
-        // event is held back.
-        grace::wait_for_programs()
-            .context("waiting for the API probes' programs to end (membarrier)")?;
-        let staged = self.take_api_batches();
-        self.set_api_batching(true)?;
-        Ok(staged)
-    }
-
-    /// The events in the batches of the slots given to threads, each batch
-    /// emptied. Only while no program can be writing one.
-    fn take_api_batches(&mut self) -> Vec<ApiEvent> {
-        let mut staged = Vec::new();
-        if self.api_slots.is_empty() {
-            return staged;
-        }
-        let Some(Ok(mut m)) = self
-            .ebpf
-            .map_mut("API_BATCHES")
-            .map(Array::<_, ApiBatch>::try_from)
-        else {
-            log::warn!("api: the API_BATCHES map is missing; batched calls are lost");
-            return staged;
-        };
-        for &slot in &self.api_slots {
-            let b = match m.get(&slot, 0) {
-                Ok(b) => b,
-                Err(e) => {
-                    log::warn!("api: reading the batch of slot {slot}: {e}");
-                    continue;
-                }
-            };
-            let n = (b.count as usize).min(API_BATCH_LEN);
-            if n == 0 {
-                continue;
-            }
-            staged.extend_from_slice(&b.events[..n]);
-            if let Err(e) = m.set(slot, empty_batch(), 0) {
-                log::warn!("api: emptying the batch of slot {slot}: {e}");
-            }
-        }
-        staged
     }
 
     /// Gives the target's threads `tids` their slots, each with an empty

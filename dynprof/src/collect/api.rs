@@ -38,17 +38,9 @@ const PREFETCH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 /// slots ever misbehave).
 pub const SLOTS_ENV: &str = "DYNPROF_API_SLOTS";
 
-/// `DYNPROF_API_BATCH=0`: every call's event goes to the ring buffer on
-/// its own, none is gathered in its thread's `API_BATCHES` entry (the
-/// bench's comparison arm; a way out).
-pub const BATCH_ENV: &str = "DYNPROF_API_BATCH";
-
 pub struct ApiCollector {
     /// Threads get `API_SLOTS` slots (unless [`SLOTS_ENV`] is `0`).
     slots: bool,
-    /// Threads with a slot batch their events (unless [`BATCH_ENV`] is
-    /// `0`, or the kernel cannot wait for its programs: see `sys::grace`).
-    batch: bool,
     sets: Vec<ApiSet>,
     user: Vec<ApiSpec>,
     table: ApiTable,
@@ -70,16 +62,6 @@ impl ApiCollector {
     pub fn new(sets: Vec<ApiSet>, user: Vec<ApiSpec>, pool: EventPool) -> Self {
         Self {
             slots: std::env::var_os(SLOTS_ENV).is_none_or(|v| v != "0"),
-            batch: std::env::var_os(BATCH_ENV).is_none_or(|v| v != "0") && {
-                let ok = crate::sys::grace::supported();
-                if !ok {
-                    log::debug!(
-                        "api: events are not batched per thread: this kernel cannot wait \
-                         for running programs (membarrier GLOBAL: nohz_full or one CPU)"
-                    );
-                }
-                ok
-            },
             sets,
             user,
             table: ApiTable::default(),
@@ -97,13 +79,6 @@ impl ApiCollector {
     /// Probes attached by the last `arm`.
     pub fn attached(&self) -> usize {
         self.attached
-    }
-}
-
-impl ApiCollector {
-    fn on_call(&mut self, a: ApiEvent) {
-        self.names.saw(a.hdr.tid);
-        self.events.push(a);
     }
 }
 
@@ -152,20 +127,10 @@ impl Collector for ApiCollector {
         } else {
             Vec::new()
         };
-        let slotted = match kernel.assign_api_slots(&tids) {
-            Ok(n) => {
-                log::debug!("api: {n} threads have a stack slot");
-                n
-            }
+        match kernel.assign_api_slots(&tids) {
+            Ok(n) => log::debug!("api: {n} threads have a stack slot"),
             // The hash serves them all: slower, not wrong.
-            Err(e) => {
-                log::warn!("api: giving threads their stack slots: {e:#}");
-                0
-            }
-        };
-        // Each event to the ring on its own is slower, not wrong.
-        if let Err(e) = kernel.set_api_batching(self.batch && slotted > 0) {
-            log::warn!("api: turning the batching of events on: {e:#}");
+            Err(e) => log::warn!("api: giving threads their stack slots: {e:#}"),
         }
         let mut attached = 0;
         self.traced.clear();
@@ -204,9 +169,7 @@ impl Collector for ApiCollector {
     }
 
     fn disarm(&mut self, kernel: &mut Kernel) {
-        for e in kernel.detach_apis() {
-            self.on_call(e);
-        }
+        kernel.detach_apis();
         self.attached = 0;
         self.drops.disarm();
     }
@@ -216,8 +179,9 @@ impl Collector for ApiCollector {
     }
 
     fn on_event(&mut self, ev: &Decoded) {
-        for &a in ev.api_calls() {
-            self.on_call(a);
+        if let Decoded::Api(a) = ev {
+            self.names.saw(a.hdr.tid);
+            self.events.push(*a);
         }
     }
 
@@ -228,24 +192,6 @@ impl Collector for ApiCollector {
         data: &mut WindowData,
         kernel: &mut Kernel,
     ) -> Result<()> {
-        // Probes kept attached for the next window: the batches are taken
-        // here (after `disarm` they already were). On failure the window
-        // is written with what was read, and marked incomplete.
-        let mut staged_err = None;
-        if self.attached > 0 {
-            match kernel.take_api_batches_attached() {
-                Ok(staged) => {
-                    for e in staged {
-                        self.on_call(e);
-                    }
-                }
-                Err(e) => {
-                    staged_err = Some(e.context(
-                        "the calls still gathered per thread could not be read: some are missing",
-                    ))
-                }
-            }
-        }
         let d = self.drops.take(kernel);
         data.drops.api = d.api;
         data.drops.api_nesting = d.api_nesting;
@@ -273,7 +219,7 @@ impl Collector for ApiCollector {
         data.api_libraries_pending = self.pending.clone();
         data.apis_traced = self.traced.clone();
         data.api_calls.sort_by_key(|c| (c.start_ts_ns, c.tid));
-        staged_err.map_or(Ok(()), Err)
+        Ok(())
     }
 }
 

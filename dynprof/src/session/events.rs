@@ -1,6 +1,6 @@
 //! Decoding ring-buffer records into the `dynprof-common` event structs.
 use dynprof_common::{
-    API_BATCH_LEN, ApiBatch, ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind,
+    ApiEvent, EventHeader, OffCpuEvent, SampleEvent, StepEvent, kind,
     unwind::{
         MAX_PY_FRAMES, OFFCPU_STACK, PyFrameRaw, SAMPLE_STACK, STACK_COPY_MAX, STACK_COPY_OFFSET,
         StackSampleHeader,
@@ -13,9 +13,6 @@ use crate::symbols::unwind::UserRegs;
 pub enum Decoded {
     Step(StepEvent),
     Api(ApiEvent),
-    /// The calls one thread gathered in its `API_BATCHES` entry (boxed:
-    /// 344 bytes); [`Decoded::api_calls`] gives them.
-    ApiBatch(Box<ApiBatch>),
     Sample(SampleEvent),
     /// A CPU sample with a copy of its user stack (boxed: up to 16 KiB).
     SampleStack(Box<StackCopy>),
@@ -52,19 +49,6 @@ impl std::fmt::Debug for StackCopy {
     }
 }
 
-impl Decoded {
-    /// The API calls of an `Api` or `ApiBatch` event (none for others).
-    pub fn api_calls(&self) -> &[ApiEvent] {
-        match self {
-            Decoded::Api(a) => std::slice::from_ref(a),
-            // A count past the array (never written by the kernel) is
-            // clamped, not trusted.
-            Decoded::ApiBatch(b) => &b.events[..(b.count as usize).min(API_BATCH_LEN)],
-            _ => &[],
-        }
-    }
-}
-
 fn read<T: Copy>(b: &[u8]) -> Option<T> {
     (b.len() >= size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) })
 }
@@ -75,7 +59,6 @@ pub fn decode(b: &[u8]) -> Option<Decoded> {
     Some(match hdr.kind {
         kind::STEP => Decoded::Step(read(b)?),
         kind::API => Decoded::Api(read(b)?),
-        kind::API_BATCH => Decoded::ApiBatch(Box::new(read(b)?)),
         kind::SAMPLE => Decoded::Sample(read(b)?),
         kind::OFFCPU | kind::OFFCPU_REPEAT => Decoded::OffCpu(read(b)?),
         OFFCPU_STACK => Decoded::OffCpuStack(Box::new(stack_copy(b)?)),
@@ -115,58 +98,4 @@ fn py_frames(b: &[u8], h: &StackSampleHeader) -> Option<Vec<PyFrameRaw>> {
             .filter_map(read::<PyFrameRaw>)
             .collect(),
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// An `ApiBatch` record as the kernel writes it (repr(C), no padding):
-    /// thread 7, call i with API i at time 1000 + i.
-    fn batch_record(count: u32) -> Vec<u8> {
-        let mut r = Vec::new();
-        let hdr = |r: &mut Vec<u8>, kind: u32, ts: u64| {
-            r.extend(kind.to_ne_bytes());
-            r.extend(7u32.to_ne_bytes());
-            r.extend(ts.to_ne_bytes());
-        };
-        hdr(&mut r, kind::API_BATCH, 0);
-        r.extend(count.to_ne_bytes());
-        r.extend(0u32.to_ne_bytes());
-        for i in 0..API_BATCH_LEN as u32 {
-            hdr(&mut r, kind::API, 1000 + u64::from(i));
-            r.extend(i.to_ne_bytes()); // api
-            r.extend(0u32.to_ne_bytes());
-            r.extend(0u64.to_ne_bytes()); // dur_ns
-            r.extend(0i64.to_ne_bytes()); // ret
-        }
-        assert_eq!(r.len(), size_of::<ApiBatch>());
-        r
-    }
-
-    #[test]
-    fn a_batch_gives_its_first_count_calls() {
-        let d = decode(&batch_record(3)).unwrap();
-        let calls: Vec<(u32, u32, u64)> = d
-            .api_calls()
-            .iter()
-            .map(|e| (e.hdr.tid, e.api, e.hdr.ts_ns))
-            .collect();
-        assert_eq!(calls, [(7, 0, 1000), (7, 1, 1001), (7, 2, 1002)]);
-        let full = decode(&batch_record(API_BATCH_LEN as u32)).unwrap();
-        assert_eq!(full.api_calls().len(), API_BATCH_LEN);
-    }
-
-    #[test]
-    fn a_batch_count_past_its_array_is_clamped() {
-        let d = decode(&batch_record(u32::MAX)).unwrap();
-        assert_eq!(d.api_calls().len(), API_BATCH_LEN);
-    }
-
-    #[test]
-    fn a_short_batch_record_is_refused() {
-        let mut r = batch_record(2);
-        r.truncate(size_of::<ApiBatch>() - 1);
-        assert!(decode(&r).is_none());
-    }
 }

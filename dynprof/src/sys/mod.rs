@@ -23,7 +23,6 @@
 //! | `unixsock` | the agent's root-only unix socket: checked parent, stale-socket replacement |
 //! | `btf` | member offsets from the kernel's BTF (`task_struct.stack`) |
 //! | `sched` | the event loop's short time slice (6.12+); the writer's background priority |
-//! | `grace` | wait until every running eBPF program has ended (`membarrier`: an RCU grace period) |
 //! | `vdso` | dynprof's own vDSO image, the target's `[vdso]` frames' tables and names |
 pub mod btf;
 pub mod caps;
@@ -31,7 +30,6 @@ pub mod clock;
 pub mod configmap;
 pub mod creds;
 pub mod exec;
-pub mod grace;
 pub mod hostfs;
 pub mod kallsyms;
 pub mod kernel;

@@ -177,23 +177,19 @@ fn cpu_per_step(pid: u32, log: &Path, secs: f64) -> Result<f64> {
 /// How the api collector runs in a per-call arm.
 #[derive(Clone, Copy)]
 enum Arm {
-    /// As built: stack slots, events batched per thread.
+    /// As built: threads' stacks in array slots.
     AsBuilt,
-    /// Stack slots, each event to the ring on its own
-    /// (`DYNPROF_API_BATCH=0`), as before the batches.
-    NoBatch,
-    /// Every thread's stack in the hash (`DYNPROF_API_SLOTS=0`; without a
-    /// slot no thread batches either), as before the slots.
+    /// Every thread's stack in the hash (`DYNPROF_API_SLOTS=0`), as before
+    /// the slots.
     HashOnly,
 }
 
 impl Arm {
-    const ALL: [Arm; 3] = [Arm::AsBuilt, Arm::NoBatch, Arm::HashOnly];
+    const ALL: [Arm; 2] = [Arm::AsBuilt, Arm::HashOnly];
 
     fn tag(self) -> &'static str {
         match self {
             Arm::AsBuilt => "cpu",
-            Arm::NoBatch => "nobatch",
             Arm::HashOnly => "hash",
         }
     }
@@ -246,9 +242,6 @@ fn api_cpu_per_step(
     let mut cmd = ctx.dynprof_cmd();
     match arm {
         Arm::AsBuilt => {}
-        Arm::NoBatch => {
-            cmd.env("DYNPROF_API_BATCH", "0");
-        }
         Arm::HashOnly => {
             cmd.env("DYNPROF_API_SLOTS", "0");
         }
@@ -297,7 +290,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let mut bare = Vec::new();
     let mut floor = Vec::new();
     // Per repetition: the floor's and each arm's programs per call (ns).
-    let mut prog: Vec<(Option<f64>, [Option<f64>; 3])> = Vec::new();
+    let mut prog: Vec<(Option<f64>, [Option<f64>; 2])> = Vec::new();
     let mut wins: Vec<Win> = Vec::new();
     for rep in 0..reps {
         let a = procs::monotonic_ns();
@@ -313,17 +306,17 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         let h = ProbeHelper::attach(ctx, target.pid(), FLOOR_SPEC, "floor")?;
         let (c_floor, p_floor) = cpu_and_prog_per_call(target.pid(), &log, bare_s, h.pid())?;
         h.finish()?;
-        // The api arms rotate which goes first, so that drift within a
+        // The api arms alternate which goes first, so that drift within a
         // repetition does not favour one.
-        let mut c = [0.0; 3];
-        let mut p = [None; 3];
+        let mut c = [0.0; 2];
+        let mut p = [None; 2];
         for k in 0..Arm::ALL.len() {
             let i = (k + rep) % Arm::ALL.len();
             (c[i], p[i]) = api_cpu_per_step(ctx, &target, &log, bare_s, rep, Arm::ALL[i])?;
         }
-        let [c_api, c_nobatch, c_hash] = c;
+        let [c_api, c_hash] = c;
         prog.push((p_floor, p));
-        floor.push([c_bare, c_floor, c_api, c_hash, c_nobatch]);
+        floor.push([c_bare, c_floor, c_api, c_hash]);
         let w = window(ctx, &target, &log, win_steps, 4096, &format!("rep{rep}"))?;
         say(format!(
             "api rep {}: off {:.0} steps/s ({:.2}M calls/s), on {:.0} steps/s, {:.0} events/s, drops {}",
@@ -406,7 +399,6 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let api_ns: Vec<f64> = floor.iter().map(|c| per_call(c[2], c[0])).collect();
     let floor_ns: Vec<f64> = floor.iter().map(|c| per_call(c[1], c[0])).collect();
     let hash_ns: Vec<f64> = floor.iter().map(|c| per_call(c[3], c[0])).collect();
-    let nobatch_ns: Vec<f64> = floor.iter().map(|c| per_call(c[4], c[0])).collect();
     s.figures.push(
         Figure::new(
             "api_per_call_over_floor",
@@ -475,32 +467,23 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         fig.samples(as_built)
     };
     s.figures.push(fig);
-    for (arm, key, name) in [
-        (
-            1,
-            "api_nobatch_per_call_over_floor_computed",
-            "the same computed, DYNPROF_API_BATCH=0",
-        ),
-        (
-            2,
-            "api_hash_per_call_over_floor_computed",
-            "the same computed, DYNPROF_API_SLOTS=0",
-        ),
-    ] {
-        let v = computed(arm);
-        if !v.is_empty() {
-            s.figures
-                .push(Figure::new(key, name, Unit::Ratio, Goal::Info, "").samples(v));
-        }
+    let hash = computed(1);
+    if !hash.is_empty() {
+        s.figures.push(
+            Figure::new(
+                "api_hash_per_call_over_floor_computed",
+                "the same computed, DYNPROF_API_SLOTS=0",
+                Unit::Ratio,
+                Goal::Info,
+                "",
+            )
+            .samples(hash),
+        );
     }
     for (i, (key, name)) in [
         (
             "api_prog_ns_per_call",
             "api programs' run time per call (entry + return, bpf_stats)",
-        ),
-        (
-            "api_nobatch_prog_ns_per_call",
-            "the same, DYNPROF_API_BATCH=0",
         ),
         ("api_hash_prog_ns_per_call", "the same, DYNPROF_API_SLOTS=0"),
     ]
@@ -528,20 +511,6 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     }
     s.figures.push(
         Figure::new(
-            "api_nobatch_per_call_over_floor",
-            "the same, each event to the ring on its own (DYNPROF_API_BATCH=0)",
-            Unit::Ratio,
-            Goal::Info,
-            "",
-        )
-        .samples(nobatch_ns.iter().zip(&floor_ns).map(|(a, f)| a / f).collect())
-        .note(
-            "the api collector as before the per-thread batches: stack slots, one ring-buffer write per call; \
-             the same repetitions as the line above, the three arms rotating which runs first",
-        ),
-    );
-    s.figures.push(
-        Figure::new(
             "api_hash_per_call_over_floor",
             "the same, every thread's stack in the hash (DYNPROF_API_SLOTS=0)",
             Unit::Ratio,
@@ -550,35 +519,19 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         )
         .samples(hash_ns.iter().zip(&floor_ns).map(|(a, f)| a / f).collect())
         .note(
-            "the api collector as before the stack slots: a hash lookup of the thread's stack at entry and at return, \
-             one ring-buffer write per call (a thread without a slot has no batch)",
+            "the api collector as before the stack slots: a hash lookup of the thread's stack at entry and at return; \
+             the same repetitions as the line above, the two arms alternating which runs first",
         ),
-    );
-    s.figures.push(
-        Figure::new(
-            "api_batch_minus_nobatch_ns_per_call",
-            "API collector per call, batched − one ring write per call",
-            Unit::Ns,
-            Goal::Info,
-            "",
-        )
-        .samples(api_ns.iter().zip(&nobatch_ns).map(|(a, h)| a - h).collect()),
     );
     s.figures.push(
         Figure::new(
             "api_slot_minus_hash_ns_per_call",
-            "API collector per call, stack slots − hash (both unbatched)",
+            "API collector per call, stack slots − hash",
             Unit::Ns,
             Goal::Info,
             "",
         )
-        .samples(
-            nobatch_ns
-                .iter()
-                .zip(&hash_ns)
-                .map(|(a, h)| a - h)
-                .collect(),
-        ),
+        .samples(api_ns.iter().zip(&hash_ns).map(|(a, h)| a - h).collect()),
     );
     let ratio: Vec<f64> = wins
         .iter()
