@@ -5,6 +5,8 @@
 #[path = "collectors_util.rs"]
 mod collectors_util;
 mod common;
+#[path = "windows_util.rs"]
+mod windows_util;
 
 use std::{
     collections::BTreeMap,
@@ -53,22 +55,7 @@ fn cli_windows(pid: u32, out: &Path, marker: &str, args: &[&str]) -> (Vec<PathBu
         .unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "dynprof attach failed: {stderr}");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("PROF_")
-        })
-        .collect();
-    // PROF_<time>_<pid>_<window number>
-    dirs.sort_by_key(|d| {
-        let name = d.file_name().unwrap().to_string_lossy().into_owned();
-        name.rsplit('_').next().and_then(|n| n.parse::<u32>().ok())
-    });
-    (dirs, stderr)
+    (windows_util::prof_dirs(out), stderr)
 }
 
 fn json_file(p: &Path) -> serde_json::Value {

@@ -11,6 +11,7 @@
 
 mod agent;
 mod api;
+mod api_figures;
 mod attach_time;
 mod ctx;
 mod fig;

@@ -671,9 +671,7 @@ impl ElfImage {
         let section = |name: &str| {
             let s = file.section_by_name(name)?;
             let data = s.data().ok().filter(|d| !d.is_empty())?;
-            // A hostile file's address + size can overflow: no section then.
-            let end = s.address().checked_add(s.size())?;
-            Some((s.address()..end, data.to_vec()))
+            Some((address_range(&s)?, data.to_vec()))
         };
         let cfi = Cfi::choose(
             section(".eh_frame"),
@@ -682,7 +680,7 @@ impl ElfImage {
         )?;
         let text = file
             .section_by_name(".text")
-            .and_then(|s| Some(s.address()..s.address().checked_add(s.size())?));
+            .and_then(|s| address_range(&s));
         Some(UnwindSections {
             cfi,
             text,
@@ -763,6 +761,12 @@ impl ElfImage {
             file_off.checked_add(delta)
         })
     }
+}
+
+/// A section's virtual address range; `None` when a hostile file's
+/// address + size overflows.
+fn address_range<'d>(s: &impl ObjectSection<'d>) -> Option<std::ops::Range<u64>> {
+    Some(s.address()..s.address().checked_add(s.size())?)
 }
 
 #[cfg(test)]

@@ -19,15 +19,14 @@ use std::{path::Path, process::Command, time::Duration};
 use anyhow::{Context as _, Result, bail};
 
 use super::{
-    Ctx, Section,
-    fig::{Figure, Goal, Unit},
+    Ctx, Section, api_figures,
     json::{self, Json},
     probe::ProbeHelper,
     procs::{self, Proc},
-    say, stats,
+    say,
 };
 
-const FLOOR_SPEC: &str = "libascendcl:aclrtLaunchKernel";
+pub(super) const FLOOR_SPEC: &str = "libascendcl:aclrtLaunchKernel";
 
 /// `step` lines of the trainer's log: (index, end_ns).
 fn step_ends(path: &Path) -> Vec<u64> {
@@ -56,19 +55,19 @@ fn rate_between(ends: &[u64], from: u64, to: u64) -> Option<f64> {
     Some((v.len() - 1) as f64 / ((v[v.len() - 1] - v[0]) as f64 / 1e9))
 }
 
-struct Win {
-    steps_per_s: f64,
-    events: u64,
-    window_s: f64,
-    drops: u64,
-    api_drops: u64,
-    dp_cpu_ns: u64,
-    drain_cpu_ns: u64,
-    hwm_kb: u64,
+pub(super) struct Win {
+    pub steps_per_s: f64,
+    pub events: u64,
+    pub window_s: f64,
+    pub drops: u64,
+    pub api_drops: u64,
+    pub dp_cpu_ns: u64,
+    pub drain_cpu_ns: u64,
+    pub hwm_kb: u64,
 }
 
 impl Win {
-    fn events_per_s(&self) -> f64 {
+    pub(super) fn events_per_s(&self) -> f64 {
         self.events as f64 / self.window_s
     }
 }
@@ -273,6 +272,33 @@ fn api_cpu_per_step(
 }
 
 pub fn run(ctx: &Ctx) -> Result<Section> {
+    Ok(api_figures::section(&measure(ctx)?))
+}
+
+/// What section 2 measured, raw; [`api_figures::section`] turns it into
+/// figures.
+pub(super) struct Measured {
+    pub calls_per_step: u64,
+    /// Seconds of each CPU segment.
+    pub bare_s: f64,
+    pub win_steps: u64,
+    /// Per repetition: the trainer's steps/s, not attached.
+    pub bare: Vec<f64>,
+    /// Per repetition: the trainer's CPU ns per step bare, with the floor,
+    /// with the api collector as built and with every stack in the hash.
+    pub cpu: Vec<[f64; 4]>,
+    /// Per repetition: the floor's and each arm's programs per call (ns).
+    pub prog: Vec<(Option<f64>, [Option<f64>; 2])>,
+    /// Per repetition: a K-step api window at the default ring.
+    pub wins: Vec<Win>,
+    pub rings: &'static [u32],
+    /// The same window at smaller rings.
+    pub sweep: Vec<(u32, Win)>,
+    /// The same window with two calling threads.
+    pub wins2: Vec<Win>,
+}
+
+fn measure(ctx: &Ctx) -> Result<Measured> {
     let calls_per_step: u64 = 2000;
     let log = ctx.work.join("acl-trainer.log");
     let mut target = Proc::spawn(
@@ -288,7 +314,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
     let win_steps: u64 = if ctx.quick() { 10 } else { 50 };
     let reps = ctx.reps();
     let mut bare = Vec::new();
-    let mut floor = Vec::new();
+    let mut cpu = Vec::new();
     // Per repetition: the floor's and each arm's programs per call (ns).
     let mut prog: Vec<(Option<f64>, [Option<f64>; 2])> = Vec::new();
     let mut wins: Vec<Win> = Vec::new();
@@ -316,7 +342,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         }
         let [c_api, c_hash] = c;
         prog.push((p_floor, p));
-        floor.push([c_bare, c_floor, c_api, c_hash]);
+        cpu.push([c_bare, c_floor, c_api, c_hash]);
         let w = window(ctx, &target, &log, win_steps, 4096, &format!("rep{rep}"))?;
         say(format!(
             "api rep {}: off {:.0} steps/s ({:.2}M calls/s), on {:.0} steps/s, {:.0} events/s, drops {}",
@@ -330,15 +356,39 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         bare.push(r);
         wins.push(w);
     }
-    // Ring-buffer sweep at the same rate: where do drops begin?
-    let rings: &[u32] = if ctx.quick() {
+    let (rings, sweep) = ring_sweep(ctx, &target, &log, win_steps);
+    let _ = target.stop(Duration::from_secs(10));
+    let wins2 = two_threads(ctx, calls_per_step, win_steps, reps)?;
+    Ok(Measured {
+        calls_per_step,
+        bare_s,
+        win_steps,
+        bare,
+        cpu,
+        prog,
+        wins,
+        rings,
+        sweep,
+        wins2,
+    })
+}
+
+/// The K-step window at smaller rings, at the same rate: where do drops
+/// begin? The rings tried, and each window that ran.
+fn ring_sweep(
+    ctx: &Ctx,
+    target: &Proc,
+    log: &Path,
+    win_steps: u64,
+) -> (&'static [u32], Vec<(u32, Win)>) {
+    let rings: &'static [u32] = if ctx.quick() {
         &[64, 16, 4]
     } else {
         &[1024, 256, 128, 64, 32, 16, 8, 4]
     };
     let mut sweep: Vec<(u32, Win)> = Vec::new();
     for &kb in rings {
-        match window(ctx, &target, &log, win_steps, kb, &format!("ring{kb}")) {
+        match window(ctx, target, log, win_steps, kb, &format!("ring{kb}")) {
             Ok(w) => {
                 say(format!(
                     "api ring {kb} KiB: {:.0} events/s, api drops {}",
@@ -350,11 +400,13 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             Err(e) => say(format!("api ring {kb} KiB: {e:#}")),
         }
     }
-    let _ = target.stop(Duration::from_secs(10));
+    (rings, sweep)
+}
 
-    // The same windows with the launches split over two calling threads:
-    // one thread's two traps per call cap what it can produce, so this is
-    // where the pipeline's own capacity shows.
+/// The same windows with each step's launches split over two calling
+/// threads: one thread's two traps per call cap what it can produce, so
+/// this is where the pipeline's own capacity shows.
+fn two_threads(ctx: &Ctx, calls_per_step: u64, win_steps: u64, reps: usize) -> Result<Vec<Win>> {
     let log2 = ctx.work.join("acl-trainer-2t.log");
     let mut target2 = Proc::spawn(
         "acl_trainer --launch-threads 2",
@@ -392,347 +444,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         }
     }
     let _ = target2.stop(Duration::from_secs(10));
-
-    let mut s = Section::new("");
-    // Per call: (CPU per step probed − CPU per step bare) / calls per step.
-    let per_call = |c: f64, bare: f64| (c - bare) / calls_per_step as f64;
-    let api_ns: Vec<f64> = floor.iter().map(|c| per_call(c[2], c[0])).collect();
-    let floor_ns: Vec<f64> = floor.iter().map(|c| per_call(c[1], c[0])).collect();
-    let hash_ns: Vec<f64> = floor.iter().map(|c| per_call(c[3], c[0])).collect();
-    s.figures.push(
-        Figure::new(
-            "api_per_call_over_floor",
-            "API collector per call ÷ kernel floor (empty entry + return probe)",
-            Unit::Ratio,
-            Goal::AtMost(1.15),
-            "≤ 1.15",
-        )
-        .samples(api_ns.iter().zip(&floor_ns).map(|(a, f)| a / f).collect())
-        .resolve(0.02)
-        .note(format!(
-            "per call = (trainer CPU per step probed − bare) / {calls_per_step} calls (schedstat of the trainer over {bare_s} s, steps from \
-             its log); the api collector in an open window; the floor \
-             is an empty uprobe + an empty uretprobe on aclrtLaunchKernel (2000 of the 2002 traced calls per step), attached by \
-             `dynprof __probe-cost --prog floor`"
-        )),
-    );
-    s.figures.push(
-        Figure::new(
-            "api_ns_per_call",
-            "API collector, added per call",
-            Unit::Ns,
-            Goal::Info,
-            "",
-        )
-        .samples(api_ns.clone()),
-    );
-    s.figures.push(
-        Figure::new(
-            "api_floor_ns_per_call",
-            "kernel floor (empty entry + return probe), per call",
-            Unit::Ns,
-            Goal::Info,
-            "",
-        )
-        .samples(floor_ns.clone()),
-    );
-    // The programs' own time (bpf_stats) is what the arms differ by; the
-    // trap costs the same in every arm. Computed per repetition: (floor +
-    // the programs' time above the empty ones') ÷ floor, floor the
-    // trainer-CPU figure of the same repetition.
-    let computed = |arm: usize| -> Vec<f64> {
-        prog.iter()
-            .zip(&floor_ns)
-            .filter_map(|((pf, p), f)| Some(1.0 + (p[arm]? - (*pf)?) / f))
-            .collect()
-    };
-    let mut fig = Figure::new(
-        "api_per_call_over_floor_computed",
-        "the same, computed from the programs' own run time (bpf_stats)",
-        Unit::Ratio,
-        Goal::AtMost(1.15),
-        "≤ 1.15",
-    )
-    .note(
-        "1 + (api programs' run time per call − the empty entry and return programs' per call) ÷ the floor per call, each repetition; \
-         bpf_stats' own two clock reads per run are in both and cancel; what a program costs the target beyond its run time \
-         (caches, the ring's pages) is not in it",
-    );
-    let as_built = computed(0);
-    fig = if as_built.is_empty() {
-        fig.missing(
-            "no run_time_ns in the programs' fdinfo (kernel.bpf_stats_enabled could not be set?)",
-        )
-    } else {
-        fig.samples(as_built)
-    };
-    s.figures.push(fig);
-    let hash = computed(1);
-    if !hash.is_empty() {
-        s.figures.push(
-            Figure::new(
-                "api_hash_per_call_over_floor_computed",
-                "the same computed, DYNPROF_API_SLOTS=0",
-                Unit::Ratio,
-                Goal::Info,
-                "",
-            )
-            .samples(hash),
-        );
-    }
-    for (i, (key, name)) in [
-        (
-            "api_prog_ns_per_call",
-            "api programs' run time per call (entry + return, bpf_stats)",
-        ),
-        ("api_hash_prog_ns_per_call", "the same, DYNPROF_API_SLOTS=0"),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let v: Vec<f64> = prog.iter().filter_map(|(_, p)| p[i]).collect();
-        if !v.is_empty() {
-            s.figures
-                .push(Figure::new(key, name, Unit::Ns, Goal::Info, "").samples(v));
-        }
-    }
-    let v: Vec<f64> = prog.iter().filter_map(|(pf, _)| *pf).collect();
-    if !v.is_empty() {
-        s.figures.push(
-            Figure::new(
-                "api_floor_prog_ns_per_call",
-                "the floor's empty programs' run time per call (bpf_stats)",
-                Unit::Ns,
-                Goal::Info,
-                "",
-            )
-            .samples(v),
-        );
-    }
-    s.figures.push(
-        Figure::new(
-            "api_hash_per_call_over_floor",
-            "the same, every thread's stack in the hash (DYNPROF_API_SLOTS=0)",
-            Unit::Ratio,
-            Goal::Info,
-            "",
-        )
-        .samples(hash_ns.iter().zip(&floor_ns).map(|(a, f)| a / f).collect())
-        .note(
-            "the api collector as before the stack slots: a hash lookup of the thread's stack at entry and at return; \
-             the same repetitions as the line above, the two arms alternating which runs first",
-        ),
-    );
-    s.figures.push(
-        Figure::new(
-            "api_slot_minus_hash_ns_per_call",
-            "API collector per call, stack slots − hash",
-            Unit::Ns,
-            Goal::Info,
-            "",
-        )
-        .samples(api_ns.iter().zip(&hash_ns).map(|(a, h)| a - h).collect()),
-    );
-    let ratio: Vec<f64> = wins
-        .iter()
-        .zip(&bare)
-        .map(|(w, b)| w.steps_per_s / b)
-        .collect();
-    let bare_calls = stats::median(&bare).unwrap_or(0.0) * (calls_per_step + 2) as f64;
-    s.figures.push(
-        Figure::new("api_on_over_off", "steps/s, api collector on ÷ off", Unit::Ratio, Goal::Info, "")
-            .samples(ratio)
-            .note(format!(
-                "acl_trainer --calls-per-step {calls_per_step}: {:.2}M API calls/s bare. With the collector every call takes an entry \
-                 uprobe and a return uprobe (two traps, ~{:.0} µs per call here), so the target itself cannot call faster than the rate below",
-                bare_calls / 1e6,
-                1e6 / stats::median(&wins.iter().map(|w| w.events_per_s()).collect::<Vec<_>>()).unwrap_or(1.0)
-            )),
-    );
-    let ok: Vec<f64> = wins
-        .iter()
-        .filter(|w| w.drops == 0)
-        .map(|w| w.events_per_s())
-        .collect();
-    let mut f = Figure::new(
-        "api_events_per_s_zero_drops",
-        "API events/s sustained with zero drops (capacity, bounded by the producer's traps)",
-        Unit::PerSec,
-        Goal::Info,
-        "",
-    )
-    .samples(ok.clone());
-    if ok.len() < wins.len() {
-        f.note = format!(
-            "{} of {} windows had drops at the default ring",
-            wins.len() - ok.len(),
-            wins.len()
-        );
-    }
-    s.figures.push(f);
-    let ok2: Vec<f64> = wins2
-        .iter()
-        .filter(|w| w.drops == 0)
-        .map(|w| w.events_per_s())
-        .collect();
-    let mut f2 = Figure::new(
-        "api_events_per_s_zero_drops_2t",
-        "API events/s sustained with zero drops, 2 calling threads (capacity)",
-        Unit::PerSec,
-        Goal::Info,
-        "",
-    )
-    .samples(ok2.clone())
-    .note(format!(
-        "acl_trainer --launch-threads 2: each step's {calls_per_step} launches split over two threads calling at once (the \
-         simulated runtime serializes them on one mutex); {} of {} windows without drops. Median {:.0}k/s against {:.0}k/s \
-         with one thread: {}",
-        ok2.len(),
-        wins2.len(),
-        stats::median(&ok2).unwrap_or(0.0) / 1e3,
-        stats::median(&ok).unwrap_or(0.0) / 1e3,
-        if stats::median(&ok2).unwrap_or(0.0) < 1.3 * stats::median(&ok).unwrap_or(f64::INFINITY) {
-            "a second calling thread adds little, so the limit is on the producer side (the two traps per call and the \
-             kernel paths both threads share), not dynprof's reader, whose CPU per event gives the capacity below"
-        } else {
-            "the rate scales with calling threads: one thread's traps were the limit"
-        }
-    ));
-    if ok2.is_empty() {
-        f2 = f2.missing("no window without drops");
-    }
-    s.figures.push(f2);
-    // Consumer capacity, computed from dynprof's CPU per event while the
-    // window runs (drain, decode, keep), and the whole session's.
-    let drain_ns: Vec<f64> = wins
-        .iter()
-        .filter(|w| w.events > 0)
-        .map(|w| w.drain_cpu_ns as f64 / w.events as f64)
-        .collect();
-    let total_ns: Vec<f64> = wins
-        .iter()
-        .filter(|w| w.events > 0)
-        .map(|w| w.dp_cpu_ns as f64 / w.events as f64)
-        .collect();
-    if let Some(m) = stats::median(&drain_ns) {
-        s.figures.push(
-            Figure::new(
-                "api_drain_ns_per_event",
-                "dynprof CPU per API event while the window runs",
-                Unit::Ns,
-                Goal::Info,
-                "",
-            )
-            .samples(drain_ns.clone()),
-        );
-        s.figures.push(
-            Figure::new(
-                "api_session_ns_per_event",
-                "dynprof CPU per API event, whole session (incl. writing the window)",
-                Unit::Ns,
-                Goal::Info,
-                "",
-            )
-            .samples(total_ns.clone()),
-        );
-        s.figures.push(
-            Figure::new("api_consumer_capacity", "consumer capacity, one core, while the window runs", Unit::PerSec, Goal::Info, "")
-                .value(1e9 / m)
-                .computed()
-                .note("1 s ÷ dynprof's CPU time per event during the window (ring drain, decode, buffering); writing trace.json etc. comes after the window"),
-        );
-    }
-    let onset = sweep
-        .iter()
-        .filter(|(_, w)| w.api_drops > 0)
-        .map(|(kb, _)| *kb)
-        .max();
-    let clean = sweep
-        .iter()
-        .filter(|(_, w)| w.api_drops == 0)
-        .map(|(kb, _)| *kb)
-        .min();
-    let rate = stats::median(&ok).unwrap_or(0.0);
-    let mut f = Figure::new(
-        "api_drop_onset",
-        "ring size (KiB) where drops begin, at that rate",
-        Unit::Count,
-        Goal::Info,
-        "",
-    );
-    f = match onset {
-        Some(kb) => f.value(kb as f64).note(format!(
-            "no drops at the default 4096 KiB ring up to the highest rate the probed target reaches ({:.0}k events/s); drops appear with a ring of {kb} KiB or less{}",
-            rate / 1e3,
-            clean.map(|c| format!(", none at {c} KiB")).unwrap_or_default()
-        )),
-        None => f.missing(format!(
-            "no drops at any ring size tried ({} KiB) at {:.0}k events/s, the highest rate the probed target reaches",
-            rings.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "),
-            rate / 1e3
-        )),
-    };
-    s.figures.push(f);
-    s.raw = Json::obj(vec![
-        ("calls_per_step", Json::int(calls_per_step)),
-        ("window_steps", Json::int(win_steps)),
-        ("off_steps_per_s", Json::nums(&bare)),
-        (
-            "cpu_ns_per_step_bare_floor_api_hash",
-            Json::Arr(floor.iter().map(|c| Json::nums(c)).collect()),
-        ),
-        ("floor_spec", Json::s(FLOOR_SPEC)),
-        (
-            "on_steps_per_s",
-            Json::nums(&wins.iter().map(|w| w.steps_per_s).collect::<Vec<_>>()),
-        ),
-        (
-            "on_events",
-            Json::nums(&wins.iter().map(|w| w.events as f64).collect::<Vec<_>>()),
-        ),
-        (
-            "on_window_s",
-            Json::nums(&wins.iter().map(|w| w.window_s).collect::<Vec<_>>()),
-        ),
-        (
-            "on_drops",
-            Json::nums(&wins.iter().map(|w| w.drops as f64).collect::<Vec<_>>()),
-        ),
-        (
-            "dynprof_cpu_ns",
-            Json::nums(&wins.iter().map(|w| w.dp_cpu_ns as f64).collect::<Vec<_>>()),
-        ),
-        (
-            "dynprof_drain_cpu_ns",
-            Json::nums(
-                &wins
-                    .iter()
-                    .map(|w| w.drain_cpu_ns as f64)
-                    .collect::<Vec<_>>(),
-            ),
-        ),
-        (
-            "dynprof_vmhwm_kb",
-            Json::nums(&wins.iter().map(|w| w.hwm_kb as f64).collect::<Vec<_>>()),
-        ),
-        (
-            "ring_sweep",
-            Json::Arr(
-                sweep
-                    .iter()
-                    .map(|(kb, w)| {
-                        Json::obj(vec![
-                            ("ring_kb", Json::int(*kb as u64)),
-                            ("events", Json::int(w.events)),
-                            ("events_per_s", Json::num(w.events_per_s())),
-                            ("api_drops", Json::int(w.api_drops)),
-                        ])
-                    })
-                    .collect(),
-            ),
-        ),
-    ]);
-    Ok(s)
+    Ok(wins2)
 }
 
 /// Total `calls` in an api_summary.csv (`api,calls,total_ns,...`).
