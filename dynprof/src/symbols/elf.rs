@@ -473,12 +473,17 @@ pub enum Cfi {
     /// `.eh_frame` at its section addresses, with its binary-search index
     /// `.eh_frame_hdr` where the file has one.
     EhFrame {
-        eh_frame: (std::ops::Range<u64>, Vec<u8>),
-        hdr: Option<(std::ops::Range<u64>, Vec<u8>)>,
+        eh_frame: (std::ops::Range<u64>, SectionData),
+        hdr: Option<(std::ops::Range<u64>, SectionData)>,
     },
     /// `.debug_frame` (not loaded; its FDEs hold absolute addresses).
-    DebugFrame(Vec<u8>),
+    DebugFrame(SectionData),
 }
+
+/// A section's bytes, shared: the unwinder's modules hold the same bytes
+/// as the tables they were built from (libtorch_cpu's `.eh_frame` alone is
+/// 9.5 MiB, and a copy per module doubled it).
+pub type SectionData = std::sync::Arc<[u8]>;
 
 impl Cfi {
     /// Which of a file's tables to unwind it with. Code built with
@@ -489,9 +494,9 @@ impl Cfi {
     /// code (`.debug_frame`'s FDEs are larger, so a tie goes to it too, and
     /// that choice is also complete).
     pub fn choose(
-        eh_frame: Option<(std::ops::Range<u64>, Vec<u8>)>,
-        hdr: Option<(std::ops::Range<u64>, Vec<u8>)>,
-        debug_frame: Option<Vec<u8>>,
+        eh_frame: Option<(std::ops::Range<u64>, SectionData)>,
+        hdr: Option<(std::ops::Range<u64>, SectionData)>,
+        debug_frame: Option<SectionData>,
     ) -> Option<Cfi> {
         match (eh_frame, debug_frame) {
             (Some(e), Some(d)) if d.len() > e.1.len() => Some(Cfi::DebugFrame(d)),
@@ -671,7 +676,7 @@ impl ElfImage {
         let section = |name: &str| {
             let s = file.section_by_name(name)?;
             let data = s.data().ok().filter(|d| !d.is_empty())?;
-            Some((address_range(&s)?, data.to_vec()))
+            Some((address_range(&s)?, SectionData::from(data)))
         };
         let cfi = Cfi::choose(
             section(".eh_frame"),

@@ -115,7 +115,6 @@ pub fn module(
     // avma = svma + bias; framehop wants the address `base_svma` (0 here)
     // is mapped at, and looks addresses up relative to it in 32 bits.
     let bias = avma.start.checked_sub(svma_at_start)?;
-    let arc = |v: &Vec<u8>| -> Arc<[u8]> { Arc::from(v.as_slice()) };
     let mut info = framehop::ExplicitModuleSectionInfo {
         base_svma: 0,
         text_svma: s.text.clone(),
@@ -124,11 +123,11 @@ pub fn module(
     match &s.cfi {
         Cfi::EhFrame { eh_frame, hdr } => {
             info.eh_frame_svma = Some(eh_frame.0.clone());
-            info.eh_frame = Some(arc(&eh_frame.1));
+            info.eh_frame = Some(eh_frame.1.clone());
             info.eh_frame_hdr_svma = hdr.as_ref().map(|h| h.0.clone());
-            info.eh_frame_hdr = hdr.as_ref().map(|h| arc(&h.1));
+            info.eh_frame_hdr = hdr.as_ref().map(|h| h.1.clone());
         }
-        Cfi::DebugFrame(d) => info.debug_frame = Some(arc(d)),
+        Cfi::DebugFrame(d) => info.debug_frame = Some(d.clone()),
     }
     Some(Module::new(name.to_string(), avma, bias, info))
 }

@@ -323,20 +323,22 @@ fn debuglinks_are_plain_names_with_their_crc() {
 
 #[test]
 fn cfi_prefers_the_table_that_covers_the_code() {
-    let eh = |n: usize| Some((0x1000..0x1000 + n as u64, vec![0u8; n]));
-    let hdr = Some((0x900..0x924, vec![0u8; 0x24]));
+    let eh = |n: usize| Some((0x1000..0x1000 + n as u64, vec![0u8; n].into()));
+    let hdr = Some((0x900..0x924, vec![0u8; 0x24].into()));
     // -fno-asynchronous-unwind-tables -g: the C runtime's .eh_frame is
     // smaller than the code's .debug_frame.
-    let c = Cfi::choose(eh(0x88), hdr.clone(), Some(vec![0; 0x290])).unwrap();
+    let c = Cfi::choose(eh(0x88), hdr.clone(), Some(vec![0; 0x290].into())).unwrap();
     assert_eq!(c.name(), ".debug_frame");
     // The usual build: .eh_frame only, or a larger .eh_frame.
     let c = Cfi::choose(eh(0x4000), hdr.clone(), None).unwrap();
     assert!(matches!(c, Cfi::EhFrame { hdr: Some(_), .. }));
-    let c = Cfi::choose(eh(0x4000), None, Some(vec![0; 0x100])).unwrap();
+    let c = Cfi::choose(eh(0x4000), None, Some(vec![0; 0x100].into())).unwrap();
     assert_eq!(c.name(), ".eh_frame");
     // Either alone; neither.
     assert_eq!(
-        Cfi::choose(None, None, Some(vec![0; 8])).unwrap().name(),
+        Cfi::choose(None, None, Some(vec![0; 8].into()))
+            .unwrap()
+            .name(),
         ".debug_frame"
     );
     assert!(Cfi::choose(None, hdr, None).is_none());
