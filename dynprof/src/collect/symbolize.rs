@@ -408,7 +408,8 @@ impl Symbolizer {
         let segments = debug.as_ref().map(|_| img.load_segments());
         let named = debug.as_ref().unwrap_or(&img);
         let sparse = named.sparse();
-        let copy = rootfs::sealed_sparse_copy("dynprof-sym", sparse.file_len(), sparse.chunks());
+        let copy =
+            rootfs::sealed_sparse_copy("dynprof-sym", sparse.file_len(), sparse.symbol_chunks());
         let (file, path) = match copy {
             Ok(c) => c,
             Err(e) => {

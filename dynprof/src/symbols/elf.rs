@@ -84,21 +84,37 @@ pub struct Sparse {
     len: u64,
     chunks: Vec<(u64, Vec<u8>)>,
     total: u64,
+    /// Offsets of the chunks read only as unwind tables.
+    unwind_only: Vec<u64>,
 }
+
+/// What [`Loader::load`] calls the unwind tables it reads.
+const UNWIND_TABLE: &str = "unwind table";
 
 impl Sparse {
     fn chunk(&self, offset: u64, size: u64) -> Option<&[u8]> {
+        let (start, bytes) = self.covering(offset, size)?;
+        Some(&bytes[(offset - start) as usize..(offset + size - start) as usize])
+    }
+
+    /// The chunk that holds `size` bytes at `offset`, with its offset.
+    fn covering(&self, offset: u64, size: u64) -> Option<(u64, &[u8])> {
         let end = offset.checked_add(size)?;
         self.chunks.iter().find_map(|(start, bytes)| {
             let cend = start + bytes.len() as u64;
-            (offset >= *start && end <= cend)
-                .then(|| &bytes[(offset - start) as usize..(end - start) as usize])
+            (offset >= *start && end <= cend).then_some((*start, bytes.as_slice()))
         })
     }
 
-    /// The pieces read, (file offset, bytes): what a snapshot must hold.
-    pub fn chunks(&self) -> impl Iterator<Item = (u64, &[u8])> {
-        self.chunks.iter().map(|(o, b)| (*o, b.as_slice()))
+    /// The pieces read, (file offset, bytes), less those read only as
+    /// unwind tables: what a symbolization snapshot must hold. The unwind
+    /// tables are kept apart ([`ElfImage::unwind_sections`]); copied into
+    /// the snapshot as well, libtorch_cpu's 11 MiB would be held twice.
+    pub fn symbol_chunks(&self) -> impl Iterator<Item = (u64, &[u8])> {
+        self.chunks
+            .iter()
+            .filter(|(o, _)| !self.unwind_only.contains(o))
+            .map(|(o, b)| (*o, b.as_slice()))
     }
 
     /// The size of the whole file.
@@ -191,7 +207,15 @@ impl Loader<'_> {
     /// Reads `size` bytes at `offset` after checking them against the
     /// file's real size and the caps.
     fn load(&mut self, what: &str, offset: u64, size: u64, cap: u64) -> Result<()> {
-        if size == 0 || self.sparse.chunk(offset, size).is_some() {
+        if size == 0 {
+            return Ok(());
+        }
+        if let Some((start, _)) = self.sparse.covering(offset, size) {
+            // Read already; a hostile file's symbol table may overlay its
+            // unwind table, which the snapshot then needs after all.
+            if what != UNWIND_TABLE {
+                self.sparse.unwind_only.retain(|o| *o != start);
+            }
             return Ok(());
         }
         if size > cap {
@@ -223,6 +247,9 @@ impl Loader<'_> {
             .with_context(|| format!("reading its {what} (bytes {offset}..{end})"))?;
         self.sparse.total += size;
         self.sparse.chunks.push((offset, bytes));
+        if what == UNWIND_TABLE {
+            self.sparse.unwind_only.push(offset);
+        }
         Ok(())
     }
 }
@@ -336,7 +363,7 @@ fn load_parts<Elf: FileHeader<Endian = Endianness>>(
             || name == b".eh_frame_hdr"
             || (name == b".debug_frame" && eh_frame_size.is_none_or(|e| size > e));
         if table && readable_table(h).is_some() {
-            wanted.push(("unwind table", off, size, limits::EH_FRAME));
+            wanted.push((UNWIND_TABLE, off, size, limits::EH_FRAME));
         }
         if name == b".gnu_debuglink" && size <= limits::DEBUGLINK {
             wanted.push((".gnu_debuglink section", off, size, limits::DEBUGLINK));

@@ -60,6 +60,7 @@ fn string_range_ending_before_it_starts_is_an_error() {
         len: 200,
         chunks: vec![(100, b"abc\0".to_vec())],
         total: 4,
+        unwind_only: Vec::new(),
     };
     // As the section headers give it: a start past the end.
     let backwards = std::ops::Range {
@@ -342,4 +343,34 @@ fn cfi_prefers_the_table_that_covers_the_code() {
         ".debug_frame"
     );
     assert!(Cfi::choose(None, hdr, None).is_none());
+}
+
+#[test]
+fn the_symbol_snapshot_holds_the_symbol_tables_but_not_the_unwind_tables() {
+    let exe = std::env::current_exe().unwrap();
+    let img = ElfImage::open(&exe).unwrap();
+    let file = img.file();
+    let range = |name: &str| {
+        let (off, size) = file.section_by_name(name).unwrap().file_range().unwrap();
+        off..off + size
+    };
+    let (eh, symtab) = (range(".eh_frame"), range(".symtab"));
+    assert!(img.unwind_sections().is_some(), "the unwinder's tables");
+    let pieces: Vec<std::ops::Range<u64>> = img
+        .sparse()
+        .symbol_chunks()
+        .map(|(o, b)| o..o + b.len() as u64)
+        .collect();
+    assert!(
+        pieces
+            .iter()
+            .any(|p| p.start <= symtab.start && symtab.end <= p.end),
+        ".symtab {symtab:?} not among {pieces:?}"
+    );
+    assert!(
+        pieces
+            .iter()
+            .all(|p| p.end <= eh.start || p.start >= eh.end),
+        ".eh_frame {eh:?} copied: {pieces:?}"
+    );
 }
