@@ -1,4 +1,5 @@
 use super::*;
+use object::read::ReadRef as _;
 
 #[test]
 fn strips_parameters_but_not_templates() {
