@@ -35,6 +35,28 @@ fn thread_stack(tid: u32) -> Option<*mut ApiStack> {
     API_STACK.get_ptr_mut(&tid)
 }
 
+/// The event of a call that returned `ret`, begun at `start_ns`: what both
+/// return programs write once they have found the call's frame.
+#[inline(always)]
+fn emit_call(tid: u32, api: u32, start_ns: u64, ret: i64) {
+    let now = unsafe { bpf_ktime_get_ns() };
+    emit(
+        ApiEvent {
+            hdr: EventHeader {
+                kind: kind::API,
+                tid,
+                ts_ns: start_ns,
+            },
+            api,
+            _pad: 0,
+            dur_ns: now.saturating_sub(start_ns),
+            ret,
+        },
+        drop_slot::API,
+        batched(),
+    );
+}
+
 /// Entry of a traced runtime API; the cookie is the API index. A call that
 /// begins in the window is pushed on the thread's [`ApiStack`]: in its
 /// `API_SLOTS` slot (no helper call) or else one hash lookup, where a hash
@@ -105,23 +127,7 @@ pub fn dynprof_api_exit(ctx: RetProbeContext) -> u32 {
     // SAFETY: found < API_STACK_DEPTH, the length of `frames`.
     let f = unsafe { *(*st).frames.as_ptr().add(found) };
     unsafe { (*st).depth = found as u32 };
-    let now = unsafe { bpf_ktime_get_ns() };
-    let ret: i64 = ctx.ret();
-    emit(
-        ApiEvent {
-            hdr: EventHeader {
-                kind: kind::API,
-                tid,
-                ts_ns: f.ts_ns,
-            },
-            api,
-            _pad: 0,
-            dur_ns: now.saturating_sub(f.ts_ns),
-            ret,
-        },
-        drop_slot::API,
-        batched(),
-    );
+    emit_call(tid, api, f.ts_ns, ctx.ret());
     0
 }
 
@@ -229,22 +235,6 @@ pub fn dynprof_api_exit_stack(ctx: RetProbeContext) -> u32 {
     if f.in_window == 0 {
         return 0;
     }
-    let now = unsafe { bpf_ktime_get_ns() };
-    let ret: i64 = ctx.ret();
-    emit(
-        ApiEvent {
-            hdr: EventHeader {
-                kind: kind::API,
-                tid,
-                ts_ns: f.ts_ns,
-            },
-            api: f.api,
-            _pad: 0,
-            dur_ns: now.saturating_sub(f.ts_ns),
-            ret,
-        },
-        drop_slot::API,
-        batched(),
-    );
+    emit_call(tid, f.api, f.ts_ns, ctx.ret());
     0
 }
