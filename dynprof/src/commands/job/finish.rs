@@ -283,7 +283,11 @@ impl Controller {
                     .collect::<String>()
             )
         };
-        eprintln!("dynprof: {msg}");
+        // A console window's line goes through the console's printer
+        // (`finish`); printed here too, it reached the user twice.
+        if run.req.source != Source::Console {
+            eprintln!("dynprof: {msg}");
+        }
         if !verification.ok {
             eprintln!(
                 "dynprof: job: alignment NOT confirmed: ranks {:?} not clearly on the reference's iterations (mean start distance over {:.3} ms, or not half of the neighbouring steps'), missing {:?}; largest start spread {:.3} ms",
