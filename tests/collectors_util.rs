@@ -152,7 +152,7 @@ impl Observer for Driver {
     fn on_tick(&mut self, ctx: &mut Ctx) -> anyhow::Result<()> {
         if self.data.is_none()
             && let Some(n) = self.drain_on_hits
-            && ctx.kernel.state()?.step_hits >= n
+            && ctx.kernel.state()?.step_hits() >= n
         {
             self.drain(0, u64::MAX, ctx);
         }
@@ -203,7 +203,7 @@ pub fn record_window(
     // The window is placed relative to the hits counted once everything is
     // attached: arming takes a few ms, and a fast job must not be inside
     // the window before the collectors' probes exist.
-    let base = kernel.state().unwrap().step_hits;
+    let base = kernel.state().unwrap().step_hits();
     let (start, end) = (base + start, base + end);
     let drain_on_hits = drain_on_hits.map(|n| base + n);
     let span = end - start;

@@ -440,3 +440,86 @@ fn windows_collect_none_records_step_timing_only() {
         "{err}"
     );
 }
+
+/// Four threads, the main one among them, hit the step marker together
+/// 200,000 times; the window planned at hit 200,001 must open at the main
+/// thread's lone call after they joined, and close at the next one. The
+/// kernel counts the main thread's hits with a plain add and the other
+/// threads' atomically (`KernelState`): a hit lost between the two would
+/// open the window a call late.
+#[test]
+fn windows_start_at_the_planned_hit_when_threads_step_at_once() {
+    require_privileges!();
+    const THREADS: u64 = 4;
+    const CALLS: u64 = 50_000;
+    let n = THREADS * CALLS;
+    let dir = scratch_dir("windows_step_threads");
+    let log = dir.join("stepthreads.log");
+    let p = Proc::spawn_ready(
+        Command::new(&fixtures().stepthreads)
+            .args(["--threads", &THREADS.to_string()])
+            .args(["--calls", &CALLS.to_string()])
+            .arg("--log")
+            .arg(&log),
+    );
+    let out = dir.join("out");
+    let pid = p.pid.to_string();
+    let start = (n + 1).to_string();
+    let mut d = spawn(
+        &[
+            "attach",
+            "--pid",
+            &pid,
+            "--marker",
+            "exe:step_here",
+            "--start-step",
+            &start,
+            "--active",
+            "1",
+            "--collect",
+            "none",
+            "--output",
+            out.to_str().unwrap(),
+        ],
+        false,
+    );
+    d.wait_for("attached step marker", T);
+    // SAFETY: kill(2) on the fixture's pid, which this test owns.
+    assert_eq!(unsafe { libc::kill(p.pid as i32, libc::SIGUSR1) }, 0);
+    assert!(d.wait_exit(T).success(), "{}", d.transcript());
+    let dirs = prof_dirs(&out);
+    assert_eq!(dirs.len(), 1, "{}", d.transcript());
+    let m = meta(&dirs[0]);
+    assert_eq!(m["complete"], true, "{m}");
+    assert_eq!(recorded(&m), vec![n + 1]);
+    // Every call up to the window's end is in the log once a later one is.
+    let end = boundary(&m, n + 2);
+    let deadline = std::time::Instant::now() + T;
+    let calls = loop {
+        let calls = read_log(&log);
+        if calls.iter().any(|c| c.before > end) {
+            break calls;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fixture logged no call after the window's end"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let call_at = |ts: u64| {
+        calls
+            .iter()
+            .find(|c| c.before <= ts && ts <= c.after)
+            .map(|c| (c.kind.as_str(), c.index))
+    };
+    // The lone calls are logged by number: `last n+1`, `after n+2`,
+    // `extra n+3`, ….
+    assert_eq!(
+        call_at(boundary(&m, n + 1)),
+        Some(("last", n + 1)),
+        "hit {} must be the main thread's lone call after the {n} concurrent ones \
+         (a later call: hits were lost)",
+        n + 1
+    );
+    assert_eq!(call_at(end), Some(("after", n + 2)));
+}

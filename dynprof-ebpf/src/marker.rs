@@ -94,13 +94,24 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
         return 0;
     };
     let (step, gate, wake) = if cfg.role == role::STEP {
-        // Several threads may hit step markers; the counter must not lose one.
-        // aya-build links for BPF cpu v1, whose XADD cannot return the old
-        // value: add atomically (no hit is ever lost), then read back. Two
-        // threads hitting at the same instant may read the same index.
+        // Several threads may hit step markers; the count must not lose one
+        // (`KernelState`). The main thread is the only writer of
+        // `main_hits`, so a plain add is exact there and saves the locked
+        // instruction; the others add atomically. aya-build links for BPF
+        // cpu v1, whose XADD cannot return the old value: add, then read
+        // back. Two threads hitting at the same instant may read the same
+        // index.
         let k = unsafe {
-            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*state).step_hits, 1);
-            core::ptr::read_volatile(&raw const (*state).step_hits)
+            let main = &raw mut (*state).main_hits;
+            let other = &raw mut (*state).other_hits;
+            if tid == core::ptr::read_volatile(&TARGET_TGID) {
+                let n = core::ptr::read_volatile(main).wrapping_add(1);
+                core::ptr::write_volatile(main, n);
+                n.wrapping_add(core::ptr::read_volatile(other))
+            } else {
+                atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(other, 1);
+                core::ptr::read_volatile(main).wrapping_add(core::ptr::read_volatile(other))
+            }
         };
         let (open, wake) = match PLAN.get(0) {
             Some(p) => p.at(k),
@@ -124,7 +135,11 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
         }
         (k, open, wake)
     } else {
-        unsafe { ((*state).step_hits, (*state).gate != 0, false) }
+        unsafe {
+            let k = core::ptr::read_volatile(&raw const (*state).main_hits)
+                .wrapping_add(core::ptr::read_volatile(&raw const (*state).other_hits));
+            (k, (*state).gate != 0, false)
+        }
     };
     let flags = if wake {
         ringbuf::FORCE_WAKEUP

@@ -119,6 +119,8 @@ pub struct Fixtures {
     pub libfixture_marker: PathBuf,
     /// Two threads ping-ponging over pipes: a dense off-CPU target.
     pub pingpong: PathBuf,
+    /// Several threads hitting one step marker at once.
+    pub stepthreads: PathBuf,
     /// 12 calls deep without frame pointers (tests/unwind_native.rs).
     pub deepstack: PathBuf,
     /// The same, built with `-fno-unwind-tables
@@ -206,6 +208,7 @@ fn fixtures_in(dir: PathBuf, src_dir: PathBuf) -> Result<Fixtures> {
         dlopen_trainer: dir.join("dlopen_trainer"),
         libfixture_marker: dir.join("libfixture_marker.so"),
         pingpong: dir.join("pingpong"),
+        stepthreads: dir.join("stepthreads"),
         deepstack: dir.join("deepstack"),
         deepstack_debug_frame: dir.join("deepstack_debug_frame"),
         usdt_train_py: src_dir.join("usdt_train.py"),

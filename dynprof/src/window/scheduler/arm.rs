@@ -58,7 +58,7 @@ impl Scheduler {
         }
         self.markers_error = None;
         // A step that began while they were being attached lost hits.
-        self.markers_live_from = kernel.state().ok().map(|s| s.step_hits + 1);
+        self.markers_live_from = kernel.state().ok().map(|s| s.step_hits() + 1);
     }
 
     /// Steps ahead of a window at which its collectors are armed.
@@ -91,7 +91,7 @@ impl Scheduler {
         if self.state.window().is_some() || plan.start_step == 0 {
             return;
         }
-        let Ok(c) = kernel.state().map(|s| s.step_hits) else {
+        let Ok(c) = kernel.state().map(|s| s.step_hits()) else {
             return;
         };
         if crate::window::first_start(plan, c) <= c + self.lead().max(min_lead) {
@@ -116,14 +116,14 @@ impl Scheduler {
                 "collector {} armed in {:?} (step hits {:?})",
                 self.collectors[i].name(),
                 t0.elapsed(),
-                kernel.state().map(|s| s.step_hits).ok()
+                kernel.state().map(|s| s.step_hits()).ok()
             );
             match r {
                 Ok(()) => {
                     // Read after attaching: a step that began while the
                     // probes were being attached is not covered. (Unknown
                     // step count: assume covered, as before arming.)
-                    let live_from = kernel.state().map(|s| s.step_hits + 1).unwrap_or(0);
+                    let live_from = kernel.state().map(|s| s.step_hits() + 1).unwrap_or(0);
                     self.armed[i] = Some(live_from);
                     self.arm_error[i] = None;
                 }

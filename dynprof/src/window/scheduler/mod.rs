@@ -112,7 +112,7 @@ struct At<'a> {
 
 impl PlanRegister for Kernel {
     fn step_hits(&mut self) -> Result<u64> {
-        Ok(self.state()?.step_hits)
+        Ok(self.state()?.step_hits())
     }
     fn set_plan(&mut self, cfg: PlanConfig) -> Result<()> {
         Kernel::set_plan(self, cfg)
