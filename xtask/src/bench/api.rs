@@ -194,10 +194,6 @@ impl Arm {
     }
 }
 
-/// `BPF_PROG_TYPE_KPROBE`: uprobe programs (dynprof's markers, the api
-/// programs, the bench's empty probes).
-const PROG_TYPE_KPROBE: &str = "2";
-
 /// [`cpu_per_step`], then the uprobe programs of process `owner` (dynprof,
 /// or the floor's helper) over the next 0.5 s with the kernel's bpf_stats
 /// on: their run time per call. An entry and a return run per call, so
@@ -213,9 +209,9 @@ fn cpu_and_prog_per_call(
 ) -> Result<(f64, Option<f64>)> {
     let c = cpu_per_step(pid, log, secs)?;
     let stats = procs::BpfStats::on("api");
-    let s0 = procs::bpf_prog_stats(owner, PROG_TYPE_KPROBE);
+    let s0 = procs::bpf_prog_stats(owner, procs::PROG_TYPE_KPROBE);
     std::thread::sleep(Duration::from_millis(500));
-    let s1 = procs::bpf_prog_stats(owner, PROG_TYPE_KPROBE);
+    let s1 = procs::bpf_prog_stats(owner, procs::PROG_TYPE_KPROBE);
     drop(stats);
     let prog = match (s0, s1) {
         (Some((t0, n0)), Some((t1, n1))) if n1 > n0 + 1 && t1 > t0 => {

@@ -338,6 +338,9 @@ pub fn read_trimmed(p: impl AsRef<Path>) -> Option<String> {
 /// `BPF_PROG_TYPE_PERF_EVENT` in a program fd's fdinfo: dynprof's only
 /// program of that type is the cpu sampler.
 pub const PROG_TYPE_PERF_EVENT: &str = "7";
+/// `BPF_PROG_TYPE_KPROBE`: uprobe programs (dynprof's markers, the api
+/// programs, the bench's empty probes).
+pub const PROG_TYPE_KPROBE: &str = "2";
 /// `BPF_PROG_TYPE_TRACEPOINT`: dynprof's only one is the off-CPU
 /// collector's sched_switch program.
 pub const PROG_TYPE_TRACEPOINT: &str = "5";
