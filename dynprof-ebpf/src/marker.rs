@@ -110,7 +110,7 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
                 n.wrapping_add(core::ptr::read_volatile(other))
             } else {
                 atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(other, 1);
-                core::ptr::read_volatile(main).wrapping_add(core::ptr::read_volatile(other))
+                step_count(state)
             }
         };
         let (open, wake) = match PLAN.get(0) {
@@ -135,11 +135,7 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
         }
         (k, open, wake)
     } else {
-        unsafe {
-            let k = core::ptr::read_volatile(&raw const (*state).main_hits)
-                .wrapping_add(core::ptr::read_volatile(&raw const (*state).other_hits));
-            (k, (*state).gate != 0, false)
-        }
+        (step_count(state), unsafe { (*state).gate != 0 }, false)
     };
     let flags = if wake {
         ringbuf::FORCE_WAKEUP
@@ -163,6 +159,17 @@ fn marker_hit(regs: *const pt_regs, tid: u32, marker: u32) -> u32 {
         flags,
     );
     0
+}
+
+/// The step index now: both counters, read volatile since other CPUs write
+/// them (`KernelState::step_hits` on the user-space side).
+#[inline(always)]
+fn step_count(state: *const KernelState) -> u64 {
+    // SAFETY: `state` is the STATE map's value, valid for this program run.
+    unsafe {
+        core::ptr::read_volatile(&raw const (*state).main_hits)
+            .wrapping_add(core::ptr::read_volatile(&raw const (*state).other_hits))
+    }
 }
 
 /// Fewer than `steplog::MAX_UNREAD` steps before `k` are unread.
