@@ -28,6 +28,7 @@ mod torch;
 mod torch_seg;
 mod trigger;
 mod vms;
+mod window;
 
 use std::time::Instant;
 
@@ -50,9 +51,9 @@ pub struct Opts {
     pub no_build: bool,
 }
 
-const SECTIONS: [&str; 12] = [
-    "probe", "sites", "idle", "torch", "attach", "api", "trigger", "job", "stacks", "offcpu",
-    "agent", "later",
+const SECTIONS: [&str; 13] = [
+    "probe", "sites", "idle", "window", "torch", "attach", "api", "trigger", "job", "stacks",
+    "offcpu", "agent", "later",
 ];
 
 fn parse(args: &[String]) -> Result<Opts> {
@@ -140,7 +141,7 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut sections: Vec<Section> = Vec::new();
     type Runner = fn(&Ctx) -> Result<Section>;
     // Sections 6 and 7 first: section 8 uses the per-trap cost of 7.
-    let plan: [(&str, &str, Runner); 12] = [
+    let plan: [(&str, &str, Runner); 13] = [
         (
             "probe",
             "6. Probe cost per hit by first instruction (hitloop)",
@@ -155,6 +156,11 @@ pub fn run(args: &[String]) -> Result<()> {
             "idle",
             "8. Idle overhead on PyTorch, resolved (thread CPU per step)",
             idle::run,
+        ),
+        (
+            "window",
+            "14. A window's overhead on PyTorch, resolved (thread CPU per step)",
+            window::run,
         ),
         (
             "torch",

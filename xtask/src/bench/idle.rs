@@ -32,7 +32,7 @@ use super::{
 };
 
 /// `run bare N` → the training thread's CPU ns over the N steps.
-fn steps_cpu_ns(py: &mut Proc, n: u64) -> Result<f64> {
+pub(super) fn steps_cpu_ns(py: &mut Proc, n: u64) -> Result<f64> {
     py.send(&format!("run bare {n}"))?;
     let l = py.wait_prefix(Duration::from_secs(600), "result")?;
     l.text
