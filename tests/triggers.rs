@@ -157,16 +157,19 @@ fn console_through_a_real_pty() {
     d.wait_for("console ready", T);
     let i = d.wait_for("dynprof> ", T);
     // Keys go through the pty; the echo shows the line after the prompt.
-    d.send("status\r");
+    d.type_keys("status\r");
     d.wait_for_from(i, "status", T);
     let i = d.wait_for_from(i, "steps seen", T);
     d.wait_for_from(i, "dynprof> ", T);
-    d.send("capture 1\r");
+    d.type_keys("capture 1\r");
     let i = d.wait_for_from(i, "window records steps", T);
     let i = d.wait_for_from(i, "window 1 written", T);
-    d.wait_for_from(i, "dynprof> ", T);
-    d.send("quit\r");
-    d.wait_for("detaching", T);
+    let i = d.wait_for_from(i, "dynprof> ", T);
+    // Typed ahead: two lines arrive in one read. The second must not be
+    // lost with the first line's read buffer.
+    d.type_keys("status\rquit\r");
+    let i = d.wait_for_from(i, "windows written 1", T);
+    d.wait_for_from(i, "detaching", T);
     assert!(d.wait_exit(T).success(), "{}", d.transcript());
     assert_eq!(prof_dirs(&out).len(), 1);
     assert!(p.is_running());

@@ -146,6 +146,16 @@ impl Running {
         s.flush().unwrap();
     }
 
+    /// Writes `keys` exactly, in one write, as a terminal sends what is
+    /// typed: Enter is `\r`, and no newline is added (through a pty in raw
+    /// mode a `\n` would be one more key, Ctrl-J).
+    pub fn type_keys(&mut self, keys: &str) {
+        let s = self.stdin.as_mut().expect("stdin piped");
+        s.write_all(keys.as_bytes())
+            .expect("writing to dynprof's stdin");
+        s.flush().unwrap();
+    }
+
     pub fn close_stdin(&mut self) {
         self.stdin.take();
     }

@@ -157,8 +157,9 @@ impl Session {
         mut commands: Option<mpsc::UnboundedReceiver<C>>,
     ) -> Result<SessionSummary> {
         let started = Instant::now();
-        // Opt-in: a short time slice, so that a boundary's wakeup need not
-        // wait out a busy job's (sys::sched). Per thread: the event loop's.
+        // A short time slice (unless DYNPROF_EVENT_SLICE_US=0), so that a
+        // boundary's wakeup need not wait out a busy job's (sys::sched).
+        // Per thread: the event loop's.
         match crate::sys::sched::set_slice(crate::sys::sched::configured_slice_us()) {
             Ok(s) => log::debug!("event loop time slice: {s:?}"),
             Err(e) => log::debug!("event loop time slice: not set: {e}"),
