@@ -140,10 +140,9 @@ impl Running {
         self.wait_for_from(0, needle, timeout)
     }
 
+    /// One line to a piped console, newline added.
     pub fn send(&mut self, line: &str) {
-        let s = self.stdin.as_mut().expect("stdin piped");
-        writeln!(s, "{line}").expect("writing to dynprof's stdin");
-        s.flush().unwrap();
+        self.type_keys(&format!("{line}\n"));
     }
 
     /// Writes `keys` exactly, in one write, as a terminal sends what is
