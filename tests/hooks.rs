@@ -336,6 +336,85 @@ fn hooks_run_at_the_window_boundaries_of_a_real_attach() {
     }
 }
 
+/// `--realtime-boundaries`: the event loop waits for due boundaries at
+/// SCHED_FIFO, and what it starts then (the hooks, at the very boundary)
+/// must not inherit that policy: a hook that spins at real-time priority
+/// would keep the job off its CPU. Each hook records its own shell's
+/// scheduling policy and real-time priority (/proc/PID/stat fields 41 and
+/// 40). Without the spin (off here), the loop is raised at every due
+/// boundary, which the summary counts.
+#[test]
+fn hooks_run_at_normal_priority_under_realtime_boundaries() {
+    require_privileges!();
+    let scratch = scratch_dir("hooks_rt");
+    let out = scratch.join("out");
+    let p = Proc::spawn_ready(Command::new(&fixtures().trainer).args([
+        "--steps",
+        "0",
+        "--step-ms",
+        "20",
+    ]));
+    let pid = p.pid.to_string();
+    let rec = "cut -d' ' -f41,40 /proc/$$/stat > \"$DYNPROF_WINDOW_DIR/$DYNPROF_EVENT.sched\"";
+    let args = windows_util::attach_args(
+        &pid,
+        &[
+            "--json",
+            "--realtime-boundaries",
+            "--collect",
+            "none",
+            "--start-step",
+            "5",
+            "--active",
+            "2",
+            "--repeat",
+            "1",
+            "--gap",
+            "3",
+            "--on-window-start",
+            rec,
+            "--on-window-end",
+            rec,
+            "--output",
+            out.to_str().unwrap(),
+        ],
+    );
+    let mut c = windows_util::dynprof_cmd(&args);
+    c.env("DYNPROF_BOUNDARY_SPIN", "0");
+    let mut d =
+        windows_util::spawn_cmd(&mut c, false, args.iter().map(|s| s.to_string()).collect());
+    let st = d.wait_exit(windows_util::T);
+    assert!(st.success(), "{}", d.transcript());
+    let dirs = windows_util::prof_dirs(&out);
+    assert_eq!(dirs.len(), 2, "{}", d.transcript());
+    for dir in &dirs {
+        let m = windows_util::meta(dir);
+        assert_eq!(m["complete"], true, "{m:#}");
+        assert_eq!(windows_util::recorded(&m).len(), 2, "{m:#}");
+        let mut h = m["hooks"]["hooks"].clone();
+        if h["pending"] == true {
+            h = serde_json::from_str(&wait_file(&dir.join("hooks/hooks.json"))).unwrap();
+        }
+        for ev in ["start", "end"] {
+            assert_eq!(h[format!("on_window_{ev}")]["exit_code"], 0, "{h:#}");
+            // "rt_priority policy": 0 0 is SCHED_OTHER (1 1 would be FIFO 1).
+            let sched = std::fs::read_to_string(dir.join(format!("{ev}.sched"))).unwrap();
+            assert_eq!(
+                sched.trim(),
+                "0 0",
+                "the {ev} hook's rt_priority and policy"
+            );
+        }
+    }
+    let summary = d
+        .stdout_json()
+        .into_iter()
+        .find(|v| v["event"] == "summary")
+        .unwrap_or_else(|| panic!("no summary line\n{}", d.transcript()));
+    let raises = summary["realtime_raises"].as_u64().unwrap_or(0);
+    assert!(raises >= 1, "the event loop was never raised: {summary}");
+}
+
 #[test]
 fn hook_results_after_the_wait_go_next_to_meta_json() {
     let scratch = scratch_dir("hooks_late");

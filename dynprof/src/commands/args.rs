@@ -92,6 +92,16 @@ pub struct WindowArgs {
           value_parser = crate::cli::secs(crate::cli::Zero::Allowed))]
     pub wait_for_marker: Option<Duration>,
 
+    /// Wait for each window boundary at real-time priority (SCHED_FIFO 1),
+    /// for hosts whose CPUs the job keeps busy: the boundary's wakeup then
+    /// preempts a busy thread at once, so a hook's start and stop
+    /// (msprof, torch_npu) and the step read are not a time slice late.
+    /// Raised only while a boundary is due, sleeping, never while
+    /// spinning; back to normal priority before a closed window is
+    /// drained. Keeps CAP_SYS_NICE. See docs/collectors.md.
+    #[arg(long)]
+    pub realtime_boundaries: bool,
+
     /// Options of the built-in collectors (`--cpu-hz`, `--api`).
     #[command(flatten)]
     pub collector_opts: crate::collect::CollectArgs,

@@ -188,6 +188,9 @@ pub fn needs(w: &crate::commands::args::WindowArgs, mode: &Mode) -> Result<Vec<N
     if w.chown.is_some() {
         v.push(Need::Chown);
     }
+    if w.realtime_boundaries {
+        v.push(Need::Realtime);
+    }
     Ok(v)
 }
 
@@ -470,6 +473,7 @@ pub async fn drive(
     let kernel_paths = kernel.paths().clone();
     let mut session = Session::new(kernel, target, resolved);
     session.clock.aux_in_windows_only = !window_markers.is_empty();
+    session.realtime_boundaries = d.window.realtime_boundaries && mode != Mode::None;
     if d.json {
         let mut line = attached_json(&session.target, &session.probes);
         line["usdt_semaphores"] = serde_json::to_value(&semaphores).unwrap_or_default();

@@ -118,6 +118,11 @@ pub struct SessionSummary {
     /// Hits per marker label from the kernel's HITS map (after the string
     /// filter; an aux marker counts only while it was attached).
     pub marker_hits: std::collections::BTreeMap<String, u64>,
+    /// `--realtime-boundaries`: how often the event loop was raised to
+    /// SCHED_FIFO to wait for a boundary (its thread's count: in job mode,
+    /// every rank's). Absent without the flag.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub realtime_raises: Option<u64>,
 }
 
 /// HITS per marker label (markers sharing a label are summed).
@@ -137,6 +142,9 @@ pub struct Session {
     pub target: Target,
     pub probes: Vec<ResolvedProbe>,
     pub clock: StepClock,
+    /// `--realtime-boundaries`: wait for a due boundary at SCHED_FIFO
+    /// (`sys::sched::RealtimeShare`).
+    pub realtime_boundaries: bool,
 }
 
 impl Session {
@@ -146,6 +154,7 @@ impl Session {
             target,
             probes,
             clock: StepClock::default(),
+            realtime_boundaries: false,
         }
     }
 
@@ -215,11 +224,21 @@ impl Session {
         let run_delay = crate::sys::sched::RunDelay::open()
             .map_err(|e| log::debug!("no schedstat for the boundary spin: {e}"))
             .ok();
+        // Raised to SCHED_FIFO while a boundary is due and no spin waits
+        // for it (opt-in; see spin::realtime).
+        let mut realtime = crate::sys::sched::RealtimeShare::new(self.realtime_boundaries);
         let mut end = 'outer: loop {
             let now = crate::sys::clock::monotonic_ns();
-            let next = spinner.decide(now, self.clock.seen(), &self.kernel.plan(), &mut || {
+            let seen = self.clock.seen();
+            let plan = self.kernel.plan();
+            let mut next = spinner.decide(now, seen, &plan, &mut || {
                 run_delay.as_ref().and_then(|r| r.read())
             });
+            if self.realtime_boundaries {
+                let (n, raise) = spin::realtime(now, seen, &plan, next);
+                next = n;
+                realtime.want(raise);
+            }
             let spinning = next == spin::Next::Spin;
             let wake_in = match next {
                 // Capped: a plan far ahead is looked at again in a while.
@@ -275,6 +294,9 @@ impl Session {
             spinner.spun_ns as f64 / 1e6,
             spinner.contended
         );
+        let realtime_raises = self.realtime_boundaries.then(|| realtime.raises());
+        // Draining and finishing are work that can wait.
+        drop(realtime);
         // Whatever is still in the ring happened before the end and belongs
         // to the output (an interrupted or detached window keeps the steps it
         // recorded); only a step limit cuts it short.
@@ -310,6 +332,7 @@ impl Session {
             drops,
             elapsed_s: started.elapsed().as_secs_f64(),
             marker_hits,
+            realtime_raises,
         })
     }
 

@@ -75,6 +75,79 @@ pub struct Seen {
     pub step_ns: u64,
 }
 
+/// Whether the next waking hit is due, by the step clock's extrapolation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Due {
+    /// No waking hit is planned, or none can be predicted yet.
+    No,
+    /// Not before this CLOCK_MONOTONIC ns.
+    From(u64),
+    /// Now: waking hit `hit` is expected until `until` ns (`u64::MAX`:
+    /// no step to extrapolate from, and it is the very next hit).
+    Now { hit: u64, until: u64 },
+}
+
+/// When the plan's next waking hit is due, at `now_ns`. Pure. The spin
+/// polls while it is [`Due::Now`], and `--realtime-boundaries` raises the
+/// event loop for it when the spin does not.
+pub fn due(now_ns: u64, seen: Option<Seen>, plan: &PlanConfig) -> Due {
+    // No hit yet: the first is hit 1.
+    let s = seen.unwrap_or(Seen {
+        hit: 0,
+        ts_ns: now_ns,
+        step_ns: 0,
+    });
+    let Some(w) = plan.next_wake(s.hit) else {
+        return Due::No;
+    };
+    if s.step_ns == 0 {
+        // No step to extrapolate from (just attached, a window planned
+        // right away): only the very next hit is worth waiting for.
+        return if w == s.hit + 1 {
+            Due::Now {
+                hit: w,
+                until: u64::MAX,
+            }
+        } else {
+            Due::No
+        };
+    }
+    // Extrapolating over n steps is off by a fraction of them (steps
+    // vary): an eighth of the extrapolated time is allowed either way.
+    let ahead = (w - s.hit).saturating_mul(s.step_ns);
+    let at = s.ts_ns.saturating_add(ahead);
+    let allowance = MARGIN_NS.saturating_add(ahead / 8);
+    let from = at.saturating_sub(allowance);
+    if now_ns < from {
+        return Due::From(from);
+    }
+    Due::Now {
+        hit: w,
+        until: at.saturating_add(allowance),
+    }
+}
+
+/// `--realtime-boundaries`: what the event loop does instead of the
+/// spinner's `next`, and whether it waits raised to SCHED_FIFO. Raised
+/// while a waking hit is due and the loop is not spinning for it (spinning
+/// at SCHED_FIFO would keep the job off that CPU until the hit): it sleeps
+/// raised, so the boundary's wakeup preempts a busy CPU's thread at once.
+/// Before that it wakes when the hit becomes due, even where the spinner
+/// would sleep through (the spin off or backing off). Pure.
+pub fn realtime(now_ns: u64, seen: Option<Seen>, plan: &PlanConfig, next: Next) -> (Next, bool) {
+    if next == Next::Spin {
+        return (next, false);
+    }
+    match due(now_ns, seen, plan) {
+        Due::No => (next, false),
+        Due::From(t) => match next {
+            Next::WakeAt(u) => (Next::WakeAt(u.min(t)), false),
+            _ => (Next::WakeAt(t), false),
+        },
+        Due::Now { until, .. } => (next, now_ns <= until),
+    }
+}
+
 /// Spin time: earned at [`SHARE`] of wall time, at most [`BURST_NS`]
 /// saved up, spent while at least one of its spinners spins (the time of
 /// the thread they run on, counted once however many spin together).
@@ -250,35 +323,10 @@ impl Spinner {
         if !self.enabled {
             return Next::Sleep;
         }
-        // No hit yet: the first is hit 1.
-        let s = seen.unwrap_or(Seen {
-            hit: 0,
-            ts_ns: now_ns,
-            step_ns: 0,
-        });
-        let Some(w) = plan.next_wake(s.hit) else {
-            return Next::Sleep;
-        };
-        let until = if s.step_ns == 0 {
-            // No step to extrapolate from (just attached, a window planned
-            // right away): only the very next hit is worth polling for,
-            // and only for MAX_SPIN_NS.
-            if w != s.hit + 1 {
-                return Next::Sleep;
-            }
-            u64::MAX
-        } else {
-            // Extrapolating over n steps is off by a fraction of them
-            // (steps vary): an eighth of the extrapolated time is allowed
-            // either way.
-            let ahead = (w - s.hit).saturating_mul(s.step_ns);
-            let due = s.ts_ns.saturating_add(ahead);
-            let allowance = MARGIN_NS.saturating_add(ahead / 8);
-            let from = due.saturating_sub(allowance);
-            if now_ns < from {
-                return Next::WakeAt(from);
-            }
-            due.saturating_add(allowance)
+        let (w, until) = match due(now_ns, seen, plan) {
+            Due::No => return Next::Sleep,
+            Due::From(t) => return Next::WakeAt(t),
+            Due::Now { hit, until } => (hit, until),
         };
         let began = match self.waiting {
             Some((hit, began)) if hit == w => began,
@@ -645,5 +693,63 @@ mod tests {
             Next::Sleep
         );
         assert_eq!(off.spun_ns, 0);
+    }
+
+    /// `--realtime-boundaries` raises only where the spin would poll and
+    /// does not: a waking hit due, the loop sleeping on the ring; and it
+    /// wakes for that even where the spinner sleeps.
+    #[test]
+    fn realtime_is_wanted_only_while_a_boundary_is_due_and_no_spin_waits_for_it() {
+        let p = plan();
+        let rt = |now, seen, next| realtime(now, seen, &p, next);
+        // Hit 50 at 1000 ms, 1 ms steps: hit 98 is due from 1038 ms.
+        assert_eq!(
+            rt(1000 * MS, seen(50, 1000 * MS), Next::WakeAt(1038 * MS)),
+            (Next::WakeAt(1038 * MS), false)
+        );
+        // The spin off (or backing off): woken when it is due all the same.
+        assert_eq!(
+            rt(1000 * MS, seen(50, 1000 * MS), Next::Sleep),
+            (Next::WakeAt(1038 * MS), false)
+        );
+        assert_eq!(
+            rt(1038 * MS, seen(50, 1000 * MS), Next::Sleep),
+            (Next::Sleep, true)
+        );
+        // Spinning for it (a CPU is free): not raised.
+        assert_eq!(
+            rt(1044 * MS, seen(95, 1043 * MS), Next::Spin),
+            (Next::Spin, false)
+        );
+        assert_eq!(
+            rt(1044 * MS, seen(95, 1043 * MS), Next::Sleep),
+            (Next::Sleep, true)
+        );
+        // Through the window's waking hits 98..=101, one step apart.
+        assert_eq!(
+            rt(1049 * MS, seen(99, 1049 * MS), Next::Sleep),
+            (Next::Sleep, true)
+        );
+        // Late past the allowance (1048 + 4.25 ms for hit 98 seen from 96):
+        // the kernel's wakeup comes at normal priority.
+        assert!(rt(1052 * MS, seen(96, 1046 * MS), Next::Sleep).1);
+        assert!(!rt(1053 * MS, seen(96, 1046 * MS), Next::Sleep).1);
+        // The close read: nothing left to wait for.
+        assert_eq!(
+            rt(1052 * MS, seen(101, 1051 * MS), Next::Sleep),
+            (Next::Sleep, false)
+        );
+        // Before the first hit, only a waking hit 1 is due (not 98).
+        assert_eq!(rt(MS, None, Next::Sleep), (Next::Sleep, false));
+        // No plan in the kernel: never.
+        assert_eq!(
+            realtime(
+                1038 * MS,
+                seen(50, 1000 * MS),
+                &PlanConfig::default(),
+                Next::Sleep
+            ),
+            (Next::Sleep, false)
+        );
     }
 }

@@ -39,6 +39,9 @@ pub enum Need {
     TorchNpuDp,
     /// `--chown`: each finished window is handed to another uid.
     Chown,
+    /// `--realtime-boundaries`: the event loop raises itself to
+    /// SCHED_FIFO while a window boundary is due.
+    Realtime,
     /// Added by this module, never asked for: `perf_event_paranoid` is 3
     /// or more (Debian's and Ubuntu's kernel patch), where perf_event_open
     /// needs CAP_SYS_ADMIN whatever else the caller holds.
@@ -129,6 +132,10 @@ const BPF_SYSCALL: Req = (
     "this kernel (before 5.19, kernel.unprivileged_bpf_disabled set) refuses every bpf(2) \
      command without it: reading the lost-event counters and marker hits",
 );
+const SYS_NICE: Req = (
+    CAP_SYS_NICE,
+    "to raise the event loop to SCHED_FIFO while a window boundary is due",
+);
 const JOB_DIR: Req = (
     CAP_DAC_OVERRIDE,
     "to write profiler_config.json into the job's directory, owned by the job's user",
@@ -163,6 +170,7 @@ impl Need {
             }
             Need::TorchNpuDp => vec![PTRACE, JOB_DIR, JOB_FILE_OWNER],
             Need::Chown => vec![WINDOW_OWNER],
+            Need::Realtime => vec![SYS_NICE],
             Need::PerfParanoid => vec![PERF_PARANOID],
             Need::BpfSyscall => vec![BPF_SYSCALL],
         }
@@ -295,6 +303,7 @@ fn name(n: Need) -> &'static str {
         Need::Msprof => "collector msprof",
         Need::TorchNpuDp => "collector torch-npu-dp",
         Need::Chown => "--chown",
+        Need::Realtime => "--realtime-boundaries",
         Need::PerfParanoid => "perf_event_paranoid",
         Need::BpfSyscall => "unprivileged_bpf_disabled",
     }

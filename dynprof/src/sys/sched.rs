@@ -29,7 +29,7 @@ const SCHED_OTHER: u32 = 0;
 const ATTR_SIZE: u32 = 48;
 
 #[repr(C)]
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 struct SchedAttr {
     size: u32,
     sched_policy: u32,
@@ -129,12 +129,7 @@ pub fn set_slice(slice_us: u64) -> io::Result<Slice> {
         sched_runtime: asked,
         ..SchedAttr::default()
     };
-    // SAFETY: `want` is a valid SchedAttr of ATTR_SIZE bytes; pid 0 is the
-    // calling thread.
-    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &want as *const SchedAttr, 0) };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    set_attr(&want)?;
     let after = get_attr()?;
     Ok(verdict(after.sched_policy, after.sched_runtime, asked))
 }
@@ -159,8 +154,163 @@ pub fn background() -> io::Result<()> {
         sched_nice: 10,
         ..SchedAttr::default()
     };
-    // SAFETY: as in `set_slice`.
-    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &want as *const SchedAttr, 0) };
+    set_attr(&want)
+}
+
+/// `SCHED_FIFO`, the real-time policy the boundary wait is raised to.
+const SCHED_FIFO: u32 = 1;
+/// Threads and processes the raised thread creates start as SCHED_OTHER
+/// (nice 0 at most), not real-time: the writer thread, tokio's blocking
+/// pool and the hooks' children never inherit the raise.
+const SCHED_FLAG_RESET_ON_FORK: u64 = 0x01;
+
+/// How one thread stands with `--realtime-boundaries`: how many of its
+/// sessions want the raise now (job mode runs every rank's session on
+/// the one event-loop thread), and what it was before the raise.
+#[derive(Default)]
+struct RtState {
+    wanted: u32,
+    /// The attributes to go back to, while raised.
+    saved: Option<SchedAttr>,
+    /// The raise failed (EPERM: no CAP_SYS_NICE, or a cgroup without a
+    /// real-time budget) or the operator chose a policy: not tried again.
+    refused: bool,
+    /// Raises so far, for the session summary.
+    raises: u64,
+}
+
+thread_local! {
+    static RT: std::cell::RefCell<RtState> = std::cell::RefCell::new(RtState::default());
+}
+
+/// One session's share in its thread's real-time raise
+/// (`--realtime-boundaries`). The thread runs SCHED_FIFO priority 1 while
+/// any of its sessions wants it, which the session asks for only while a
+/// waking boundary is due and it is not spinning; a wakeup at SCHED_FIFO
+/// preempts the job's busy threads at once instead of waiting out a
+/// slice. Dropping it gives the share back.
+pub struct RealtimeShare {
+    enabled: bool,
+    wants: bool,
+}
+
+impl RealtimeShare {
+    /// `enabled`: the flag was given. Off, [`RealtimeShare::want`] does
+    /// nothing.
+    pub fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            wants: false,
+        }
+    }
+
+    /// Wants the raise (true) or not; the thread is raised or lowered to
+    /// match all of its sessions. A refused raise is logged once per
+    /// thread and not tried again.
+    pub fn want(&mut self, yes: bool) {
+        if !self.enabled || yes == self.wants {
+            if self.enabled && yes {
+                // Lowered meanwhile by `lower_for_work`: raise again.
+                RT.with(|r| sync(&mut r.borrow_mut()));
+            }
+            return;
+        }
+        self.wants = yes;
+        RT.with(|r| {
+            let mut r = r.borrow_mut();
+            if yes {
+                r.wanted += 1;
+            } else {
+                r.wanted = r.wanted.saturating_sub(1);
+            }
+            sync(&mut r);
+        });
+    }
+
+    /// This thread's raises so far (all of its sessions).
+    pub fn raises(&self) -> u64 {
+        RT.with(|r| r.borrow().raises)
+    }
+}
+
+impl Drop for RealtimeShare {
+    fn drop(&mut self) {
+        self.want(false);
+    }
+}
+
+/// Back to the thread's own policy before work that can wait (a closed
+/// window's draining): the boundary itself has been handled. The next
+/// [`RealtimeShare::want`] raises again if a boundary is still due.
+pub fn lower_for_work() {
+    RT.with(|r| {
+        let mut r = r.borrow_mut();
+        if let Some(saved) = r.saved.take() {
+            restore(&saved);
+        }
+    });
+}
+
+fn sync(r: &mut RtState) {
+    if r.wanted > 0 && r.saved.is_none() && !r.refused {
+        match raise() {
+            Ok(saved) => {
+                r.saved = Some(saved);
+                r.raises += 1;
+            }
+            Err(e) => {
+                r.refused = true;
+                log::warn!(
+                    "--realtime-boundaries: this thread cannot run SCHED_FIFO ({e}); \
+                     boundaries are waited for at normal priority"
+                );
+            }
+        }
+    } else if r.wanted == 0
+        && let Some(saved) = r.saved.take()
+    {
+        restore(&saved);
+    }
+}
+
+/// SCHED_FIFO priority 1, reset on fork; returns what to go back to.
+/// Left alone (an error) when the thread is not SCHED_OTHER: the operator
+/// chose its policy.
+fn raise() -> io::Result<SchedAttr> {
+    let now = get_attr()?;
+    if now.sched_policy != SCHED_OTHER {
+        return Err(io::Error::other(format!(
+            "it already runs policy {} (chrt), left as it is",
+            now.sched_policy
+        )));
+    }
+    let want = SchedAttr {
+        size: ATTR_SIZE,
+        sched_policy: SCHED_FIFO,
+        sched_flags: SCHED_FLAG_RESET_ON_FORK,
+        sched_priority: 1,
+        ..SchedAttr::default()
+    };
+    set_attr(&want)?;
+    Ok(now)
+}
+
+/// Back to the saved SCHED_OTHER attributes (nice, and the short slice
+/// on 6.12+). Never needs a privilege; a failure is logged.
+fn restore(saved: &SchedAttr) {
+    let back = SchedAttr {
+        size: ATTR_SIZE,
+        ..*saved
+    };
+    if let Err(e) = set_attr(&back) {
+        log::warn!("--realtime-boundaries: back to normal priority failed: {e}");
+    }
+}
+
+fn set_attr(a: &SchedAttr) -> io::Result<()> {
+    // SAFETY: `a` is a valid SchedAttr of ATTR_SIZE bytes; pid 0 is the
+    // calling thread.
+    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, a as *const SchedAttr, 0) };
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -289,5 +439,61 @@ mod tests {
         if let Slice::Set(short) = before {
             assert_ne!(runtime, short, "the short slice was inherited and kept");
         }
+    }
+
+    /// `--realtime-boundaries` on the event loop's thread: SCHED_FIFO 1
+    /// while any of its sessions wants it, its own attributes (the short
+    /// slice) again when none does or when a closed window's work begins;
+    /// a thread started while raised is not real-time.
+    #[test]
+    fn the_realtime_share_raises_the_thread_only_while_wanted() {
+        use ::caps::{CapSet, Capability};
+        std::thread::spawn(|| {
+            let _ = set_slice(100).unwrap();
+            let had = get_attr().unwrap();
+            let may =
+                ::caps::has_cap(None, CapSet::Effective, Capability::CAP_SYS_NICE).unwrap_or(false);
+            let mut a = RealtimeShare::new(true);
+            let mut b = RealtimeShare::new(true);
+            a.want(true);
+            if !may {
+                // Refused without the privilege: logged, left as it was.
+                assert_eq!(get_attr().unwrap().sched_policy, SCHED_OTHER);
+                assert_eq!(a.raises(), 0);
+                return;
+            }
+            let now = get_attr().unwrap();
+            assert_eq!((now.sched_policy, now.sched_priority), (SCHED_FIFO, 1));
+            let child = std::thread::spawn(|| get_attr().unwrap().sched_policy)
+                .join()
+                .unwrap();
+            assert_eq!(
+                child, SCHED_OTHER,
+                "a thread started while raised is real-time"
+            );
+            // A second session waiting too: one raise for both.
+            b.want(true);
+            a.want(false);
+            assert_eq!(get_attr().unwrap().sched_policy, SCHED_FIFO);
+            assert_eq!(a.raises(), 1);
+            // A closed window's work: lowered until the next want.
+            lower_for_work();
+            assert_eq!(get_attr().unwrap().sched_policy, SCHED_OTHER);
+            b.want(true);
+            assert_eq!(get_attr().unwrap().sched_policy, SCHED_FIFO);
+            assert_eq!(b.raises(), 2);
+            drop(b);
+            let back = get_attr().unwrap();
+            assert_eq!(
+                (back.sched_policy, back.sched_nice, back.sched_runtime),
+                (SCHED_OTHER, had.sched_nice, had.sched_runtime)
+            );
+            // Without the flag nothing is ever raised.
+            let mut off = RealtimeShare::new(false);
+            off.want(true);
+            assert_eq!(get_attr().unwrap().sched_policy, SCHED_OTHER);
+        })
+        .join()
+        .unwrap();
     }
 }

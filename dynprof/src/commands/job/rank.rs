@@ -265,6 +265,7 @@ pub(super) fn attach_rank(
         vec![Box::new(StepTap(Rc::clone(&tap))), Box::new(sched)];
     let mut session = Session::new(kernel, target, resolved);
     session.clock.aux_in_windows_only = !window_markers.is_empty();
+    session.realtime_boundaries = args.window.realtime_boundaries;
     Ok(Attached {
         member: m.clone(),
         aux_in_windows: !window_markers.is_empty(),

@@ -45,6 +45,9 @@ impl Scheduler {
         if self.window_markers.is_empty() || self.markers_live_from.is_some() {
             return;
         }
+        // Preparation, not a boundary's answer: not at the priority of
+        // --realtime-boundaries (attaching uprobes takes milliseconds).
+        crate::sys::sched::lower_for_work();
         for p in &self.window_markers {
             if kernel.marker_attached(p.index) {
                 continue;
@@ -108,6 +111,8 @@ impl Scheduler {
             if self.armed[i].is_some() {
                 continue;
             }
+            // As for the aux markers above.
+            crate::sys::sched::lower_for_work();
             let t0 = std::time::Instant::now();
             let r = self.collectors[i].arm(kernel, &target);
             // Arming is on the event loop's path: its time says whether

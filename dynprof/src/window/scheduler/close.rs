@@ -42,6 +42,10 @@ impl Scheduler {
             }
         }
 
+        // The hooks have their stop: what follows (draining, symbolizing,
+        // meta.json) can wait, so not at --realtime-boundaries' priority.
+        crate::sys::sched::lower_for_work();
+
         let (start_ts, end_ts) = match (w.steps.first(), w.steps.last()) {
             (Some(a), Some(b)) => (a.start_ts_ns, b.end_ts_ns),
             _ => (w.last_ts_ns, w.last_ts_ns),
