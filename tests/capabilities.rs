@@ -18,6 +18,7 @@ const T: Duration = Duration::from_secs(120);
 const CAP_DAC_READ_SEARCH: u32 = 2;
 const CAP_SYS_PTRACE: u32 = 19;
 const CAP_SYS_ADMIN: u32 = 21;
+const CAP_SYS_NICE: u32 = 23;
 const CAP_PERFMON: u32 = 38;
 const CAP_BPF: u32 = 39;
 const CAP_CHECKPOINT_RESTORE: u32 = 40;
@@ -181,6 +182,30 @@ fn caps_root_keeps_only_the_session_set_after_attach() {
     dp.wait_event("attached", T);
     let cpu = mask(&[CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF, CAP_CHECKPOINT_RESTORE]);
     assert_sets(dp.pid(), cpu, cpu, "root, --collect cpu");
+    drop(dp);
+    // --realtime-boundaries keeps CAP_SYS_NICE on top, and only it.
+    let mut dp = Dynprof::attach(
+        target.pid,
+        &[
+            "--marker",
+            "exe:optimizer_step",
+            "--collect",
+            "cpu",
+            "--realtime-boundaries",
+            "--start-step",
+            "1000000",
+            "-o",
+            &out_s,
+        ],
+    );
+    dp.wait_event("attached", T);
+    let rt = cpu | mask(&[CAP_SYS_NICE]);
+    assert_sets(
+        dp.pid(),
+        rt,
+        rt,
+        "root, --collect cpu --realtime-boundaries",
+    );
     drop(dp);
     // No windows: only the detach's semaphore write through /proc/PID/mem.
     let mut dp = Dynprof::attach(
