@@ -127,23 +127,43 @@ pub fn due(now_ns: u64, seen: Option<Seen>, plan: &PlanConfig) -> Due {
     }
 }
 
+/// How far ahead of a due boundary `--realtime-boundaries` already sleeps
+/// raised, between windows: the timer that would raise it when the
+/// boundary becomes due is itself late on a busy CPU (it runs at normal
+/// priority), and between windows a wakeup has little to do (the step
+/// log, the console).
+pub const RAISE_AHEAD_NS: u64 = 1_000_000_000;
+
 /// `--realtime-boundaries`: what the event loop does instead of the
 /// spinner's `next`, and whether it waits raised to SCHED_FIFO. Raised
 /// while a waking hit is due and the loop is not spinning for it (spinning
-/// at SCHED_FIFO would keep the job off that CPU until the hit): it sleeps
-/// raised, so the boundary's wakeup preempts a busy CPU's thread at once.
-/// Before that it wakes when the hit becomes due, even where the spinner
-/// would sleep through (the spin off or backing off). Pure.
+/// at SCHED_FIFO would keep the job off that CPU until the hit), and
+/// between windows from [`RAISE_AHEAD_NS`] before that; it sleeps raised,
+/// so the boundary's wakeup preempts a busy CPU's thread at once. Inside a
+/// window only once the close is due: the wakeups before it drain and
+/// unwind the window's events, work that can wait. The loop wakes when a
+/// hit becomes due even where the spinner would sleep through (the spin
+/// off or backing off). Pure.
 pub fn realtime(now_ns: u64, seen: Option<Seen>, plan: &PlanConfig, next: Next) -> (Next, bool) {
     if next == Next::Spin {
         return (next, false);
     }
     match due(now_ns, seen, plan) {
         Due::No => (next, false),
-        Due::From(t) => match next {
-            Next::WakeAt(u) => (Next::WakeAt(u.min(t)), false),
-            _ => (Next::WakeAt(t), false),
-        },
+        Due::From(t) => {
+            let wake = match next {
+                Next::WakeAt(u) => u.min(t),
+                _ => t,
+            };
+            let in_window = seen.is_some_and(|s| plan.at(s.hit).0);
+            if in_window {
+                (Next::WakeAt(wake), false)
+            } else if t.saturating_sub(now_ns) <= RAISE_AHEAD_NS {
+                (Next::WakeAt(wake), true)
+            } else {
+                (Next::WakeAt(wake.min(t - RAISE_AHEAD_NS)), false)
+            }
+        }
         Due::Now { until, .. } => (next, now_ns <= until),
     }
 }
@@ -703,14 +723,49 @@ mod tests {
         let p = plan();
         let rt = |now, seen, next| realtime(now, seen, &p, next);
         // Hit 50 at 1000 ms, 1 ms steps: hit 98 is due from 1038 ms.
+        // Between windows and less than RAISE_AHEAD_NS before: asleep
+        // raised already.
         assert_eq!(
             rt(1000 * MS, seen(50, 1000 * MS), Next::WakeAt(1038 * MS)),
-            (Next::WakeAt(1038 * MS), false)
+            (Next::WakeAt(1038 * MS), true)
         );
         // The spin off (or backing off): woken when it is due all the same.
         assert_eq!(
             rt(1000 * MS, seen(50, 1000 * MS), Next::Sleep),
-            (Next::WakeAt(1038 * MS), false)
+            (Next::WakeAt(1038 * MS), true)
+        );
+        // Further ahead: not raised, but woken RAISE_AHEAD_NS before.
+        let far = Some(Seen {
+            hit: 50,
+            ts_ns: 1000 * MS,
+            step_ns: 100 * MS,
+        });
+        // Hit 98 due at 5800 ms, from 5800 − (4 + 600) ms.
+        assert_eq!(
+            rt(1000 * MS, far, Next::Sleep),
+            (Next::WakeAt(5196 * MS - RAISE_AHEAD_NS), false)
+        );
+        assert_eq!(
+            rt(4196 * MS, far, Next::Sleep),
+            (Next::WakeAt(5196 * MS), true)
+        );
+        // Inside a window (a 50-step one from hit 100, 1 ms steps): not
+        // before its close (hit 150) is due, the wakeups before it drain
+        // and unwind.
+        let long = Plan {
+            start_step: 100,
+            active: 50,
+            ..Plan::default()
+        }
+        .kernel_config(100);
+        // The close at 1050 ms, from 1050 − (4 + 40/8) ms.
+        assert_eq!(
+            realtime(1010 * MS, seen(110, 1010 * MS), &long, Next::Sleep),
+            (Next::WakeAt(1041 * MS), false)
+        );
+        assert_eq!(
+            realtime(1041 * MS, seen(110, 1010 * MS), &long, Next::Sleep),
+            (Next::Sleep, true)
         );
         assert_eq!(
             rt(1038 * MS, seen(50, 1000 * MS), Next::Sleep),
