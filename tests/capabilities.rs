@@ -166,47 +166,18 @@ fn caps_root_keeps_only_the_session_set_after_attach() {
     // A cpu window far ahead: the session runs, armed for it.
     let out = scratch_dir("caps-root-cpu");
     let out_s = out.display().to_string();
-    let mut dp = Dynprof::attach(
-        target.pid,
-        &[
-            "--marker",
-            "exe:optimizer_step",
-            "--collect",
-            "cpu",
-            "--start-step",
-            "1000000",
-            "-o",
-            &out_s,
-        ],
-    );
-    dp.wait_event("attached", T);
     let cpu = mask(&[CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF, CAP_CHECKPOINT_RESTORE]);
-    assert_sets(dp.pid(), cpu, cpu, "root, --collect cpu");
-    drop(dp);
     // --realtime-boundaries keeps CAP_SYS_NICE on top, and only it.
-    let mut dp = Dynprof::attach(
-        target.pid,
-        &[
-            "--marker",
-            "exe:optimizer_step",
-            "--collect",
-            "cpu",
-            "--realtime-boundaries",
-            "--start-step",
-            "1000000",
-            "-o",
-            &out_s,
-        ],
-    );
-    dp.wait_event("attached", T);
     let rt = cpu | mask(&[CAP_SYS_NICE]);
-    assert_sets(
-        dp.pid(),
-        rt,
-        rt,
-        "root, --collect cpu --realtime-boundaries",
-    );
-    drop(dp);
+    for (extra, kept) in [(None, cpu), (Some("--realtime-boundaries"), rt)] {
+        let mut args = vec!["--marker", "exe:optimizer_step", "--collect", "cpu"];
+        args.extend(extra);
+        args.extend(["--start-step", "1000000", "-o", &out_s]);
+        let mut dp = Dynprof::attach(target.pid, &args);
+        dp.wait_event("attached", T);
+        let what = format!("root, --collect cpu {}", extra.unwrap_or(""));
+        assert_sets(dp.pid(), kept, kept, &what);
+    }
     // No windows: only the detach's semaphore write through /proc/PID/mem.
     let mut dp = Dynprof::attach(
         target.pid,

@@ -73,6 +73,17 @@ fn wait_file(p: &Path) -> String {
     }
 }
 
+/// The hooks' results of a window: in meta.json, or, for hooks slower
+/// than --hook-wait, in hooks/hooks.json once they end.
+fn hook_results(dir: &Path, m: &serde_json::Value) -> serde_json::Value {
+    let h = m["hooks"]["hooks"].clone();
+    if h["pending"] == true {
+        serde_json::from_str(&wait_file(&dir.join("hooks/hooks.json"))).unwrap()
+    } else {
+        h
+    }
+}
+
 #[test]
 fn vendor_flags_parse() {
     let c = Cli::try_parse_from([
@@ -285,20 +296,10 @@ fn hooks_run_at_the_window_boundaries_of_a_real_attach() {
         ),
         false,
     );
-    let st = d.wait_exit(windows_util::T);
-    assert!(st.success(), "{}", d.transcript());
-    let dirs = windows_util::prof_dirs(&out);
-    assert_eq!(dirs.len(), 2, "{}", d.transcript());
-    for dir in &dirs {
-        let m = windows_util::meta(dir);
-        assert_eq!(m["complete"], true, "{m:#}");
+    for (dir, m) in windows_util::complete_windows(&mut d, &out, 2) {
         let first = windows_util::recorded(&m)[0];
         let open = windows_util::boundary(&m, first);
-        let mut h = m["hooks"]["hooks"].clone();
-        if h["pending"] == true {
-            // Slower than --hook-wait: the results follow in hooks/hooks.json.
-            h = serde_json::from_str(&wait_file(&dir.join("hooks/hooks.json"))).unwrap();
-        }
+        let h = hook_results(&dir, &m);
         assert_eq!(h["on_window_start"]["exit_code"], 0, "{h:#}");
         assert_eq!(h["on_window_end"]["exit_code"], 0, "{h:#}");
         let started: u64 = std::fs::read_to_string(dir.join("start.ts"))
@@ -383,18 +384,9 @@ fn hooks_run_at_normal_priority_under_realtime_boundaries() {
     c.env("DYNPROF_BOUNDARY_SPIN", "0");
     let mut d =
         windows_util::spawn_cmd(&mut c, false, args.iter().map(|s| s.to_string()).collect());
-    let st = d.wait_exit(windows_util::T);
-    assert!(st.success(), "{}", d.transcript());
-    let dirs = windows_util::prof_dirs(&out);
-    assert_eq!(dirs.len(), 2, "{}", d.transcript());
-    for dir in &dirs {
-        let m = windows_util::meta(dir);
-        assert_eq!(m["complete"], true, "{m:#}");
+    for (dir, m) in windows_util::complete_windows(&mut d, &out, 2) {
         assert_eq!(windows_util::recorded(&m).len(), 2, "{m:#}");
-        let mut h = m["hooks"]["hooks"].clone();
-        if h["pending"] == true {
-            h = serde_json::from_str(&wait_file(&dir.join("hooks/hooks.json"))).unwrap();
-        }
+        let h = hook_results(&dir, &m);
         for ev in ["start", "end"] {
             assert_eq!(h[format!("on_window_{ev}")]["exit_code"], 0, "{h:#}");
             // "rt_priority policy": 0 0 is SCHED_OTHER (1 1 would be FIFO 1).

@@ -289,6 +289,22 @@ pub fn wait_prof_dirs(out: &Path, n: usize, timeout: Duration) -> Vec<PathBuf> {
     }
 }
 
+/// Waits for `d` to exit successfully with exactly `n` windows in `out`,
+/// each complete: their directories and meta.json.
+pub fn complete_windows(d: &mut Running, out: &Path, n: usize) -> Vec<(PathBuf, Value)> {
+    let st = d.wait_exit(T);
+    assert!(st.success(), "{}", d.transcript());
+    let dirs = prof_dirs(out);
+    assert_eq!(dirs.len(), n, "{}", d.transcript());
+    dirs.into_iter()
+        .map(|dir| {
+            let m = meta(&dir);
+            assert_eq!(m["complete"], true, "{m:#}");
+            (dir, m)
+        })
+        .collect()
+}
+
 pub fn meta(dir: &Path) -> Value {
     let t = std::fs::read_to_string(dir.join("meta.json"))
         .unwrap_or_else(|e| panic!("{}/meta.json: {e}", dir.display()));
