@@ -150,6 +150,11 @@ pub fn print_summary(json_mode: bool, target: &Target, s: &SessionSummary) {
     for (k, v) in &st.aux_per_step {
         eprintln!("dynprof: {k}: {v:.2} per step");
     }
+    if let Some(n) = s.realtime_raises {
+        eprintln!(
+            "dynprof: --realtime-boundaries: the event loop waited for boundaries at SCHED_FIFO {n} time(s)"
+        );
+    }
     if st.aux_in_windows_only {
         eprintln!(
             "dynprof: aux markers were attached only around windows; their counts are in each window's steps.csv"
