@@ -224,8 +224,9 @@ impl Session {
         let run_delay = crate::sys::sched::RunDelay::open()
             .map_err(|e| log::debug!("no schedstat for the boundary spin: {e}"))
             .ok();
-        // Raised to SCHED_FIFO while a boundary is due and no spin waits
-        // for it (opt-in; see spin::realtime).
+        // Raised to SCHED_FIFO while the loop sleeps for a boundary:
+        // between windows from 1 s ahead, inside one once its close is
+        // due, never while spinning (opt-in; see spin::realtime).
         let mut realtime = crate::sys::sched::RealtimeShare::new(self.realtime_boundaries);
         let mut end = 'outer: loop {
             let now = crate::sys::clock::monotonic_ns();
